@@ -1,0 +1,523 @@
+// CPU handler of `jaxtier_host_update_ffi`: runs the op program (program.h, docs/design.md)
+// over N elements, in place where the results alias operands.
+//
+// Execution is blocked interpretation: for a block of kBlock elements each instruction runs over
+// the whole block in a tight loop (which the compiler vectorises), with the registers held as
+// per-thread fp32 scratch [num_regs][kBlock]. Large calls are split across one persistent,
+// lazily created thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
+#include "handlers.h"
+#include "program.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxtier {
+namespace {
+
+using host_update::HostUpdateParams;
+using host_update::Instruction;
+
+// Elements per interpreted block: 512 fp32 = 2 KiB per register, so a typical optimizer
+// program (about 10 live registers) keeps its scratch in L1.
+constexpr int kBlock = 512;
+// Below this many elements the call runs on the calling thread.
+constexpr int64_t kMinParallelElements = 65536;
+// Smallest piece of work handed to one pool task.
+constexpr int64_t kMinTaskElements = 16 * kBlock;
+
+#if defined(__clang__)
+#define JT_VECTORIZE _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define JT_VECTORIZE _Pragma("GCC ivdep")
+#else
+#define JT_VECTORIZE
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Floating-point control (flush-to-zero / denormals-are-zero, rounding mode). XLA:CPU runs with
+// denormals flushed; pool threads adopt the calling thread's setting so that a call gives the
+// same bits whether it runs inline or split across the pool.
+// ------------------------------------------------------------------------------------------------
+
+uint64_t GetFpControl() {
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+  return _mm_getcsr();
+#elif defined(__aarch64__)
+  uint64_t fpcr;
+  __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+  return fpcr;
+#else
+  return 0;
+#endif
+}
+
+void SetFpControl(uint64_t value) {
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+  _mm_setcsr(static_cast<unsigned int>(value) & ~0x3fu);  // keep the sticky flags clear
+#elif defined(__aarch64__)
+  __asm__ __volatile__("msr fpcr, %0" : : "r"(value));
+#else
+  (void)value;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Thread pool: one per process, created on first use, never destroyed (its threads wait for work
+// until the process exits). One job runs at a time; concurrent callers queue on submit_mu_. The
+// calling thread runs tasks too.
+// ------------------------------------------------------------------------------------------------
+
+class ThreadPool {
+ public:
+  // Number of threads (including the caller) from JAXTIER_CPU_THREADS, else the hardware.
+  static ThreadPool& Global() {
+    static ThreadPool* pool = new ThreadPool(ConfiguredThreads());
+    return *pool;
+  }
+
+  int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  // Runs fn(t) for every t in [0, num_tasks) and returns when all have finished.
+  void ParallelFor(int64_t num_tasks, const std::function<void(int64_t)>& fn) {
+    std::lock_guard<std::mutex> submit_lock(submit_mu_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &fn;
+      num_tasks_ = num_tasks;
+      fp_control_ = GetFpControl();
+      next_task_.store(0, std::memory_order_relaxed);
+      busy_workers_ = static_cast<int>(workers_.size());
+      ++generation_;
+    }
+    work_cv_.notify_all();
+    RunTasks(fn, num_tasks);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return busy_workers_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  explicit ThreadPool(int num_threads) {
+    for (int t = 1; t < num_threads; ++t) workers_.emplace_back([this] { WorkerLoop(); });
+  }
+
+  static int ConfiguredThreads() {
+    int n = static_cast<int>(std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("JAXTIER_CPU_THREADS"); env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const long v = std::strtol(env, &end, 10);
+      if (end != env && *end == '\0' && v > 0) n = static_cast<int>(std::min<long>(v, 1024));
+    }
+    return std::max(n, 1);
+  }
+
+  void RunTasks(const std::function<void(int64_t)>& fn, int64_t num_tasks) {
+    for (;;) {
+      const int64_t t = next_task_.fetch_add(1, std::memory_order_relaxed);
+      if (t >= num_tasks) return;
+      fn(t);
+    }
+  }
+
+  void WorkerLoop() {
+    uint64_t seen = 0;
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      const std::function<void(int64_t)>* job = job_;
+      const int64_t num_tasks = num_tasks_;
+      const uint64_t fp_control = fp_control_;
+      lock.unlock();
+      SetFpControl(fp_control);
+      RunTasks(*job, num_tasks);
+      lock.lock();
+      if (--busy_workers_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex submit_mu_;  // one job at a time
+  std::mutex mu_;         // guards the job fields below
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  uint64_t generation_ = 0;
+  int busy_workers_ = 0;
+  const std::function<void(int64_t)>* job_ = nullptr;
+  int64_t num_tasks_ = 0;
+  uint64_t fp_control_ = 0;
+  std::atomic<int64_t> next_task_{0};
+  std::vector<std::thread> workers_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// CPU plan. Before the element loop the program is rewritten once per call:
+//   * uniform values (consts, scalar operands, and everything computed only from them) are
+//     evaluated once, in fp32 with the same functions, and read as broadcast scalars;
+//   * a LOAD of an f32 vector operand reads the operand's memory in place (no copy) unless a
+//     STORE into that same buffer (an aliased result) comes before the loaded value's last use.
+// The arithmetic is unchanged, so the bits are the same as a plain per-element evaluation.
+// ------------------------------------------------------------------------------------------------
+
+// Operand modes of a planned instruction: bit 0/1/2 set = field a/b/c reads a uniform slot.
+constexpr uint8_t kUniformA = 1, kUniformB = 2, kUniformC = 4;
+// For a planned LOAD: mode kInPlace = point the register at the operand's memory.
+constexpr uint8_t kInPlace = 8;
+
+struct PlannedInstruction {
+  uint8_t op, mode, dst, a, b, c;
+};
+
+struct CpuPlan {
+  int32_t num_instructions = 0;
+  PlannedInstruction instructions[host_update::kMaxInstructions];
+  float uniform[host_update::kMaxInstructions];  // one slot per uniform definition
+};
+
+void BuildPlan(const HostUpdateParams& p, CpuPlan* plan) {
+  using namespace host_update;  // opcodes
+  bool is_uniform[kMaxRegisters] = {};
+  uint8_t slot_of[kMaxRegisters] = {};
+  int num_slots = 0;
+  auto new_uniform = [&](int reg, float value) {
+    plan->uniform[num_slots] = value;
+    is_uniform[reg] = true;
+    slot_of[reg] = static_cast<uint8_t>(num_slots++);
+  };
+
+  for (int k = 0; k < p.num_instructions; ++k) {
+    const Instruction ins = p.instructions[k];
+    const OpKind kind = KindOf(ins.op);
+    PlannedInstruction out{ins.op, 0, ins.dst, ins.a, ins.b, ins.c};
+    auto field = [&](uint8_t reg, uint8_t bit, uint8_t* f) {
+      if (is_uniform[reg]) {
+        out.mode |= bit;
+        *f = slot_of[reg];
+      }
+    };
+    switch (kind) {
+      case OpKind::kLoad:
+        if (p.operand_scalar[ins.a]) {
+          new_uniform(ins.dst, LoadAsFloat(p.operands[ins.a], p.operand_type[ins.a], 0));
+          continue;
+        }
+        break;
+      case OpKind::kConst:
+        new_uniform(ins.dst, p.consts[ins.a]);
+        continue;
+      case OpKind::kStore:
+        field(ins.a, kUniformA, &out.a);
+        plan->instructions[plan->num_instructions++] = out;
+        continue;  // writes no register
+      case OpKind::kCopy:
+        if (is_uniform[ins.a]) {
+          is_uniform[ins.dst] = true;
+          slot_of[ins.dst] = slot_of[ins.a];
+          continue;
+        }
+        break;
+      case OpKind::kUnary:
+        if (is_uniform[ins.a]) {
+          new_uniform(ins.dst, EvalUnary(ins.op, plan->uniform[slot_of[ins.a]]));
+          continue;
+        }
+        break;
+      case OpKind::kBinary:
+        if (is_uniform[ins.a] && is_uniform[ins.b]) {
+          new_uniform(ins.dst, EvalBinary(ins.op, plan->uniform[slot_of[ins.a]],
+                                          plan->uniform[slot_of[ins.b]]));
+          continue;
+        }
+        field(ins.a, kUniformA, &out.a);
+        field(ins.b, kUniformB, &out.b);
+        break;
+      case OpKind::kTernary:
+        if (is_uniform[ins.a] && is_uniform[ins.b] && is_uniform[ins.c]) {
+          new_uniform(ins.dst,
+                      EvalTernary(ins.op, plan->uniform[slot_of[ins.a]],
+                                  plan->uniform[slot_of[ins.b]], plan->uniform[slot_of[ins.c]]));
+          continue;
+        }
+        field(ins.a, kUniformA, &out.a);
+        field(ins.b, kUniformB, &out.b);
+        field(ins.c, kUniformC, &out.c);
+        break;
+      case OpKind::kInvalid:
+        continue;
+    }
+    is_uniform[ins.dst] = false;  // a vector definition
+    plan->instructions[plan->num_instructions++] = out;
+  }
+
+  // In-place LOADs of f32 vector operands: safe unless a STORE into the operand's buffer (a
+  // result aliasing it) runs before the last read of the loaded register.
+  for (int k = 0; k < plan->num_instructions; ++k) {
+    PlannedInstruction& ld = plan->instructions[k];
+    if (ld.op != kLoad || p.operand_type[ld.a] != kF32) continue;
+    const uint8_t reg = ld.dst;
+    int last_read = k;
+    int first_clobber = plan->num_instructions;  // first STORE into the operand's buffer
+    for (int j = k + 1; j < plan->num_instructions; ++j) {
+      const PlannedInstruction& u = plan->instructions[j];
+      const OpKind kind = KindOf(u.op);
+      const bool reads = (kind == OpKind::kStore || kind == OpKind::kCopy ||
+                          kind == OpKind::kUnary || kind == OpKind::kBinary ||
+                          kind == OpKind::kTernary) &&
+                         ((!(u.mode & kUniformA) && u.a == reg) ||
+                          ((kind == OpKind::kBinary || kind == OpKind::kTernary) &&
+                           !(u.mode & kUniformB) && u.b == reg) ||
+                          (kind == OpKind::kTernary && !(u.mode & kUniformC) && u.c == reg));
+      if (reads) last_read = j;
+      if (kind == OpKind::kStore && p.results[u.dst] == p.operands[ld.a] &&
+          first_clobber == plan->num_instructions) {
+        first_clobber = j;
+      }
+      if (kind != OpKind::kStore && u.dst == reg) break;  // redefined: this value is dead
+    }
+    // A STORE that is itself the last read copies the value onto itself: still safe.
+    if (first_clobber >= last_read) ld.mode |= kInPlace;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Block loops. A destination block may coincide with a source block (dst == a), which is safe for
+// elementwise loops; the vectorize pragmas tell the compiler so. Uniform inputs are broadcast.
+// ------------------------------------------------------------------------------------------------
+
+#if defined(__GNUC__)
+#define JT_INLINE inline __attribute__((always_inline))
+#else
+#define JT_INLINE inline
+#endif
+
+// Clones of the element loop for wider vector units, chosen at load time (x86-64 + glibc ifunc).
+// Portable: the default clone is baseline x86-64.
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(JAXTIER_NO_TARGET_CLONES)
+#define JT_TARGET_CLONES __attribute__((target_clones("default", "avx2", "avx512f")))
+#else
+#define JT_TARGET_CLONES
+#endif
+
+template <int kOp>
+JT_INLINE void UnaryBlock(float* d, const float* x, int len) {
+  JT_VECTORIZE
+  for (int j = 0; j < len; ++j) d[j] = host_update::ApplyUnary<kOp>(x[j]);
+}
+
+template <int kOp, bool kUa, bool kUb>
+JT_INLINE void BinaryBlock(float* d, const float* x, const float* y, int len) {
+  const float xs = *x, ys = *y;
+  JT_VECTORIZE
+  for (int j = 0; j < len; ++j) {
+    d[j] = host_update::ApplyBinary<kOp>(kUa ? xs : x[j], kUb ? ys : y[j]);
+  }
+}
+
+template <int kOp, bool kUa, bool kUb, bool kUc>
+JT_INLINE void TernaryBlock(float* d, const float* x, const float* y, const float* z, int len) {
+  const float xs = *x, ys = *y, zs = *z;
+  JT_VECTORIZE
+  for (int j = 0; j < len; ++j) {
+    d[j] = host_update::ApplyTernary<kOp>(kUa ? xs : x[j], kUb ? ys : y[j], kUc ? zs : z[j]);
+  }
+}
+
+JT_INLINE void LoadBlock(const void* base, uint8_t type, int64_t i0, int len, float* d) {
+  switch (type) {
+    case host_update::kBF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + i0;
+      JT_VECTORIZE
+      for (int j = 0; j < len; ++j) d[j] = host_update::Bf16ToFloat(src[j]);
+      break;
+    }
+    case host_update::kF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + i0;
+      JT_VECTORIZE
+      for (int j = 0; j < len; ++j) d[j] = host_update::F16ToFloat(src[j]);
+      break;
+    }
+    default: {
+      const float* src = static_cast<const float*>(base) + i0;
+      JT_VECTORIZE
+      for (int j = 0; j < len; ++j) d[j] = src[j];
+      break;
+    }
+  }
+}
+
+template <bool kUniform>
+JT_INLINE void StoreBlock(void* base, uint8_t type, int64_t i0, int len, const float* x) {
+  const float xs = *x;
+  switch (type) {
+    case host_update::kBF16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + i0;
+      JT_VECTORIZE
+      for (int j = 0; j < len; ++j) dst[j] = host_update::FloatToBf16(kUniform ? xs : x[j]);
+      break;
+    }
+    case host_update::kF16: {
+      uint16_t* dst = static_cast<uint16_t*>(base) + i0;
+      JT_VECTORIZE
+      for (int j = 0; j < len; ++j) dst[j] = host_update::FloatToF16(kUniform ? xs : x[j]);
+      break;
+    }
+    default: {
+      float* dst = static_cast<float*>(base) + i0;
+      if (!kUniform && dst == x) break;  // storing a value back where it was loaded from
+      JT_VECTORIZE
+      for (int j = 0; j < len; ++j) dst[j] = kUniform ? xs : x[j];
+      break;
+    }
+  }
+}
+
+// Runs the plan over elements [begin, end). `scratch` holds kMaxRegisters * kBlock floats.
+JT_TARGET_CLONES
+void RunRange(const HostUpdateParams& p, const CpuPlan& plan, int64_t begin, int64_t end,
+              float* scratch) {
+  using namespace host_update;  // opcodes
+  const float* src[kMaxRegisters];  // where each register's current block lives
+  for (int64_t i0 = begin; i0 < end; i0 += kBlock) {
+    const int len = static_cast<int>(std::min<int64_t>(kBlock, end - i0));
+    for (int k = 0; k < plan.num_instructions; ++k) {
+      const PlannedInstruction ins = plan.instructions[k];
+      const int mode = ins.mode;
+      float* d = scratch + static_cast<int64_t>(ins.dst) * kBlock;
+      const float* x = (mode & kUniformA) ? &plan.uniform[ins.a] : src[ins.a];
+      const float* y = (mode & kUniformB) ? &plan.uniform[ins.b] : src[ins.b];
+      const float* z = (mode & kUniformC) ? &plan.uniform[ins.c] : src[ins.c];
+      switch (ins.op) {
+        case kLoad:
+          if (mode & kInPlace) {
+            src[ins.dst] = static_cast<const float*>(p.operands[ins.a]) + i0;
+            continue;
+          }
+          LoadBlock(p.operands[ins.a], p.operand_type[ins.a], i0, len, d);
+          break;
+        case kStore:
+          if (mode & kUniformA) {
+            StoreBlock<true>(p.results[ins.dst], p.result_type[ins.dst], i0, len, x);
+          } else {
+            StoreBlock<false>(p.results[ins.dst], p.result_type[ins.dst], i0, len, x);
+          }
+          continue;  // writes no register
+        case kCopy:
+          if (d != x) std::copy(x, x + len, d);
+          break;
+#define JT_UNARY(OP)           \
+  case OP:                     \
+    UnaryBlock<OP>(d, x, len); \
+    break;
+          JT_UNARY(kNeg) JT_UNARY(kAbs) JT_UNARY(kSqrt) JT_UNARY(kRsqrt) JT_UNARY(kExp)
+          JT_UNARY(kLog) JT_UNARY(kTanh) JT_UNARY(kLogistic) JT_UNARY(kSign) JT_UNARY(kFloor)
+          JT_UNARY(kCeil) JT_UNARY(kLog1p) JT_UNARY(kExpm1) JT_UNARY(kSin) JT_UNARY(kCos)
+          JT_UNARY(kNot) JT_UNARY(kErf) JT_UNARY(kRound) JT_UNARY(kIsFinite)
+#undef JT_UNARY
+#define JT_BINARY(OP)                                                   \
+  case OP:                                                              \
+    if (mode & kUniformA) {                                             \
+      BinaryBlock<OP, true, false>(d, x, y, len);                       \
+    } else if (mode & kUniformB) {                                      \
+      BinaryBlock<OP, false, true>(d, x, y, len);                       \
+    } else {                                                            \
+      BinaryBlock<OP, false, false>(d, x, y, len);                      \
+    }                                                                   \
+    break;
+          JT_BINARY(kAdd) JT_BINARY(kSub) JT_BINARY(kMul) JT_BINARY(kDiv) JT_BINARY(kMax)
+          JT_BINARY(kMin) JT_BINARY(kPow) JT_BINARY(kAtan2) JT_BINARY(kGt) JT_BINARY(kGe)
+          JT_BINARY(kLt) JT_BINARY(kLe) JT_BINARY(kEq) JT_BINARY(kNe) JT_BINARY(kAnd)
+          JT_BINARY(kOr) JT_BINARY(kRem)
+#undef JT_BINARY
+#define JT_TERNARY(OP)                                                               \
+  case OP:                                                                           \
+    switch (mode & (kUniformA | kUniformB | kUniformC)) {                            \
+      case 0: TernaryBlock<OP, false, false, false>(d, x, y, z, len); break;         \
+      case kUniformA: TernaryBlock<OP, true, false, false>(d, x, y, z, len); break;  \
+      case kUniformB: TernaryBlock<OP, false, true, false>(d, x, y, z, len); break;  \
+      case kUniformC: TernaryBlock<OP, false, false, true>(d, x, y, z, len); break;  \
+      case kUniformA | kUniformB:                                                    \
+        TernaryBlock<OP, true, true, false>(d, x, y, z, len);                        \
+        break;                                                                       \
+      case kUniformA | kUniformC:                                                    \
+        TernaryBlock<OP, true, false, true>(d, x, y, z, len);                        \
+        break;                                                                       \
+      default:                                                                       \
+        TernaryBlock<OP, false, true, true>(d, x, y, z, len);                        \
+        break;                                                                       \
+    }                                                                                \
+    break;
+          JT_TERNARY(kSelect) JT_TERNARY(kClamp)
+#undef JT_TERNARY
+        default:
+          continue;  // rejected by PrepareHostUpdate
+      }
+      src[ins.dst] = d;
+    }
+  }
+}
+
+float* ThreadScratch() {
+  thread_local std::unique_ptr<float[]> scratch(
+      new float[static_cast<size_t>(host_update::kMaxRegisters) * kBlock]);
+  return scratch.get();
+}
+
+void Execute(const HostUpdateParams& p) {
+  const int64_t n = p.n;
+  if (n == 0 || p.num_instructions == 0) return;
+  CpuPlan plan;
+  BuildPlan(p, &plan);
+  ThreadPool* pool = n >= kMinParallelElements ? &ThreadPool::Global() : nullptr;
+  if (pool == nullptr || pool->num_threads() == 1) {
+    RunRange(p, plan, 0, n, ThreadScratch());
+    return;
+  }
+  // About four tasks per thread (for balance), each a whole number of blocks.
+  const int64_t target = (n + 4 * pool->num_threads() - 1) / (4 * pool->num_threads());
+  const int64_t task = std::max(kMinTaskElements, (target + kBlock - 1) / kBlock * kBlock);
+  const int64_t num_tasks = (n + task - 1) / task;
+  pool->ParallelFor(num_tasks, [&](int64_t t) {
+    const int64_t begin = t * task;
+    RunRange(p, plan, begin, std::min(n, begin + task), ThreadScratch());
+  });
+}
+
+ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                             ffi::Span<const int32_t> program, ffi::Span<const float> consts,
+                             int32_t num_regs, ffi::Span<const int32_t> aliases) {
+  HostUpdateParams params;
+  ffi::Error error =
+      host_update::PrepareHostUpdate(args, rets, program, consts, num_regs, aliases, &params);
+  if (error.failure()) return error;
+  Execute(params);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCpu, HostUpdateCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()                              // operands
+                                  .RemainingRets()                              // results
+                                  .Attr<ffi::Span<const int32_t>>("program")    // program
+                                  .Attr<ffi::Span<const float>>("consts")       // consts
+                                  .Attr<int32_t>("num_regs")                    // num_regs
+                                  .Attr<ffi::Span<const int32_t>>("aliases"));  // aliases
+
+}  // namespace jaxtier

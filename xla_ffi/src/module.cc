@@ -1,0 +1,55 @@
+// Python module `_jaxtier_ffi`: hands the XLA FFI handlers to Python as capsules.
+//
+//   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule},
+//                       "CUDA": {...}}   # "CUDA" only in a build with CUDA
+//   has_cuda() -> bool
+
+#include <type_traits>
+
+#include <nanobind/nanobind.h>
+
+#include "handlers.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace jaxtier {
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+constexpr bool kHasCuda =
+#if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
+    true;
+#else
+    false;
+#endif
+
+nb::dict Registrations() {
+  nb::dict registrations;
+  nb::dict cpu;
+  cpu["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCpu);
+  registrations["cpu"] = cpu;
+#if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
+  nb::dict cuda;
+  cuda["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCuda);
+  registrations["CUDA"] = cuda;
+#endif
+  return registrations;
+}
+
+}  // namespace
+}  // namespace jaxtier
+
+NB_MODULE(_jaxtier_ffi, m) {
+  m.doc() = "XLA FFI handlers of jaxtier (registered by jaxtier._src.primitives).";
+  m.def("registrations", &jaxtier::Registrations,
+        "Maps platform ('cpu', and 'CUDA' when built with CUDA) to {target name: capsule}.");
+  m.def("has_cuda", []() { return jaxtier::kHasCuda; },
+        "True when the module was built with the CUDA handlers.");
+}

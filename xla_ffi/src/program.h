@@ -1,0 +1,630 @@
+// The op program of the fused host update (`jaxtier_host_update_ffi`).
+//
+// The format is the contract in docs/design.md ("Op program format"); the Python encoder is
+// jaxtier/_src/primitives/host_update.py. This header holds:
+//   * the opcodes and limits,
+//   * the decoded launch parameters (`HostUpdateParams`, a POD that the CUDA kernel takes by
+//     value),
+//   * the arithmetic of every instruction as `__host__ __device__` inline functions, so the CPU
+//     and CUDA handlers compute exactly the same fp32 formulae,
+//   * the validation of a call (`PrepareHostUpdate`), shared by both handlers.
+//
+// The header compiles with a plain C++17 compiler and with nvcc.
+
+#ifndef JAXTIER_XLA_FFI_SRC_PROGRAM_H_
+#define JAXTIER_XLA_FFI_SRC_PROGRAM_H_
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define JT_HD __host__ __device__ __forceinline__
+#else
+#define JT_HD inline
+#endif
+
+namespace jaxtier::host_update {
+
+// ---------------------------------------------------------------------------------------------
+// Format and limits
+// ---------------------------------------------------------------------------------------------
+
+inline constexpr int kWordsPerInstruction = 5;  // op, dst, a, b, c
+inline constexpr int kMaxInstructions = 256;
+inline constexpr int kMaxRegisters = 64;
+inline constexpr int kMaxConsts = 64;
+inline constexpr int kMaxOperands = 32;
+inline constexpr int kMaxResults = 16;
+
+// Name used in error messages.
+inline constexpr const char kOpName[] = "jaxtier_host_update";
+
+enum Op : uint8_t {
+  kLoad = 1,      // r[dst] = operand[a][i] (operand[a][0] when scalar)
+  kConst = 2,     // r[dst] = consts[a]
+  kStore = 3,     // result[dst][i] = round(r[a])
+  kCopy = 4,      // r[dst] = r[a]
+  // Unary: r[dst] = f(r[a]).
+  kNeg = 10,
+  kAbs = 11,
+  kSqrt = 12,
+  kRsqrt = 13,
+  kExp = 14,
+  kLog = 15,
+  kTanh = 16,
+  kLogistic = 17,
+  kSign = 18,
+  kFloor = 19,
+  kCeil = 20,
+  kLog1p = 21,
+  kExpm1 = 22,
+  kSin = 23,
+  kCos = 24,
+  kNot = 25,
+  kErf = 26,
+  kRound = 27,
+  kIsFinite = 28,
+  // Binary: r[dst] = f(r[a], r[b]).
+  kAdd = 40,
+  kSub = 41,
+  kMul = 42,
+  kDiv = 43,
+  kMax = 44,
+  kMin = 45,
+  kPow = 46,
+  kAtan2 = 47,
+  kGt = 48,
+  kGe = 49,
+  kLt = 50,
+  kLe = 51,
+  kEq = 52,
+  kNe = 53,
+  kAnd = 54,
+  kOr = 55,
+  kRem = 56,
+  // Ternary.
+  kSelect = 60,  // r[dst] = r[c] if r[a] != 0 else r[b]
+  kClamp = 61,   // r[dst] = min(max(r[b], r[a]), r[c])
+};
+
+inline constexpr int kFirstUnary = kNeg;
+inline constexpr int kLastUnary = kIsFinite;
+inline constexpr int kFirstBinary = kAdd;
+inline constexpr int kLastBinary = kRem;
+
+// What the fields of an instruction name.
+enum class OpKind : uint8_t { kInvalid, kLoad, kConst, kStore, kCopy, kUnary, kBinary, kTernary };
+
+JT_HD OpKind KindOf(int32_t op) {
+  if (op == kLoad) return OpKind::kLoad;
+  if (op == kConst) return OpKind::kConst;
+  if (op == kStore) return OpKind::kStore;
+  if (op == kCopy) return OpKind::kCopy;
+  if (op >= kFirstUnary && op <= kLastUnary) return OpKind::kUnary;
+  if (op >= kFirstBinary && op <= kLastBinary) return OpKind::kBinary;
+  if (op == kSelect || op == kClamp) return OpKind::kTernary;
+  return OpKind::kInvalid;
+}
+
+// Storage dtypes of operands and results. Arithmetic is always fp32.
+enum StorageType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// One decoded instruction. Every field fits a byte once validated (indices < 64).
+struct Instruction {
+  uint8_t op, dst, a, b, c;
+};
+
+// Everything one execution needs, validated. Plain data: the CUDA kernel takes it by value.
+struct HostUpdateParams {
+  int64_t n;  // elements per vector operand and per result
+  int32_t num_instructions;
+  int32_t num_registers;
+  int32_t num_operands;
+  int32_t num_results;
+  const void* operands[kMaxOperands];
+  void* results[kMaxResults];
+  uint8_t operand_type[kMaxOperands];    // StorageType
+  uint8_t operand_scalar[kMaxOperands];  // 1: one element, broadcast
+  uint8_t result_type[kMaxResults];      // StorageType
+  Instruction instructions[kMaxInstructions];
+  float consts[kMaxConsts];
+};
+// Kernel parameters are limited to 4 KB on older toolkits; stay under it.
+static_assert(sizeof(HostUpdateParams) <= 4096, "HostUpdateParams must fit a kernel parameter");
+
+// ---------------------------------------------------------------------------------------------
+// Bit casts and storage conversions
+// ---------------------------------------------------------------------------------------------
+
+JT_HD uint32_t FloatToBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+JT_HD float BitsToFloat(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// bf16 -> f32 is exact.
+JT_HD float Bf16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
+
+// f32 -> bf16, round to nearest even; NaN stays NaN (quieted, sign kept).
+JT_HD uint16_t FloatToBf16(float f) {
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
+  const uint32_t u = FloatToBits(f);
+  const uint32_t nan = (u >> 16) | 0x0040u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+#endif
+}
+
+// f16 -> f32 is exact. (Host: written without branches so the load loop vectorises.)
+JT_HD float F16ToFloat(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  const uint32_t inf_nan = 0x7f800000u | (man << 13);        // payload kept
+  const uint32_t normal = ((exp + 112u) << 23) | (man << 13);  // rebias 15 -> 127
+  // Zero or subnormal: man * 2^-24, exact in fp32 (and a normal fp32, so never flushed).
+  const uint32_t small = FloatToBits(static_cast<float>(static_cast<int32_t>(man)) *
+                                     5.9604644775390625e-08f);
+  const uint32_t bits = exp == 0x1fu ? inf_nan : (exp != 0u ? normal : small);
+  return BitsToFloat(bits | sign);
+#endif
+}
+
+// f32 -> f16, round to nearest even; overflow gives inf; NaN stays NaN (quieted, sign kept).
+// (Host: every case is computed and one is selected, so the store loop vectorises.)
+JT_HD uint16_t FloatToF16(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));
+#else
+  const uint32_t u = FloatToBits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const int32_t a = static_cast<int32_t>(u & 0x7fffffffu);
+  const uint32_t ua = static_cast<uint32_t>(a);
+  const uint32_t nan = 0x7e00u | ((ua >> 13) & 0x3ffu);
+  // |f| < 2^-14: the f16 result is subnormal (or zero) with a step of 2^-24. Adding 0.5 puts the
+  // value where the fp32 step is also 2^-24, so the fp32 addition does the rounding.
+  const uint32_t small = FloatToBits(BitsToFloat(ua) + 0.5f) - 0x3f000000u;
+  // Normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even.
+  const uint32_t normal = (ua - 0x38000000u + 0x0fffu + ((ua >> 13) & 1u)) >> 13;
+  const uint32_t h = a > 0x7f800000 ? nan                // NaN
+                     : a >= 0x477ff000 ? 0x7c00u         // |f| >= 65520 (or inf) -> inf
+                     : a < 0x38800000 ? small : normal;
+  return static_cast<uint16_t>(h | sign);
+#endif
+}
+
+JT_HD float LoadAsFloat(const void* base, uint8_t type, int64_t i) {
+  switch (type) {
+    case kBF16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case kF16:
+      return F16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    default:
+      return static_cast<const float*>(base)[i];
+  }
+}
+
+JT_HD void StoreFromFloat(void* base, uint8_t type, int64_t i, float v) {
+  switch (type) {
+    case kBF16:
+      static_cast<uint16_t*>(base)[i] = FloatToBf16(v);
+      break;
+    case kF16:
+      static_cast<uint16_t*>(base)[i] = FloatToF16(v);
+      break;
+    default:
+      static_cast<float*>(base)[i] = v;
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arithmetic. Accurate libm/CUDA math functions only, no fast-math approximations. Build without
+// floating-point contraction (no FMA fusion) so every operation rounds to fp32 on its own.
+// ---------------------------------------------------------------------------------------------
+
+JT_HD bool IsNan(float x) { return x != x; }
+
+// NaN-propagating max/min (XLA semantics): NaN if either input is NaN.
+JT_HD float MaxPropagateNan(float x, float y) {
+  const float m = x >= y ? x : y;
+  return (IsNan(x) || IsNan(y)) ? x + y : m;
+}
+
+JT_HD float MinPropagateNan(float x, float y) {
+  const float m = x <= y ? x : y;
+  return (IsNan(x) || IsNan(y)) ? x + y : m;
+}
+
+template <int kOp>
+JT_HD float ApplyUnary(float x) {
+  if constexpr (kOp == kNeg) return -x;
+  if constexpr (kOp == kAbs) return fabsf(x);
+  if constexpr (kOp == kSqrt) return sqrtf(x);
+  if constexpr (kOp == kRsqrt) return 1.0f / sqrtf(x);
+  if constexpr (kOp == kExp) return expf(x);
+  if constexpr (kOp == kLog) return logf(x);
+  if constexpr (kOp == kTanh) return tanhf(x);
+  if constexpr (kOp == kLogistic) return 1.0f / (1.0f + expf(-x));
+  // -1 / 1 for negative / positive; zero (either sign) and NaN come back unchanged.
+  if constexpr (kOp == kSign) return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x);
+  if constexpr (kOp == kFloor) return floorf(x);
+  if constexpr (kOp == kCeil) return ceilf(x);
+  if constexpr (kOp == kLog1p) return log1pf(x);
+  if constexpr (kOp == kExpm1) return expm1f(x);
+  if constexpr (kOp == kSin) return sinf(x);
+  if constexpr (kOp == kCos) return cosf(x);
+  if constexpr (kOp == kNot) return x == 0.0f ? 1.0f : 0.0f;
+  if constexpr (kOp == kErf) return erff(x);
+  if constexpr (kOp == kRound) return roundf(x);  // half away from zero
+  if constexpr (kOp == kIsFinite) return fabsf(x) <= 3.40282346638528859812e+38f ? 1.0f : 0.0f;
+  return x;  // unreachable for valid opcodes
+}
+
+template <int kOp>
+JT_HD float ApplyBinary(float x, float y) {
+  if constexpr (kOp == kAdd) return x + y;
+  if constexpr (kOp == kSub) return x - y;
+  if constexpr (kOp == kMul) return x * y;
+  if constexpr (kOp == kDiv) return x / y;
+  if constexpr (kOp == kMax) return MaxPropagateNan(x, y);
+  if constexpr (kOp == kMin) return MinPropagateNan(x, y);
+  if constexpr (kOp == kPow) return powf(x, y);
+  if constexpr (kOp == kAtan2) return atan2f(x, y);
+  if constexpr (kOp == kGt) return x > y ? 1.0f : 0.0f;
+  if constexpr (kOp == kGe) return x >= y ? 1.0f : 0.0f;
+  if constexpr (kOp == kLt) return x < y ? 1.0f : 0.0f;
+  if constexpr (kOp == kLe) return x <= y ? 1.0f : 0.0f;
+  if constexpr (kOp == kEq) return x == y ? 1.0f : 0.0f;
+  if constexpr (kOp == kNe) return x != y ? 1.0f : 0.0f;
+  if constexpr (kOp == kAnd) return (x != 0.0f) & (y != 0.0f) ? 1.0f : 0.0f;
+  if constexpr (kOp == kOr) return (x != 0.0f) | (y != 0.0f) ? 1.0f : 0.0f;
+  if constexpr (kOp == kRem) return fmodf(x, y);
+  return x;  // unreachable for valid opcodes
+}
+
+template <int kOp>
+JT_HD float ApplyTernary(float a, float b, float c) {
+  if constexpr (kOp == kSelect) return a != 0.0f ? c : b;
+  if constexpr (kOp == kClamp) return MinPropagateNan(MaxPropagateNan(b, a), c);
+  return a;  // unreachable for valid opcodes
+}
+
+// Runtime dispatch for one element (used by the CUDA kernel). The CPU handler instead switches
+// once per block and calls the same ApplyUnary/ApplyBinary/ApplyTernary in a loop.
+JT_HD float EvalUnary(uint8_t op, float x) {
+  switch (op) {
+#define JT_CASE(OP) \
+  case OP:          \
+    return ApplyUnary<OP>(x);
+    JT_CASE(kNeg) JT_CASE(kAbs) JT_CASE(kSqrt) JT_CASE(kRsqrt) JT_CASE(kExp) JT_CASE(kLog)
+    JT_CASE(kTanh) JT_CASE(kLogistic) JT_CASE(kSign) JT_CASE(kFloor) JT_CASE(kCeil)
+    JT_CASE(kLog1p) JT_CASE(kExpm1) JT_CASE(kSin) JT_CASE(kCos) JT_CASE(kNot) JT_CASE(kErf)
+    JT_CASE(kRound) JT_CASE(kIsFinite)
+#undef JT_CASE
+    default:
+      return x;
+  }
+}
+
+JT_HD float EvalBinary(uint8_t op, float x, float y) {
+  switch (op) {
+#define JT_CASE(OP) \
+  case OP:          \
+    return ApplyBinary<OP>(x, y);
+    JT_CASE(kAdd) JT_CASE(kSub) JT_CASE(kMul) JT_CASE(kDiv) JT_CASE(kMax) JT_CASE(kMin)
+    JT_CASE(kPow) JT_CASE(kAtan2) JT_CASE(kGt) JT_CASE(kGe) JT_CASE(kLt) JT_CASE(kLe)
+    JT_CASE(kEq) JT_CASE(kNe) JT_CASE(kAnd) JT_CASE(kOr) JT_CASE(kRem)
+#undef JT_CASE
+    default:
+      return x;
+  }
+}
+
+JT_HD float EvalTernary(uint8_t op, float a, float b, float c) {
+  return op == kSelect ? ApplyTernary<kSelect>(a, b, c) : ApplyTernary<kClamp>(a, b, c);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation (host only), shared by the CPU and CUDA handlers.
+// ---------------------------------------------------------------------------------------------
+
+namespace internal {
+
+inline std::string DtypeName(xla::ffi::DataType t) {
+  switch (t) {
+    case xla::ffi::DataType::F32:
+      return "float32";
+    case xla::ffi::DataType::BF16:
+      return "bfloat16";
+    case xla::ffi::DataType::F16:
+      return "float16";
+    case xla::ffi::DataType::F64:
+      return "float64";
+    case xla::ffi::DataType::S32:
+      return "int32";
+    case xla::ffi::DataType::S64:
+      return "int64";
+    case xla::ffi::DataType::PRED:
+      return "bool";
+    default:
+      return "dtype code " + std::to_string(static_cast<int>(t));
+  }
+}
+
+inline bool ToStorageType(xla::ffi::DataType t, uint8_t* out) {
+  switch (t) {
+    case xla::ffi::DataType::F32:
+      *out = kF32;
+      return true;
+    case xla::ffi::DataType::BF16:
+      *out = kBF16;
+      return true;
+    case xla::ffi::DataType::F16:
+      *out = kF16;
+      return true;
+    default:
+      return false;
+  }
+}
+
+// "Invalid <what> for <where> to jaxtier_host_update. Expected <expected>, got <got>."
+inline xla::ffi::Error Invalid(const std::string& what, const std::string& where,
+                               const std::string& expected, const std::string& got) {
+  return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
+                         "Invalid " + what + " for " + where + " to " + kOpName + ". Expected " +
+                             expected + ", got " + got + ".");
+}
+
+inline std::string Range(int64_t lo, int64_t hi) {
+  return "a value in [" + std::to_string(lo) + ", " + std::to_string(hi) + ")";
+}
+
+inline std::string Instr(int64_t k, const char* field) {
+  return std::string("instruction ") + std::to_string(k) + " (field " + field +
+         ") of attribute program";
+}
+
+}  // namespace internal
+
+// Validates a call and fills `params`. Returns an InvalidArgument error naming the first
+// problem found. Checks: operand/result counts and dtypes (f32/bf16/f16), element counts (N or
+// 1 for operands, N for results), the program (length, opcodes, register/operand/result/const
+// indices, registers read only after they are written, every result stored), num_regs, and the
+// aliases (one per result, the aliased operand's buffer is the result's buffer).
+inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
+                                         xla::ffi::RemainingRets rets,
+                                         xla::ffi::Span<const int32_t> program,
+                                         xla::ffi::Span<const float> consts, int32_t num_regs,
+                                         xla::ffi::Span<const int32_t> aliases,
+                                         HostUpdateParams* params) {
+  using internal::Instr;
+  using internal::Invalid;
+  using internal::Range;
+  namespace ffi = xla::ffi;
+
+  const int64_t num_operands = static_cast<int64_t>(args.size());
+  const int64_t num_results = static_cast<int64_t>(rets.size());
+  if (num_operands > kMaxOperands) {
+    return Invalid("number of operands", "the call", "at most " + std::to_string(kMaxOperands),
+                   std::to_string(num_operands));
+  }
+  if (num_results > kMaxResults) {
+    return Invalid("number of results", "the call", "at most " + std::to_string(kMaxResults),
+                   std::to_string(num_results));
+  }
+  params->num_operands = static_cast<int32_t>(num_operands);
+  params->num_results = static_cast<int32_t>(num_results);
+
+  // Results first: they define N.
+  int64_t n = -1;
+  for (int64_t r = 0; r < num_results; ++r) {
+    const std::string where = "result " + std::to_string(r);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> buf = rets.get<ffi::AnyBuffer>(r);
+    if (buf.has_error()) return Invalid("type", where, "an array", "something else");
+    ffi::AnyBuffer b = **buf;
+    if (!internal::ToStorageType(b.element_type(), &params->result_type[r])) {
+      return Invalid("dtype", where, "float32, bfloat16 or float16",
+                     internal::DtypeName(b.element_type()));
+    }
+    const int64_t count = static_cast<int64_t>(b.element_count());
+    if (n < 0) n = count;
+    if (count != n) {
+      return Invalid("element count", where, std::to_string(n) + " (as result 0)",
+                     std::to_string(count));
+    }
+    params->results[r] = b.untyped_data();
+  }
+  // Without results nothing is written; N then comes from the vector operands, if any.
+  for (int64_t i = 0; i < num_operands; ++i) {
+    const std::string where = "input " + std::to_string(i);
+    ffi::ErrorOr<ffi::AnyBuffer> buf = args.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return Invalid("type", where, "an array", "something else");
+    const ffi::AnyBuffer b = *buf;
+    if (!internal::ToStorageType(b.element_type(), &params->operand_type[i])) {
+      return Invalid("dtype", where, "float32, bfloat16 or float16",
+                     internal::DtypeName(b.element_type()));
+    }
+    const int64_t count = static_cast<int64_t>(b.element_count());
+    if (n < 0 && count != 1) n = count;
+    if (count != n && count != 1) {
+      return Invalid("element count", where,
+                     std::to_string(n) + " (a vector operand) or 1 (a scalar operand)",
+                     std::to_string(count));
+    }
+    params->operands[i] = b.untyped_data();
+    params->operand_scalar[i] = (count == 1) ? 1 : 0;
+  }
+  params->n = n < 0 ? 0 : n;
+
+  // Attributes.
+  if (num_regs < 0 || num_regs > kMaxRegisters) {
+    return Invalid("value", "attribute num_regs", Range(0, kMaxRegisters + 1),
+                   std::to_string(num_regs));
+  }
+  params->num_registers = num_regs;
+  if (consts.size() > static_cast<size_t>(kMaxConsts)) {
+    return Invalid("length", "attribute consts", "at most " + std::to_string(kMaxConsts),
+                   std::to_string(consts.size()));
+  }
+  for (size_t k = 0; k < consts.size(); ++k) params->consts[k] = consts[k];
+  if (program.size() % kWordsPerInstruction != 0) {
+    return Invalid("length", "attribute program",
+                   "a multiple of " + std::to_string(kWordsPerInstruction),
+                   std::to_string(program.size()));
+  }
+  const int64_t num_instructions = static_cast<int64_t>(program.size()) / kWordsPerInstruction;
+  if (num_instructions > kMaxInstructions) {
+    return Invalid("number of instructions", "attribute program",
+                   "at most " + std::to_string(kMaxInstructions), std::to_string(num_instructions));
+  }
+  params->num_instructions = static_cast<int32_t>(num_instructions);
+  if (aliases.size() != static_cast<size_t>(num_results)) {
+    return Invalid("length", "attribute aliases",
+                   std::to_string(num_results) + " (one entry per result)",
+                   std::to_string(aliases.size()));
+  }
+
+  // The program.
+  bool written[kMaxRegisters] = {};
+  bool stored[kMaxResults] = {};
+  const int64_t num_consts = static_cast<int64_t>(consts.size());
+  for (int64_t k = 0; k < num_instructions; ++k) {
+    const int32_t* w = program.begin() + k * kWordsPerInstruction;
+    const int32_t op = w[0], dst = w[1], a = w[2], b = w[3], c = w[4];
+    const OpKind kind = KindOf(op);
+    if (kind == OpKind::kInvalid) {
+      return Invalid("opcode", Instr(k, "op"), "an opcode listed in docs/design.md",
+                     std::to_string(op));
+    }
+    // Register reads (must be in range and written by an earlier instruction).
+    auto check_read = [&](int32_t reg, const char* field) -> ffi::Error {
+      if (reg < 0 || reg >= num_regs) {
+        return Invalid("register index", Instr(k, field), Range(0, num_regs), std::to_string(reg));
+      }
+      if (!written[reg]) {
+        return Invalid("register read", Instr(k, field),
+                       "a register written by an earlier instruction",
+                       "register " + std::to_string(reg) + ", not written yet");
+      }
+      return ffi::Error::Success();
+    };
+    Instruction ins{static_cast<uint8_t>(op), 0, 0, 0, 0};
+    switch (kind) {
+      case OpKind::kLoad:
+        if (a < 0 || a >= num_operands) {
+          return Invalid("operand index", Instr(k, "a"), Range(0, num_operands), std::to_string(a));
+        }
+        ins.a = static_cast<uint8_t>(a);
+        break;
+      case OpKind::kConst:
+        if (a < 0 || a >= num_consts) {
+          return Invalid("const index", Instr(k, "a"), Range(0, num_consts), std::to_string(a));
+        }
+        ins.a = static_cast<uint8_t>(a);
+        break;
+      case OpKind::kStore:
+        if (dst < 0 || dst >= num_results) {
+          return Invalid("result index", Instr(k, "dst"), Range(0, num_results),
+                         std::to_string(dst));
+        }
+        if (ffi::Error e = check_read(a, "a"); e.failure()) return e;
+        ins.dst = static_cast<uint8_t>(dst);
+        ins.a = static_cast<uint8_t>(a);
+        stored[dst] = true;
+        break;
+      case OpKind::kTernary:
+        if (ffi::Error e = check_read(c, "c"); e.failure()) return e;
+        ins.c = static_cast<uint8_t>(c);
+        [[fallthrough]];
+      case OpKind::kBinary:
+        if (ffi::Error e = check_read(b, "b"); e.failure()) return e;
+        ins.b = static_cast<uint8_t>(b);
+        [[fallthrough]];
+      case OpKind::kCopy:
+      case OpKind::kUnary:
+        if (ffi::Error e = check_read(a, "a"); e.failure()) return e;
+        ins.a = static_cast<uint8_t>(a);
+        break;
+      case OpKind::kInvalid:
+        break;
+    }
+    if (kind != OpKind::kStore) {
+      if (dst < 0 || dst >= num_regs) {
+        return Invalid("register index", Instr(k, "dst"), Range(0, num_regs), std::to_string(dst));
+      }
+      ins.dst = static_cast<uint8_t>(dst);
+      written[dst] = true;
+    }
+    params->instructions[k] = ins;
+  }
+  for (int64_t r = 0; r < num_results; ++r) {
+    if (!stored[r]) {
+      return Invalid("program", "result " + std::to_string(r),
+                     "a STORE to every result", "no STORE to this result");
+    }
+  }
+
+  // Aliases: result r is updated in place in operand aliases[r].
+  bool aliased[kMaxOperands] = {};
+  for (int64_t r = 0; r < num_results; ++r) {
+    const int32_t i = aliases[r];
+    const std::string where = "result " + std::to_string(r) + " (attribute aliases)";
+    if (i == -1) continue;
+    if (i < -1 || i >= num_operands) {
+      return Invalid("alias", where, "-1 or " + Range(0, num_operands), std::to_string(i));
+    }
+    if (aliased[i]) {
+      return Invalid("alias", where, "each operand aliased by at most one result",
+                     "operand " + std::to_string(i) + " again");
+    }
+    aliased[i] = true;
+    if (params->operand_type[i] != params->result_type[r]) {
+      return Invalid("alias", where, "an operand of the result's dtype",
+                     "operand " + std::to_string(i) + " of another dtype");
+    }
+    if (params->operand_scalar[i] && params->n != 1) {
+      return Invalid("alias", where, "an operand of " + std::to_string(params->n) + " elements",
+                     "operand " + std::to_string(i) + " of 1 element");
+    }
+    // A zero-size buffer has no meaningful address; nothing is written to it either.
+    if (params->n > 0 && params->operands[i] != params->results[r]) {
+      return Invalid("alias", where,
+                     "the buffer of input " + std::to_string(i) +
+                         " (declare the pair in input_output_aliases and donate the input)",
+                     "a different buffer");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxtier::host_update
+
+#endif  // JAXTIER_XLA_FFI_SRC_PROGRAM_H_
