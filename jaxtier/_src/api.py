@@ -1,0 +1,265 @@
+"""`jaxtier.offload` and `jaxtier.plan`: the public entry points (re-exported by `jaxtier`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxtier._src import inventory as inv_lib
+from jaxtier._src import jax_compat as jc
+from jaxtier._src import lowering
+from jaxtier._src import planner
+
+log = logging.getLogger("jaxtier")
+
+
+class _Missing:
+  def __repr__(self):
+    return "MISSING"
+
+
+MISSING: Any = _Missing()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadOptions:
+  """Options of `jaxtier.offload` (validated when made).
+
+  Attributes:
+    device_budget: device memory the state may take, bytes per device (int, or a string such
+      as '80GB'/'16GiB'); None: no limit.
+    host_budget: pinned host memory the plan may pin, bytes per device; None: no limit beyond
+      what the host can pin.
+    policy: 'auto', 'none', a callable `(path, LeafInfo) -> placement | None`, or a
+      `{regex: placement}` dict over leaf paths.
+    donate_argnums: must include 0 (the state is updated in place).
+  """
+
+  device_budget: "int | None" = None
+  host_budget: "int | None" = None
+  policy: Any = "auto"
+  donate_argnums: tuple[int, ...] = (0,)
+
+  def __post_init__(self):
+    object.__setattr__(self, "device_budget",
+                       planner.parse_bytes(self.device_budget, "jaxtier.offload: device_budget"))
+    object.__setattr__(self, "host_budget",
+                       planner.parse_bytes(self.host_budget, "jaxtier.offload: host_budget"))
+    donate = tuple(self.donate_argnums) if isinstance(self.donate_argnums, (tuple, list)) else (
+        self.donate_argnums,)
+    if 0 not in donate:
+      raise ValueError("jaxtier.offload: expected donate_argnums to include 0, got "
+                       f"{self.donate_argnums!r}; host-resident leaves are updated in place, "
+                       "which consumes the state passed in (use the returned state)")
+    object.__setattr__(self, "donate_argnums", donate)
+
+
+class OffloadedStep:
+  """A train step whose state lives across device and pinned host memory, per its plan.
+
+  Call it like the wrapped step: `state, metrics = step(state, batch)`. The state passed in is
+  donated (consumed); use the returned one.
+
+  Attributes:
+    plan: the `Plan` (None until the first `place` or call).
+  """
+
+  def __init__(self, fn: Callable[..., Any], options: OffloadOptions):
+    self._fn = fn
+    self._options = options
+    self.plan: "planner.Plan | None" = None
+    self._compiled: list[Any] = []
+    self._inventory: "inv_lib.Inventory | None" = None
+    self._jitted = None
+    self._masters: list[jax.Array] = []
+    self._master_sources: tuple[Any, ...] = ()
+    self._signature = None
+    functools.update_wrapper(self, fn)
+
+  # -- planning ----------------------------------------------------------------------------
+  def _ensure_plan(self, state: Any, args: Sequence[Any]) -> None:
+    sig = _signature(state, args)
+    if self.plan is not None and sig == self._signature:
+      return
+    inv = inv_lib.take_inventory(self._fn, state, args)
+    platform = jc.platform_of(jax.tree_util.tree_leaves(state)[0]) if jax.tree_util.tree_leaves(
+        state) else jax.default_backend()
+    plan, compiled = planner.make_plan(
+        inv, platform=platform, policy=self._options.policy,
+        device_budget=self._options.device_budget, host_budget=self._options.host_budget,
+        pinnable_bytes=planner.pinnable_bytes(platform))
+    self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
+    self._masters, self._master_sources = [], ()
+    self._jitted = self._build(state)
+    log.info("jaxtier plan:\n%s", plan)
+
+  def _shardings(self, state: Any) -> list[Any]:
+    leaves = jax.tree_util.tree_leaves(state)
+    return [jc.named_sharding(x, lp.memory_kind) for x, lp in zip(leaves, self.plan.leaves)]
+
+  def _build(self, state: Any):
+    run = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled)
+    n_state = len(self.plan.leaves)
+    state_sh = self._shardings(state)
+    master_idx = lowering.master_indices(self._compiled)
+    master_sh = [state_sh[i].with_memory_kind("pinned_host") for i in master_idx]
+    out_treedef = self._inventory.out_treedef
+
+    def flat_step(state_leaves, master_leaves, arg_leaves):
+      outs, masters = run(state_leaves, master_leaves, arg_leaves)
+      return outs[:n_state], masters, outs[n_state:]
+
+    n_metrics = out_treedef.num_leaves - n_state
+    jitted = jax.jit(flat_step, donate_argnums=(0, 1),
+                     out_shardings=(state_sh, master_sh, [None] * n_metrics))
+    del out_treedef
+    return jitted
+
+  def place(self, state: Any, *example_args: Any) -> Any:
+    """Moves each state leaf to its planned memory kind; returns the placed state.
+
+    Args:
+      state: the training state pytree (arrays only).
+      *example_args: the step's other arguments (e.g. a batch), needed to trace and plan the
+        step the first time; later calls may omit them.
+
+    Returns:
+      A pytree like `state` whose leaves carry `NamedSharding`s with memory kind 'device' or
+      'pinned_host'. The input state is left as it was (not donated).
+
+    Raises:
+      TypeError: a non-array leaf (named by path), or no example arguments before a plan exists.
+      jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
+    """
+    if self.plan is None and not example_args:
+      raise TypeError("OffloadedStep.place: the step has no plan yet; pass example arguments "
+                      "for tracing it, e.g. `step.place(state, batch)`")
+    if example_args:
+      self._ensure_plan(state, example_args)
+    inv_lib.check_leaves("OffloadedStep.place", state)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    placed = [jax.device_put(x, s) for x, s in zip(leaves, self._shardings(state))]
+    self._refresh_masters(leaves, placed)
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+  def _refresh_masters(self, original: list[Any], placed: list[Any]) -> None:
+    idx = lowering.master_indices(self._compiled)
+    if not idx:
+      return
+    sources = tuple(placed[i] for i in idx)
+    if len(self._master_sources) == len(sources) and all(
+        a is b for a, b in zip(self._master_sources, sources)):
+      return
+    if self._master_sources:
+      log.warning("jaxtier: the state's bf16/f16 params are not the ones the last step returned; "
+                  "re-deriving their fp32 master copies from them")
+    sh = self._shardings(placed)
+    self._masters = [jax.device_put(jnp.asarray(original[i], jnp.float32),
+                                    sh[i].with_memory_kind("pinned_host")) for i in idx]
+    self._master_sources = sources
+
+  # -- running -----------------------------------------------------------------------------
+  def __call__(self, state: Any, *args: Any) -> tuple[Any, Any]:
+    """Runs one step: `(state, *args) -> (new_state, metrics)`, the state donated.
+
+    Raises:
+      ValueError: a state leaf was already donated to an earlier step (named by path).
+      TypeError: a non-array state leaf.
+    """
+    inv_lib.check_leaves("jaxtier.offload", state)
+    self._ensure_plan(state, args)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    want = self._shardings(state)
+    moved = [x if _same_placement(x, s) else jax.device_put(x, s) for x, s in zip(leaves, want)]
+    self._refresh_masters(leaves, moved)
+    arg_leaves = jax.tree_util.tree_leaves(args)
+    new_leaves, self._masters, metric_leaves = self._jitted(moved, self._masters, arg_leaves)
+    idx = lowering.master_indices(self._compiled)
+    self._master_sources = tuple(new_leaves[i] for i in idx)
+    out = jax.tree_util.tree_unflatten(self._inventory.out_treedef,
+                                       list(new_leaves) + list(metric_leaves))
+    return out[0], out[1]
+
+  def lower(self, state: Any, *args: Any):
+    """`jax.stages.Lowered` of the planned step (for `.compile().memory_analysis()`, HLO)."""
+    self._ensure_plan(state, args)
+    leaves = jax.tree_util.tree_leaves(state)
+    return self._jitted.lower(leaves, self._masters or [
+        jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
+        for i in lowering.master_indices(self._compiled)], jax.tree_util.tree_leaves(args))
+
+
+def _same_placement(x: Any, s: Any) -> bool:
+  sh = getattr(x, "sharding", None)
+  return sh is not None and getattr(sh, "memory_kind", None) == s.memory_kind and (
+      sh.is_equivalent_to(s, x.ndim))
+
+
+def _signature(state: Any, args: Sequence[Any]) -> Any:
+  def sig(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
+                          for x in leaves)
+  return sig(state), sig(tuple(args))
+
+
+def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
+            host_budget: Any = None, policy: Any = "auto",
+            donate_argnums: "int | tuple[int, ...]" = (0,)) -> Any:
+  """Wraps an unchanged train step so that its state spans device and pinned host memory.
+
+  Works bare (`@jaxtier.offload`) or with options (`jaxtier.offload(step, host_budget='64GB')`).
+
+  Args:
+    fun: `train_step(state, *args) -> (new_state, metrics)`; `state` is a pytree of arrays and
+      `new_state` has its structure.
+    device_budget: device memory the state may take, bytes per device or a size string
+      ('80GB', '16GiB'); None: no limit.
+    host_budget: pinned host memory the plan may pin, bytes per device or a size string; None:
+      limited only by what the host can pin.
+    policy: 'auto' (optimizer state to pinned_host, updated there), 'none' (all on device), a
+      callable `(path, LeafInfo) -> placement | None`, or a `{regex: placement}` dict matched
+      against leaf paths. Placements: 'device', 'host_dha', 'host_cpu', 'host_xla'.
+    donate_argnums: arguments donated to the step; must include 0.
+
+  Returns:
+    An `OffloadedStep` (or a decorator making one, when `fun` is omitted).
+
+  Raises:
+    ValueError: a budget <= 0 or not a size, or donate_argnums without 0.
+
+  Example:
+    >>> step = jaxtier.offload(train_step)            # doctest: +SKIP
+    >>> state = step.place(state, batch)              # doctest: +SKIP
+    >>> state, metrics = step(state, batch)           # doctest: +SKIP
+    >>> print(step.plan)                              # doctest: +SKIP
+  """
+  options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy,
+                           donate_argnums=donate_argnums)
+  if fun is MISSING:
+    return lambda f: OffloadedStep(f, options)
+  return OffloadedStep(fun, options)
+
+
+def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
+         host_budget: Any = None, policy: Any = "auto") -> planner.Plan:
+  """The plan `offload` would make for `fun(state, *args)`, without placing anything.
+
+  `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s.
+
+  Raises:
+    jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
+  """
+  options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy)
+  inv = inv_lib.take_inventory(fun, state, args, api="jaxtier.plan")
+  platform = jax.default_backend()
+  result, _ = planner.make_plan(inv, platform=platform, policy=options.policy,
+                                device_budget=options.device_budget,
+                                host_budget=options.host_budget,
+                                pinnable_bytes=planner.pinnable_bytes(platform))
+  return result

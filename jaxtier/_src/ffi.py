@@ -1,0 +1,63 @@
+"""Loads jaxtier's compiled XLA FFI handlers and registers them with JAX.
+
+The extension is imported only after `jax` (on the H200 machine, importing a nanobind FFI module
+before jax crashed inside ml_dtypes: ../shared/MEASURED.md), and only when a custom call is first
+lowered, so `import jaxtier` stays cheap and works without the extension for planning.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+
+_lock = threading.Lock()
+
+
+class ExtensionMissing(ImportError):
+  """jaxtier's compiled extension is missing or lacks the backend's handlers."""
+
+
+@functools.cache
+def _module():
+  try:
+    import _jaxtier_ffi  # pylint: disable=g-import-not-at-top
+  except ImportError as e:  # pragma: no cover - depends on the install
+    raise ExtensionMissing(
+        "jaxtier's compiled extension `_jaxtier_ffi` could not be imported "
+        f"({e}); reinstall with `pip install .` from the jaxtier source tree, or set "
+        "JAXTIER_DISABLE_FFI=1 to run the pure-JAX reference implementation") from e
+  return _jaxtier_ffi
+
+
+def has_cuda() -> bool:
+  """True when the extension was compiled with its CUDA handlers."""
+  return bool(_module().has_cuda())
+
+
+_registered = False
+
+
+def ensure_registered() -> None:
+  """Registers every handler the extension carries, for 'cpu' and (if built) 'CUDA'. Idempotent.
+
+  Raises:
+    ExtensionMissing: the extension cannot be imported, or the default backend is a GPU and
+      the extension was built without CUDA.
+  """
+  global _registered
+  if _registered:
+    return
+  with _lock:
+    if _registered:
+      return
+    regs = _module().registrations()
+    for platform, handlers in regs.items():
+      for name, capsule in handlers.items():
+        jax.ffi.register_ffi_target(name, capsule, platform=platform, api_version=1)
+    if jax.default_backend() == "gpu" and "CUDA" not in regs:
+      raise ExtensionMissing(
+          "jaxtier was not compiled with CUDA support but JAX runs on a GPU; reinstall with "
+          "`pip install . -Ccmake.define.JAXTIER_ENABLE_CUDA=ON` (needs nvcc)")
+    _registered = True

@@ -1,0 +1,173 @@
+"""Inventory: the training state's leaves, their sizes and roles, and the traced step.
+
+Stage 1 of jaxtier's data flow (DESIGN.md): trace `train_step(state, *args)`, list every leaf
+of `state` with its pytree path, shape, dtype, sharding and bytes per device, and give it a role
+from its uses in the traced jaxpr:
+
+- `param`: a floating leaf read by non-elementwise ops (matmuls, gathers, reductions).
+- `optimizer_state`: a floating leaf whose every use is elementwise and that feeds its own new
+  value (moments, accumulators, EMA copies): touched once per step, the first to go to host.
+- `other`: integer, boolean, key or 0-d leaves (step counts, RNG keys); they stay on device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src import jaxpr_graph
+
+PARAM = "param"
+OPTIMIZER_STATE = "optimizer_state"
+OTHER = "other"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LeafInfo:
+  """One leaf of the training state.
+
+  Attributes:
+    index: position among the flattened state leaves.
+    path: the pytree path, as `jax.tree_util.keystr` writes it (e.g. `[1].opt_state[0].mu`).
+    shape: the global shape.
+    dtype: the dtype name (e.g. 'float32').
+    nbytes: bytes held per device (one shard; the whole leaf when unsharded).
+    role: `param`, `optimizer_state` or `other` (module docstring).
+    why: how the role was decided, for the plan.
+  """
+
+  index: int
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  nbytes: int
+  role: str
+  why: str
+
+  @property
+  def is_float(self) -> bool:
+    return self.dtype in ("float32", "bfloat16", "float16", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+  """The traced step and the state's leaves.
+
+  Attributes:
+    leaves: one `LeafInfo` per state leaf, in flattening order.
+    closed_jaxpr: the traced step; its first `len(leaves)` invars are the state leaves and its
+      first `len(leaves)` outvars the new state leaves.
+    state_treedef: the state's pytree structure.
+    out_treedef: the structure of the step's whole output.
+    num_args: flattened leaves of the other arguments.
+  """
+
+  leaves: tuple[LeafInfo, ...]
+  closed_jaxpr: Any
+  state_treedef: Any
+  out_treedef: Any
+  num_args: int
+
+  def by_path(self) -> dict[str, LeafInfo]:
+    return {leaf.path: leaf for leaf in self.leaves}
+
+
+def bytes_per_device(x: Any) -> int:
+  """Bytes one device holds for array-like `x` (its shard when it carries a sharding)."""
+  shape = tuple(x.shape)
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None and hasattr(sharding, "shard_shape"):
+    try:
+      shape = tuple(sharding.shard_shape(shape))
+    except Exception:  # pylint: disable=broad-except
+      pass
+  return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def check_leaves(api: str, state: Any) -> list[tuple[Any, Any]]:
+  """Flattens `state` with paths; raises TypeError naming the first leaf that is not an array.
+
+  Raises:
+    TypeError: a leaf is not a `jax.Array`/`np.ndarray` (e.g. a Python int or a string), or a
+      jax.Array leaf was deleted (donated to an earlier step).
+  """
+  flat, _ = jax.tree_util.tree_flatten_with_path(state)
+  for path, leaf in flat:
+    name = jax.tree_util.keystr(path)
+    if isinstance(leaf, jax.Array):
+      if leaf.is_deleted():
+        raise ValueError(
+            f"{api}: state leaf {name} ({leaf.dtype}{list(leaf.shape)}) was deleted: it was "
+            "donated to an earlier step, which consumed it. Pass the state returned by that "
+            "step (`state, metrics = step(state, batch)`), not the one passed into it.")
+      continue
+    if isinstance(leaf, np.ndarray):
+      continue
+    raise TypeError(
+        f"{api}: state leaf {name} is a {type(leaf).__name__} ({leaf!r:.60}), not an array; "
+        "jaxtier places array leaves only. Make it an array (jnp.asarray) or move it out of "
+        "the state (close over it, or mark it static).")
+  return flat
+
+
+def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
+                   api: str = "jaxtier.offload") -> Inventory:
+  """Traces `fn(state, *args)` and classifies the state's leaves.
+
+  Raises:
+    TypeError: a non-array state leaf (named by path), or an output that is not
+      `(new_state, metrics)` with the state's structure.
+  """
+  flat = check_leaves(api, state)
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(state, *args)
+  state_treedef = jax.tree_util.tree_structure(state)
+  out_treedef = jax.tree_util.tree_structure(out_shape)
+  if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2
+          and jax.tree_util.tree_structure(out_shape[0]) == state_treedef):
+    raise TypeError(
+        f"{api}: expected the step to return (new_state, metrics) with new_state structured "
+        f"like its first argument; got output structure {out_treedef}. Return the updated "
+        "state as the first element.")
+  jaxpr = closed.jaxpr
+  n_state = len(flat)
+  roles = _roles(jaxpr, flat)
+  leaves = []
+  for i, (path, leaf) in enumerate(flat):
+    role, why = roles[i]
+    leaves.append(LeafInfo(index=i, path=jax.tree_util.keystr(path), shape=tuple(leaf.shape),
+                           dtype=np.dtype(leaf.dtype).name, nbytes=bytes_per_device(leaf),
+                           role=role, why=why))
+  return Inventory(leaves=tuple(leaves), closed_jaxpr=closed, state_treedef=state_treedef,
+                   out_treedef=out_treedef, num_args=len(jaxpr.invars) - n_state)
+
+
+def _roles(jaxpr: Any, flat: list[tuple[Any, Any]]) -> list[tuple[str, str]]:
+  out = []
+  for i, (_, leaf) in enumerate(flat):
+    dtype = np.dtype(leaf.dtype)
+    if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
+      out.append((OTHER, f"{dtype.name} leaf"))
+      continue
+    if len(leaf.shape) == 0:
+      out.append((OTHER, "0-d leaf"))
+      continue
+    eqns, tainted = jaxpr_graph.taint_forward(jaxpr, [i])
+    if not eqns:
+      out.append((OTHER, "not read by the step"))
+      continue
+    why = jaxpr_graph.check_elementwise(jaxpr_graph._SubJaxpr(jaxpr, sorted(eqns)),  # pylint: disable=protected-access
+                                        [k == i for k in range(len(jaxpr.invars))],
+                                        jaxpr_graph.size_of(jaxpr.invars[i].aval))
+    own_out = i < len(jaxpr.outvars) and isinstance(jaxpr.outvars[i], jc.Var) and (
+        jaxpr.outvars[i] in tainted)
+    if not why and own_out:
+      out.append((OPTIMIZER_STATE, "read only elementwise; feeds its own update"))
+    elif why:
+      out.append((PARAM, f"read by non-elementwise ops ({why})"))
+    else:
+      out.append((OTHER, "read elementwise but not carried to the next step"))
+  return out

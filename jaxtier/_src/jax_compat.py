@@ -1,0 +1,96 @@
+"""The one place where jaxtier touches JAX internals or papers over API differences.
+
+Supported: jax >= 0.10.2 (CI) and 0.11.x (the H200 machine). Everything version- or
+internals-dependent goes through the names defined here, so that a JAX upgrade breaks one
+module, not many.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax import extend as jex
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# Jaxpr data structures (public through jax.extend since jax 0.4.3x).
+Jaxpr = jex.core.Jaxpr
+ClosedJaxpr = jex.core.ClosedJaxpr
+JaxprEqn = jex.core.JaxprEqn
+Literal = jex.core.Literal
+Var = jex.core.Var
+DropVar = jex.core.DropVar
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
+  """Evaluates one jaxpr equation on concrete or traced values; returns its outputs as a list.
+
+  Mirrors `jax.core.eval_jaxpr` (equation context included): `Primitive.get_bind_params`
+  returns the bind params in jax >= 0.10, and `(subfuns, params)` in older releases.
+  """
+  got = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], (list, tuple)):
+    subfuns, params = got
+  else:
+    subfuns, params = (), got
+  ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+  if ctx is not None:
+    with ctx:
+      out = eqn.primitive.bind(*subfuns, *invals, **params)
+  else:
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def inner_jaxpr(eqn: Any) -> "ClosedJaxpr | Jaxpr | None":
+  """The body of a call-like equation whose outputs are a pure function of its inputs.
+
+  Covers `pjit` (named `jit` in newer JAX), `closed_call`, `core_call`, `custom_jvp_call` and
+  `custom_vjp_call`. Returns None for any other primitive.
+  """
+  name = eqn.primitive.name
+  params = eqn.params
+  if name in ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"):
+    return params.get("jaxpr") or params.get("call_jaxpr")
+  if name in ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"):
+    return params.get("call_jaxpr") or params.get("fun_jaxpr")
+  return None
+
+
+def open_jaxpr(j: Any) -> tuple[Any, list[Any]]:
+  """(jaxpr, consts) for a ClosedJaxpr or an open Jaxpr (which then has no consts)."""
+  if isinstance(j, ClosedJaxpr):
+    return j.jaxpr, list(j.consts)
+  return j, []
+
+
+def memory_space(kind: str) -> Any:
+  """`jax.memory.Space` member for a memory kind name ('device' or 'pinned_host')."""
+  return {"device": jax.memory.Space.Device, "pinned_host": jax.memory.Space.Host}[kind]
+
+
+def named_sharding(x: Any, memory_kind: str) -> NamedSharding:
+  """A `NamedSharding` for array `x` in `memory_kind`, keeping x's mesh and spec.
+
+  Only `NamedSharding` carries the memory kind into JAX's types, so a `SingleDeviceSharding`
+  (what `jnp` arrays get by default) becomes a one-device mesh with a replicated spec.
+  """
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    return sharding.with_memory_kind(memory_kind)
+  if sharding is not None and len(sharding.device_set) == 1:
+    device = next(iter(sharding.device_set))
+  else:
+    device = jax.devices()[0]
+  mesh = Mesh([device], ("_jaxtier",))
+  return NamedSharding(mesh, PartitionSpec(), memory_kind=memory_kind)
+
+
+def platform_of(x: Any) -> str:
+  """'cpu', 'gpu' or 'tpu' for a jax.Array's devices (default backend for other values)."""
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None:
+    return next(iter(sharding.device_set)).platform
+  return jax.default_backend()

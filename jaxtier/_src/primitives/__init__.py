@@ -1,0 +1,1 @@
+"""One module per XLA FFI custom-call family (Python side: program, lowering, reference)."""

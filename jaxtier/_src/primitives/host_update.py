@@ -1,0 +1,259 @@
+"""The fused host update: one pass of an elementwise op program over host-resident leaves.
+
+Custom call `jaxtier_host_update_ffi` (C++: `xla_ffi/src/host_update.cc` for the CPU handler,
+`xla_ffi/src/host_update_kernels.cu` for the CUDA handler; format: docs/design.md, "Op program
+format"). The lowering stage (`jaxtier/_src/lowering.py`) compiles the elementwise part of an
+optimizer update (any optax chain of elementwise maps) into a `Program`; `host_update` runs it.
+
+Operands are arrays of N elements (read at element i) or 1 element (broadcast scalars); results
+have N elements. A result listed in `aliases` is written in place into the operand's buffer:
+with a donated `pinned_host` operand this updates host memory without a copy (the CUDA handler
+reads and writes the host pages directly over PCIe: direct host access).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "jaxtier_host_update_ffi"
+
+MAX_INSTRUCTIONS = 256
+MAX_REGISTERS = 64
+MAX_CONSTS = 64
+MAX_OPERANDS = 32
+MAX_RESULTS = 16
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class Op(enum.IntEnum):
+  """Opcodes of the op program (must match `xla_ffi/src/program.h`)."""
+
+  LOAD = 1
+  CONST = 2
+  STORE = 3
+  COPY = 4
+  NEG = 10
+  ABS = 11
+  SQRT = 12
+  RSQRT = 13
+  EXP = 14
+  LOG = 15
+  TANH = 16
+  LOGISTIC = 17
+  SIGN = 18
+  FLOOR = 19
+  CEIL = 20
+  LOG1P = 21
+  EXPM1 = 22
+  SIN = 23
+  COS = 24
+  NOT = 25
+  ERF = 26
+  ROUND = 27
+  ISFINITE = 28
+  ADD = 40
+  SUB = 41
+  MUL = 42
+  DIV = 43
+  MAX = 44
+  MIN = 45
+  POW = 46
+  ATAN2 = 47
+  GT = 48
+  GE = 49
+  LT = 50
+  LE = 51
+  EQ = 52
+  NE = 53
+  AND = 54
+  OR = 55
+  REM = 56
+  SELECT = 60
+  CLAMP = 61
+
+
+UNARY = frozenset(range(10, 29))
+BINARY = frozenset(range(40, 57))
+TERNARY = frozenset((60, 61))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Program:
+  """An op program: instructions over fp32 registers, run once per element index.
+
+  Attributes:
+    code: int32 array [num_instructions, 5] of (op, dst, a, b, c).
+    consts: float32 array [num_consts] of immediates.
+    num_regs: registers used (<= MAX_REGISTERS).
+    num_operands: operands the program LOADs from.
+    num_results: results the program STOREs to.
+  """
+
+  code: np.ndarray
+  consts: np.ndarray
+  num_regs: int
+  num_operands: int
+  num_results: int
+
+  def __post_init__(self):
+    if self.code.ndim != 2 or self.code.shape[1] != 5:
+      raise ValueError(f"Program: expected code of shape [n, 5], got {self.code.shape}")
+    for name, value, limit in (("instructions", len(self.code), MAX_INSTRUCTIONS),
+                               ("registers", self.num_regs, MAX_REGISTERS),
+                               ("constants", len(self.consts), MAX_CONSTS),
+                               ("operands", self.num_operands, MAX_OPERANDS),
+                               ("results", self.num_results, MAX_RESULTS)):
+      if value > limit:
+        raise ProgramTooLarge(f"op program needs {value} {name}; the executors allow {limit}")
+
+  def __str__(self) -> str:
+    lines = []
+    for op, dst, a, b, c in self.code.tolist():
+      name = Op(op).name
+      if op == Op.LOAD:
+        lines.append(f"r{dst} = operand[{a}]")
+      elif op == Op.CONST:
+        lines.append(f"r{dst} = {float(self.consts[a])!r}")
+      elif op == Op.STORE:
+        lines.append(f"result[{dst}] = r{a}")
+      elif op == Op.COPY:
+        lines.append(f"r{dst} = r{a}")
+      elif op in UNARY:
+        lines.append(f"r{dst} = {name.lower()}(r{a})")
+      elif op in BINARY:
+        lines.append(f"r{dst} = {name.lower()}(r{a}, r{b})")
+      else:
+        lines.append(f"r{dst} = {name.lower()}(r{a}, r{b}, r{c})")
+    return "\n".join(lines)
+
+
+class ProgramTooLarge(ValueError):
+  """An elementwise update needs more instructions/registers/operands than the executors take."""
+
+
+def ffi_disabled() -> bool:
+  """True when the kill switch `JAXTIER_DISABLE_FFI=1` asks for the pure-JAX reference."""
+  return os.environ.get("JAXTIER_DISABLE_FFI", "0") not in ("", "0", "false", "False")
+
+
+def host_update(program: Program, operands: Sequence[jax.Array],
+                results: Sequence[jax.ShapeDtypeStruct], aliases: Sequence[int]) -> list[jax.Array]:
+  """Runs `program` once per element over `operands`, producing `results`.
+
+  Args:
+    program: the op program (see `Program`).
+    operands: arrays of dtype float32/bfloat16/float16, each with N elements or 1 (a
+      broadcast scalar). Host-resident operands (memory kind `pinned_host`) are read in place.
+    results: shapes and dtypes of the results; every result has N elements.
+    aliases: for each result, the index of the operand whose buffer it overwrites in place
+      (that operand must be donated by the enclosing jit), or -1.
+
+  Returns:
+    The results, as a list of arrays.
+
+  Raises:
+    ValueError: a dtype outside float32/bfloat16/float16, or element counts that differ.
+  """
+  n = _check(program, operands, results, aliases)
+  del n
+  if ffi_disabled():
+    return _reference(program, operands, results)
+  from jaxtier._src import ffi  # Imported late: loads the extension after jax.
+
+  ffi.ensure_registered()
+  call = jax.ffi.ffi_call(
+      TARGET, tuple(results),
+      input_output_aliases={a: r for r, a in enumerate(aliases) if a >= 0},
+      has_side_effect=False)
+  out = call(*operands,
+             program=np.ascontiguousarray(program.code.reshape(-1), dtype=np.int32),
+             consts=np.ascontiguousarray(program.consts, dtype=np.float32),
+             num_regs=np.int32(program.num_regs),
+             aliases=np.asarray(list(aliases), dtype=np.int32))
+  return list(out)
+
+
+def _check(program, operands, results, aliases) -> int:
+  if len(results) != program.num_results or len(aliases) != len(results):
+    raise ValueError(f"host_update: expected {program.num_results} results and aliases, got "
+                     f"{len(results)} results and {len(aliases)} aliases")
+  if len(operands) != program.num_operands:
+    raise ValueError(f"host_update: expected {program.num_operands} operands, got {len(operands)}")
+  sizes = {int(np.prod(r.shape)) for r in results}
+  if len(sizes) != 1:
+    raise ValueError(f"host_update: results must have one element count, got {sorted(sizes)}")
+  (n,) = sizes
+  for i, x in enumerate(list(operands) + list(results)):
+    kind = "operand" if i < len(operands) else "result"
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+      raise ValueError(f"host_update: {kind} {i} has dtype {x.dtype}; expected one of "
+                       f"float32, bfloat16, float16")
+    size = int(np.prod(x.shape))
+    if size not in (n, 1) or (kind == "result" and size != n):
+      raise ValueError(f"host_update: {kind} {i} has {size} elements, expected {n}")
+  for r, a in enumerate(aliases):
+    if a >= 0 and (jnp.dtype(operands[a].dtype) != jnp.dtype(results[r].dtype)
+                   or operands[a].shape != tuple(results[r].shape)):
+      raise ValueError(f"host_update: result {r} aliases operand {a} but their shapes/dtypes "
+                       f"differ: {results[r]} vs {operands[a].shape} {operands[a].dtype}")
+  return n
+
+
+_UNARY_FNS = {
+    Op.NEG: jnp.negative, Op.ABS: jnp.abs, Op.SQRT: jnp.sqrt, Op.RSQRT: lambda x: 1.0 / jnp.sqrt(x),
+    Op.EXP: jnp.exp, Op.LOG: jnp.log, Op.TANH: jnp.tanh, Op.LOGISTIC: jax.nn.sigmoid,
+    Op.SIGN: jnp.sign, Op.FLOOR: jnp.floor, Op.CEIL: jnp.ceil, Op.LOG1P: jnp.log1p,
+    Op.EXPM1: jnp.expm1, Op.SIN: jnp.sin, Op.COS: jnp.cos,
+    Op.NOT: lambda x: jnp.where(x == 0, 1.0, 0.0).astype(jnp.float32),
+    Op.ERF: jax.scipy.special.erf, Op.ROUND: lambda x: jax.lax.round(x),
+    Op.ISFINITE: lambda x: jnp.isfinite(x).astype(jnp.float32),
+}
+_BINARY_FNS = {
+    Op.ADD: jnp.add, Op.SUB: jnp.subtract, Op.MUL: jnp.multiply, Op.DIV: jnp.divide,
+    Op.MAX: jax.lax.max, Op.MIN: jax.lax.min, Op.POW: jnp.power, Op.ATAN2: jnp.arctan2,
+    Op.GT: jnp.greater, Op.GE: jnp.greater_equal, Op.LT: jnp.less, Op.LE: jnp.less_equal,
+    Op.EQ: jnp.equal, Op.NE: jnp.not_equal,
+    Op.AND: lambda a, b: jnp.logical_and(a != 0, b != 0),
+    Op.OR: lambda a, b: jnp.logical_or(a != 0, b != 0), Op.REM: jnp.fmod,
+}
+
+
+def _reference(program: Program, operands, results) -> list[jax.Array]:
+  """Pure-JAX interpretation of `program` (the `JAXTIER_DISABLE_FFI=1` path and test oracle)."""
+  n = int(np.prod(results[0].shape)) if results else 0
+  # XLA computes on device memory: bring host operands over (the kill-switch path is a
+  # correctness fallback, not a fast one).
+  operands = [jax.device_put(x, jax.memory.Space.Device) for x in operands]
+  flat = [jnp.reshape(x, (-1,)).astype(jnp.float32) for x in operands]
+  regs: dict[int, jax.Array] = {}
+  outs: list[jax.Array | None] = [None] * len(results)
+  for op, dst, a, b, c in program.code.tolist():
+    if op == Op.LOAD:
+      regs[dst] = flat[a] if flat[a].shape[0] == n else jnp.broadcast_to(flat[a][0], (n,))
+    elif op == Op.CONST:
+      regs[dst] = jnp.full((n,), program.consts[a], jnp.float32)
+    elif op == Op.STORE:
+      outs[dst] = regs[a].astype(results[dst].dtype).reshape(results[dst].shape)
+    elif op == Op.COPY:
+      regs[dst] = regs[a]
+    elif op in UNARY:
+      regs[dst] = _UNARY_FNS[Op(op)](regs[a]).astype(jnp.float32)
+    elif op in BINARY:
+      regs[dst] = _BINARY_FNS[Op(op)](regs[a], regs[b]).astype(jnp.float32)
+    elif op == Op.SELECT:
+      regs[dst] = jnp.where(regs[a] != 0, regs[c], regs[b])
+    elif op == Op.CLAMP:
+      regs[dst] = jnp.minimum(jnp.maximum(regs[b], regs[a]), regs[c])
+    else:
+      raise ValueError(f"host_update: unknown opcode {op}")
+  missing = [i for i, o in enumerate(outs) if o is None]
+  if missing:
+    raise ValueError(f"host_update: program never stores results {missing}")
+  return outs  # type: ignore[return-value]
