@@ -1,0 +1,458 @@
+r"""Trains the Llama-style decoder on byte-level text, with or without jaxtier offload.
+
+The train step is a plain functional ``train_step(state, batch) -> (state, metrics)``
+over ``nnx.split((model, optimizer))``; with ``--offload=auto`` it is wrapped,
+unchanged, by ``jaxtier.offload``; with ``--offload=none`` by ``jax.jit``.
+
+Usage::
+
+  python -m jaxtier train --config=tiny --offload=none
+  python -m jaxtier train --config=1b --device_budget=80GB
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import dataclasses
+import math
+import time
+from typing import Any
+
+from absl import app
+from absl import flags
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+
+from . import data as data_lib
+from . import llama
+
+__all__ = [
+    "OptimizerConfig",
+    "RUN_DEFAULTS",
+    "RunDefaults",
+    "main",
+    "make_optimizer",
+    "make_train_state",
+    "run",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+  """AdamW with linear warmup and cosine decay.
+
+  Attributes:
+    learning_rate: peak learning rate, reached after ``warmup_steps``.
+    total_steps: steps of the whole schedule (warmup plus cosine decay).
+    warmup_steps: linear warmup from 0; ``None`` means 5% of ``total_steps``
+      (at least 1).
+    end_learning_rate_ratio: final learning rate as a fraction of the peak.
+    weight_decay: decoupled weight decay, applied to every parameter except the
+      RMSNorm scales.
+    b1: Adam first-moment decay.
+    b2: Adam second-moment decay.
+    clip_norm: if not ``None``, clip gradients to this global L2 norm first
+      (``optax.clip_by_global_norm``).
+  """
+
+  learning_rate: float = 3e-3
+  total_steps: int = 1000
+  warmup_steps: int | None = None
+  end_learning_rate_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  clip_norm: float | None = None
+
+  def __post_init__(self):
+    if not self.learning_rate > 0:
+      raise ValueError(
+          f"OptimizerConfig: expected learning_rate > 0, got {self.learning_rate}.")
+    if self.total_steps < 1:
+      raise ValueError(
+          f"OptimizerConfig: expected total_steps >= 1, got {self.total_steps}.")
+    if self.warmup_steps is not None and not 0 <= self.warmup_steps:
+      raise ValueError(
+          f"OptimizerConfig: expected warmup_steps >= 0 or None, got "
+          f"{self.warmup_steps}.")
+    if self.clip_norm is not None and not self.clip_norm > 0:
+      raise ValueError(
+          f"OptimizerConfig: expected clip_norm > 0 or None, got {self.clip_norm}.")
+
+  @property
+  def resolved_warmup_steps(self) -> int:
+    if self.warmup_steps is None:
+      return max(1, self.total_steps // 20)
+    return self.warmup_steps
+
+
+def _decay_mask(params):
+  """True for the leaves that get weight decay: all but the RMSNorm scales."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+  """The optax transformation described by ``config``."""
+  warmup = config.resolved_warmup_steps
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=config.learning_rate,
+      warmup_steps=warmup,
+      # The cosine part needs at least one step.
+      decay_steps=max(config.total_steps, warmup + 1),
+      end_value=config.learning_rate * config.end_learning_rate_ratio,
+  )
+  tx = optax.adamw(schedule, b1=config.b1, b2=config.b2,
+                   weight_decay=config.weight_decay, mask=_decay_mask)
+  if config.clip_norm is not None:
+    tx = optax.chain(optax.clip_by_global_norm(config.clip_norm), tx)
+  return tx
+
+
+def make_train_state(
+    config: llama.LlamaConfig | str,
+    optimizer_config: OptimizerConfig | float,
+    seed: int = 0,
+    *,
+    abstract: bool = False,
+) -> tuple[nnx.GraphDef, nnx.State, Callable[[nnx.State, jax.Array],
+                                             tuple[nnx.State, dict[str, jax.Array]]]]:
+  """Builds the model, its optimizer and the functional train step.
+
+  Args:
+    config: a ``llama.LlamaConfig`` or a key of ``llama.CONFIGS``.
+    optimizer_config: an ``OptimizerConfig``, or a float peak learning rate for
+      ``OptimizerConfig(learning_rate=...)``.
+    seed: seed of the weight initialisation.
+    abstract: if True, allocate nothing: the leaves of ``state`` are
+      ``jax.ShapeDtypeStruct`` (for planning models that do not fit, e.g.
+      ``jaxtier.plan(train_step, state, batch_spec)`` with the ``13b`` config).
+
+  Returns:
+    ``(graphdef, state, train_step)``: ``state`` is ``nnx.State`` of
+    ``(model, optimizer)`` (index ``0``: the parameters; index ``1``: the
+    optimizer's ``opt_state`` and ``step``), allocated on the default device.
+    ``train_step(state, batch)`` takes int ``[batch, seq_len + 1]`` tokens and
+    returns ``(new_state, {"loss": float32 scalar})``; ``new_state`` has the same
+    pytree structure, shapes and dtypes as ``state``.
+  """
+  if isinstance(config, str):
+    config = _lookup_config(config)
+  if not isinstance(optimizer_config, OptimizerConfig):
+    optimizer_config = OptimizerConfig(learning_rate=float(optimizer_config))
+  tx = make_optimizer(optimizer_config)
+
+  def build():
+    model = llama.init_model(config, seed)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  graphdef, state = nnx.split(nnx.eval_shape(build) if abstract else build())
+
+  def train_step(state, batch):
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(llama.loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return nnx.state((model, optimizer)), {"loss": loss}
+
+  return graphdef, state, train_step
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunDefaults:
+  """Per-config defaults of ``run`` (and of the flags left unset)."""
+
+  steps: int
+  batch_size: int
+  learning_rate: float
+  log_every: int
+
+
+RUN_DEFAULTS: dict[str, RunDefaults] = {
+    # About a minute on 2 CPU cores, compile included.
+    "tiny": RunDefaults(steps=600, batch_size=16, learning_rate=3e-3, log_every=50),
+    "small": RunDefaults(steps=2000, batch_size=16, learning_rate=1e-3, log_every=50),
+    "1b": RunDefaults(steps=200, batch_size=8, learning_rate=3e-4, log_every=10),
+    "8b": RunDefaults(steps=100, batch_size=4, learning_rate=1.5e-4, log_every=5),
+    "13b": RunDefaults(steps=100, batch_size=4, learning_rate=1.5e-4, log_every=5),
+}
+_FALLBACK_DEFAULTS = RunDefaults(steps=100, batch_size=8, learning_rate=1e-3,
+                                 log_every=10)
+
+
+def _lookup_config(name: str) -> llama.LlamaConfig:
+  try:
+    return llama.CONFIGS[name]
+  except KeyError:
+    raise ValueError(
+        f"train: expected a config in {sorted(llama.CONFIGS)}, got {name!r}.") from None
+
+
+def _role(path) -> str:
+  top = path[0].key if hasattr(path[0], "key") else path[0]
+  if top == 0:
+    return "params"
+  name = jax.tree_util.keystr(path)
+  return "optimizer step" if "['step']" in name else "optimizer state"
+
+
+def placement_table(state) -> str:
+  """Bytes of ``state`` per role and memory kind, as printable lines."""
+  rows: dict[tuple[str, str], list[int]] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    sharding = getattr(leaf, "sharding", None)
+    where = "?"
+    if sharding is not None:
+      kind = getattr(sharding, "memory_kind", None) or "device"
+      platforms = sorted({d.platform for d in sharding.device_set})
+      where = f"{kind} ({','.join(platforms)})"
+    row = rows.setdefault((_role(path), where), [0, 0])
+    row[0] += 1
+    row[1] += int(leaf.nbytes)
+  lines = [f"{'role':<16} {'memory kind':<22} {'leaves':>6} {'bytes':>14}"]
+  for (role, where), (count, nbytes) in sorted(rows.items()):
+    lines.append(f"{role:<16} {where:<22} {count:>6} {nbytes:>14,} "
+                 f"({nbytes / 2**20:,.1f} MiB)")
+  total = sum(r[1] for r in rows.values())
+  lines.append(f"{'total':<16} {'':<22} {sum(r[0] for r in rows.values()):>6} "
+               f"{total:>14,} ({total / 2**20:,.1f} MiB)")
+  return "\n".join(lines)
+
+
+def _offload_step(train_step, *, device_budget, host_budget):
+  import jaxtier  # pylint: disable=g-import-not-at-top
+  return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget)
+
+
+def _budget(value):
+  return None if value in (None, "") else value
+
+
+def run(
+    *,
+    config_name: str = "tiny",
+    config: llama.LlamaConfig | None = None,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    offload: str = "none",
+    data: str | np.ndarray | None = None,
+    seed: int = 0,
+    learning_rate: float | None = None,
+    warmup_steps: int | None = None,
+    clip: bool = False,
+    log_every: int | None = None,
+    device_budget: str | int | None = None,
+    host_budget: str | int | None = None,
+    remat_policy: str | None = None,
+    init_on_host: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+  """Trains ``steps`` steps and reports the losses and the speed.
+
+  Args:
+    config_name: key of ``llama.CONFIGS`` (and of ``RUN_DEFAULTS``).
+    config: if given, this model config instead of ``CONFIGS[config_name]``
+      (the run defaults still come from ``config_name``).
+    steps: number of train steps; ``None``: the config's default.
+    batch_size: sequences per step; ``None``: the config's default.
+    seq_len: tokens per sequence (the batch holds ``seq_len + 1``); ``None``:
+      ``config.max_seq_len``.
+    offload: ``"none"`` (``jax.jit``, all state on the device) or ``"auto"``
+      (``jaxtier.offload`` plans where each leaf lives).
+    data: ``None``/``""`` for the standard-library corpus, a ``--data`` string
+      (comma-separated text files or one uint16 token file), or a 1-D array of
+      token ids.
+    seed: seed of the weights and of the batch order.
+    learning_rate: peak learning rate; ``None``: the config's default.
+    warmup_steps: warmup of the schedule; ``None``: 5% of ``steps``.
+    clip: clip gradients to global norm 1.0 before AdamW.
+    log_every: print the loss and sync every this many steps; ``None``: the
+      config's default.
+    device_budget: device bytes jaxtier may use per device, e.g. ``"80GB"``;
+      ``None`` means no limit. Only with ``offload="auto"``.
+    host_budget: pinned host bytes jaxtier may use, as ``device_budget``.
+    remat_policy: ``None`` keeps the config's ``remat_policy``; ``"none"``
+      turns rematerialisation off; any other value is a
+      ``jax.checkpoint_policies`` name applied to each decoder layer.
+    init_on_host: build the initial state on the host CPU backend (for models
+      whose state does not fit on the device); ``step.place`` then moves it.
+    progress: show a tqdm progress bar.
+
+  Returns:
+    A dict with ``losses`` (one float per step), ``step_times`` (seconds per
+    step; the loop syncs only at log points, so a step inside a log window is
+    given the window's mean; entry 0 is the first step alone, compile
+    included), ``tokens_per_sec`` (mean over all steps but the first),
+    ``first_loss``, ``last_loss``, ``compile_secs``, ``total_secs``,
+    ``num_params``, ``state_bytes`` and ``plan`` (``str(step.plan)`` or
+    ``None``).
+
+  Raises:
+    ValueError: for an unknown config or offload mode, bad sizes, or bad data.
+  """
+  if offload not in ("none", "auto"):
+    raise ValueError(f"run: expected offload in ('none', 'auto'), got {offload!r}.")
+  defaults = RUN_DEFAULTS.get(config_name, _FALLBACK_DEFAULTS)
+  if config is None:
+    config = _lookup_config(config_name)
+  if remat_policy is not None:
+    config = dataclasses.replace(
+        config, remat_policy=None if remat_policy == "none" else remat_policy)
+  steps = defaults.steps if steps is None else steps
+  batch_size = defaults.batch_size if batch_size is None else batch_size
+  seq_len = config.max_seq_len if seq_len is None else seq_len
+  learning_rate = defaults.learning_rate if learning_rate is None else learning_rate
+  log_every = defaults.log_every if log_every is None else log_every
+  if steps < 1 or batch_size < 1 or seq_len < 1 or log_every < 1:
+    raise ValueError(
+        f"run: expected steps, batch_size, seq_len and log_every >= 1, got "
+        f"{steps}, {batch_size}, {seq_len}, {log_every}.")
+
+  if isinstance(data, np.ndarray):
+    tokens = data
+    if tokens.size and int(tokens.max()) >= config.vocab_size:
+      raise ValueError(
+          f"run: expected token ids < vocab_size={config.vocab_size}, got "
+          f"{int(tokens.max())}.")
+  else:
+    tokens = data_lib.load_corpus(data, vocab_size=config.vocab_size)
+  batch_iter = data_lib.batches(tokens, batch_size, seq_len, seed)
+
+  optimizer_config = OptimizerConfig(
+      learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
+      clip_norm=1.0 if clip else None)
+  t_start = time.perf_counter()
+  if init_on_host:
+    with jax.default_device(jax.devices("cpu")[0]):
+      _, state, train_step = make_train_state(config, optimizer_config, seed)
+  else:
+    _, state, train_step = make_train_state(config, optimizer_config, seed)
+  num_params = llama.param_count(config)
+  state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state))
+  print(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens of "
+        f"data, batch {batch_size} x seq {seq_len}, {steps} steps, "
+        f"offload={offload}")
+
+  first_batch = jnp.asarray(next(batch_iter))
+  plan = None
+  if offload == "auto":
+    step = _offload_step(train_step, device_budget=_budget(device_budget),
+                         host_budget=_budget(host_budget))
+    state = step.place(state, first_batch)
+    plan = str(step.plan)
+    print(step.plan)
+    print("state placement (jaxtier):")
+    print(placement_table(state))
+  else:
+    step = jax.jit(train_step, donate_argnums=0)
+    print("state placement (no offload):")
+    print(placement_table(state))
+
+  tokens_per_step = batch_size * seq_len
+  losses: list[float] = []
+  step_times: list[float] = []
+  pending: list[jax.Array] = []
+  bar = tqdm.tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True)
+  window_start = time.perf_counter()
+  window_steps = 0
+  batch = first_batch
+  compile_secs = 0.0
+  try:
+    for i in range(steps):
+      if i > 0:
+        batch = jnp.asarray(next(batch_iter))
+      state, metrics = step(state, batch)
+      pending.append(metrics["loss"])
+      window_steps += 1
+      bar.update(1)
+      # Sync after the first (compiling) step, at each log point and at the end.
+      if i == 0 or (i + 1) % log_every == 0 or i + 1 == steps:
+        losses.extend(float(x) for x in jax.device_get(pending))
+        pending.clear()
+        now = time.perf_counter()
+        secs = (now - window_start) / window_steps
+        step_times.extend([secs] * window_steps)
+        window_start, window_steps = now, 0
+        if i == 0:
+          compile_secs = secs
+        tok_s = tokens_per_step / secs
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}")
+        if i > 0 or steps == 1:
+          tqdm.tqdm.write(f"step {i + 1:>6}/{steps}  loss {losses[-1]:.4f}  "
+                          f"{tok_s:,.0f} tokens/s  {secs * 1e3:.1f} ms/step")
+  finally:
+    bar.close()
+  total_secs = time.perf_counter() - t_start
+
+  timed = step_times[1:] or step_times
+  tokens_per_sec = tokens_per_step * len(timed) / sum(timed)
+  if not all(math.isfinite(x) for x in losses):
+    print("warning: non-finite loss seen")
+  print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
+        f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
+  return {
+      "losses": losses,
+      "step_times": step_times,
+      "tokens_per_sec": tokens_per_sec,
+      "first_loss": losses[0],
+      "last_loss": losses[-1],
+      "compile_secs": compile_secs,
+      "total_secs": total_secs,
+      "num_params": num_params,
+      "state_bytes": state_bytes,
+      "plan": plan,
+  }
+
+
+_CONFIG = flags.DEFINE_enum("config", "tiny", list(llama.CONFIGS),
+                            "Model config (llama.CONFIGS).")
+_STEPS = flags.DEFINE_integer("steps", None, "Train steps; default per config "
+                              "(tiny: about a minute on 2 CPU cores).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", None,
+                                   "Sequences per step; default per config.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None,
+                                "Tokens per sequence; default config.max_seq_len.")
+_OFFLOAD = flags.DEFINE_enum("offload", "auto", ["none", "auto"],
+                             "none: jax.jit, all state on device; auto: "
+                             "jaxtier.offload plans the placement.")
+_DATA = flags.DEFINE_string("data", "", "Comma-separated text files, or one "
+                            "uint16 token file (*.bin, *.u16); default: the "
+                            "Python standard library's .py files.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and batch order.")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", None,
+                                    "Peak learning rate; default per config.")
+_WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", None,
+                                     "Warmup steps; default 5% of --steps.")
+_CLIP = flags.DEFINE_bool("clip", False, "Clip gradients to global norm 1.0.")
+_LOG_EVERY = flags.DEFINE_integer("log_every", None,
+                                  "Log (and sync) every N steps; default per config.")
+_DEVICE_BUDGET = flags.DEFINE_string("device_budget", "", "Device memory jaxtier "
+                                     "may use per device, e.g. 80GB; empty: no limit.")
+_HOST_BUDGET = flags.DEFINE_string("host_budget", "", "Pinned host memory jaxtier "
+                                   "may use, e.g. 400GB; empty: no limit.")
+_REMAT_POLICY = flags.DEFINE_string(
+    "remat_policy", None, "Per-layer rematerialisation: 'none', or a "
+    "jax.checkpoint_policies name; default: the config's.")
+_INIT_ON_HOST = flags.DEFINE_bool("init_on_host", False, "Build the initial state "
+                                  "on the host CPU (models too big for the device).")
+
+
+def main(argv: Sequence[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
+      seq_len=_SEQ_LEN.value, offload=_OFFLOAD.value, data=_DATA.value,
+      seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
+      warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
+      device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
+      remat_policy=_REMAT_POLICY.value, init_on_host=_INIT_ON_HOST.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
