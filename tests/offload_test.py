@@ -1,0 +1,228 @@
+"""jaxtier.offload on CPU: offloaded training equals device training; placements; errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxtier
+
+
+def _mlp_state(tx, dtype=jnp.float32, seed=0):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  params = {"w1": (jax.random.normal(k1, (16, 32)) * 0.3).astype(dtype),
+            "w2": (jax.random.normal(k2, (32, 4)) * 0.3).astype(dtype),
+            "b": jnp.zeros(4, dtype)}
+  return {"params": params, "opt": tx.init(params)}
+
+
+def _step_fn(tx):
+  def loss_fn(p, x, y):
+    h = jnp.tanh(x @ p["w1"].astype(jnp.float32))
+    return jnp.mean((h @ p["w2"].astype(jnp.float32) + p["b"].astype(jnp.float32) - y) ** 2)
+
+  def train_step(state, batch):
+    x, y = batch
+    loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
+    u, o = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
+  return train_step
+
+
+def _batch(seed=0):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(100 + seed))
+  return jax.random.normal(k1, (64, 16)), jax.random.normal(k2, (64, 4))
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _train(step, state, steps):
+  losses = []
+  for i in range(steps):
+    state, m = step(state, _batch(i % 4))
+    losses.append(float(m["loss"]))
+  return state, np.asarray(losses)
+
+
+TX = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 50), weight_decay=0.1)
+
+
+def test_adamw_offloaded_equals_device_50_steps():
+  step_fn = _step_fn(TX)
+  ref_state, ref = _train(jax.jit(step_fn, donate_argnums=0), _mlp_state(TX), 50)
+  step = jaxtier.offload(step_fn)
+  state = step.place(_mlp_state(TX), _batch())
+  state, got = _train(step, state, 50)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+  assert ref[-1] < 0.8 * ref[0]
+
+
+def test_plan_places_optimizer_state_in_pinned_host():  # case C4: pinned only
+  step = jaxtier.offload(_step_fn(TX))
+  state = step.place(_mlp_state(TX), _batch())
+  placements = step.plan.placements()
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    name = jax.tree_util.keystr(path)
+    if ".mu[" in name or ".nu[" in name:
+      assert placements[name] == "host_cpu"
+      assert leaf.sharding.memory_kind == "pinned_host", name
+    else:
+      assert placements[name] == "device"
+      assert leaf.sharding.memory_kind == "device", name
+  state, _ = step(state, _batch())
+  kinds = {jax.tree_util.keystr(p): x.sharding.memory_kind
+           for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+  assert kinds["['opt'][0].mu['w1']"] == "pinned_host"
+  assert kinds["['params']['w1']"] == "device"
+  assert step.plan.pinned_bytes == 2 * (16 * 32 + 32 * 4 + 4) * 4
+  assert "host_cpu" in str(step.plan) and "optimizer_state" in str(step.plan)
+
+
+def test_bf16_params_get_fp32_masters():
+  tx = optax.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32)
+  step_fn = _step_fn(tx)
+  step = jaxtier.offload(step_fn)
+  state = step.place(_mlp_state(tx, jnp.bfloat16), _batch())
+  masters = {l.path: l.master_nbytes for l in step.plan.leaves if l.master_nbytes}
+  assert masters == {"['params']['b']": 16, "['params']['w1']": 16 * 32 * 4,
+                     "['params']['w2']": 32 * 4 * 4}
+  # Reference: the same AdamW in fp32 on fp32 masters, params rounded to bf16 each step.
+  ref_tx_state = _mlp_state(tx, jnp.bfloat16)
+  master = jax.tree.map(lambda p: p.astype(jnp.float32), ref_tx_state["params"])
+  opt = ref_tx_state["opt"]
+
+  @jax.jit
+  def ref_step(master, opt, batch):
+    params = jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+    x, y = batch
+    def loss_fn(p):
+      return _step_fn(tx).__code__ and None
+    del loss_fn
+    (_, g) = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"].astype(jnp.float32))
+                                                     @ p["w2"].astype(jnp.float32)
+                                                     + p["b"].astype(jnp.float32) - y) ** 2))(params)
+    g32 = jax.tree.map(lambda a: a.astype(jnp.float32), g)
+    u, opt = tx.update(g32, opt, master)
+    return optax.apply_updates(master, u), opt
+  for i in range(10):
+    state, _ = step(state, _batch(i % 4))
+    master, opt = ref_step(master, opt, _batch(i % 4))
+  got = state["params"]
+  for k in ("w1", "w2", "b"):
+    np.testing.assert_allclose(np.asarray(got[k], np.float32),
+                               np.asarray(master[k].astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-3)
+    assert got[k].dtype == jnp.bfloat16
+
+
+def test_user_policy_host_xla_param_trains_like_device():
+  step_fn = _step_fn(TX)
+  _, ref = _train(jax.jit(step_fn, donate_argnums=0), _mlp_state(TX), 10)
+  step = jaxtier.offload(step_fn, policy={r"\['params'\]\['w1'\]": "host_xla"})
+  state = step.place(_mlp_state(TX), _batch())
+  assert step.plan.placements()["['params']['w1']"] == "host_xla"
+  assert state["params"]["w1"].sharding.memory_kind == "pinned_host"
+  state, got = _train(step, state, 10)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+  assert state["params"]["w1"].sharding.memory_kind == "pinned_host"
+
+
+def test_non_elementwise_optimizer_state_falls_back_to_xla():
+  # An update that reduces over a moment (here: normalises it by its own norm) is not one
+  # elementwise pass: the leaf stays in pinned_host but is served by XLA's transfers.
+  def normalized_momentum():
+    def init(params):
+      return jax.tree.map(jnp.zeros_like, params)
+    def update(g, mu, params=None):
+      mu = jax.tree.map(lambda m, g: 0.9 * m + g, mu, g)
+      return jax.tree.map(lambda m: -1e-2 * m / (jnp.linalg.norm(m) + 1e-6), mu), mu
+    return optax.GradientTransformation(init, update)
+  tx = normalized_momentum()
+  step_fn = _step_fn(tx)
+  _, ref = _train(jax.jit(step_fn, donate_argnums=0), _mlp_state(tx), 10)
+  step = jaxtier.offload(step_fn, policy={r"\['opt'\]": "host_cpu"})
+  state = step.place(_mlp_state(tx), _batch())
+  leaf = {l.path: l for l in step.plan.leaves}["['opt']['w1']"]
+  assert leaf.placement == "host_xla" and "reduce" in leaf.reason, leaf
+  _, got = _train(step, state, 10)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+# ---- bad input: clear errors naming the leaf, state left usable ----------------------------
+
+def test_non_array_leaf_is_named():
+  state = _mlp_state(TX)
+  state["lr"] = 0.1
+  step = jaxtier.offload(_step_fn(TX))
+  with pytest.raises(TypeError, match=re.escape("state leaf ['lr'] is a float")):
+    step.place(state, _batch())
+
+
+def test_integer_leaf_offloaded_is_refused():
+  step = jaxtier.offload(_step_fn(TX), policy={r"count": "host_cpu"})
+  with pytest.raises(jaxtier.PlanError,
+                     match=re.escape("leaf ['opt'][0].count (int32[]) would be placed host_cpu")):
+    step.place(_mlp_state(TX), _batch())
+
+
+def test_donated_state_reused_is_named():
+  step = jaxtier.offload(_step_fn(TX))
+  state = step.place(_mlp_state(TX), _batch())
+  new_state, _ = step(state, _batch())
+  with pytest.raises(ValueError, match=r"state leaf \['opt'\]\[0\]\.count .* was deleted: it was "
+                                       r"donated to an earlier step"):
+    step(state, _batch())
+  step(new_state, _batch())  # the returned state is still good.
+
+
+@pytest.mark.parametrize("kw", [dict(device_budget=0), dict(host_budget=-1),
+                                dict(host_budget="0GB"), dict(device_budget="lots")])
+def test_bad_budget_is_refused(kw):
+  name = next(iter(kw))
+  with pytest.raises(ValueError, match=f"jaxtier.offload: {name}: expected"):
+    jaxtier.offload(_step_fn(TX), **kw)
+
+
+def test_admission_refuses_before_allocating_state_intact():  # case C5
+  state = _mlp_state(TX)
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
+  step = jaxtier.offload(_step_fn(TX), host_budget=1000)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    step.place(state, _batch())
+  msg = str(err.value)
+  assert "refused before allocating anything" in msg
+  assert f"({2 * (16 * 32 + 32 * 4 + 4) * 4} bytes)" in msg and "(1000 bytes)" in msg
+  assert "['opt'][0].mu['w1'] 2.00 KiB" in msg  # the largest host leaves are listed
+  for x, b in zip(jax.tree.leaves(state), before):
+    assert not x.is_deleted() and x.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(x), b)
+  with pytest.raises(jaxtier.AdmissionError):
+    step(state, _batch())  # calling directly is refused the same way.
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_device_budget_over_is_refused():
+  step = jaxtier.offload(_step_fn(TX), device_budget=100)
+  with pytest.raises(jaxtier.PlanError, match=r"over the device budget of 100 B \(100 bytes\)"):
+    step.place(_mlp_state(TX), _batch())
+
+
+def test_step_must_return_state_and_metrics():
+  step = jaxtier.offload(lambda s, b: s)
+  with pytest.raises(TypeError, match="expected the step to return \\(new_state, metrics\\)"):
+    step.place(_mlp_state(TX), _batch())
+
+
+def test_jaxtier_plan_does_not_place():
+  state = _mlp_state(TX)
+  p = jaxtier.plan(_step_fn(TX), state, _batch())
+  assert p.num_host_updates == 3
+  assert all(x.sharding.memory_kind == "device" for x in jax.tree.leaves(state))
+  assert p.bytes_by_memory_kind()["pinned_host"] == 2 * (16 * 32 + 32 * 4 + 4) * 4
