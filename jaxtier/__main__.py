@@ -13,11 +13,40 @@ from __future__ import annotations
 import sys
 
 from absl import app
+from absl import flags
 
-import jaxtier  # noqa: F401  (imports jax first)
+import jaxtier  # (imports jax first)
 from jaxtier.examples import train as train_lib
 
 COMMANDS = ("train", "plan")
+_JSON = flags.DEFINE_bool("json", False, "plan: print the plan as JSON.")
+_PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
+                              "plan: plan for this platform's executors (default: this machine's).")
+
+
+def plan_main() -> None:
+  """Prints the plan for the example decoder config of `--config`, allocating nothing."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  config = llama.CONFIGS[flags.FLAGS.config]
+  defaults = train_lib.RUN_DEFAULTS.get(flags.FLAGS.config)
+  batch = flags.FLAGS.batch_size or (defaults.batch_size if defaults else 8)
+  seq_len = flags.FLAGS.seq_len or config.max_seq_len
+  _, state, step = train_lib.make_train_state(config, 1e-3, abstract=True)
+  tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
+  platform = _PLATFORM.value or jax.default_backend()
+  plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
+                      host_budget=flags.FLAGS.host_budget or None, platform=platform)
+  if _JSON.value:
+    print(plan.to_json())
+    return
+  if jax.default_backend() != "gpu":
+    print(f"note: no GPU here; planning for platform '{platform}' without measuring it")
+  print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
+        f"seq {seq_len}")
+  print(plan)
 
 
 def main(argv: list[str]) -> None:
@@ -29,7 +58,7 @@ def main(argv: list[str]) -> None:
   if argv[1] == "train":
     train_lib.main(argv[:1])
   else:
-    train_lib.plan_main(argv[:1])
+    plan_main()
 
 
 if __name__ == "__main__":

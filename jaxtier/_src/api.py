@@ -247,19 +247,25 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
 
 
 def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
-         host_budget: Any = None, policy: Any = "auto") -> planner.Plan:
+         host_budget: Any = None, policy: Any = "auto",
+         platform: "str | None" = None) -> planner.Plan:
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
 
-  `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s.
+  `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s (to plan a model that is not
+  allocated). `platform` ('cpu' or 'gpu'; default: JAX's default backend) picks the executors
+  the plan names; pinnable host memory is checked only for the machine's own platform.
 
   Raises:
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
   """
   options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy)
   inv = inv_lib.take_inventory(fun, state, args, api="jaxtier.plan")
-  platform = jax.default_backend()
-  result, _ = planner.make_plan(inv, platform=platform, policy=options.policy,
-                                device_budget=options.device_budget,
-                                host_budget=options.host_budget,
-                                pinnable_bytes=planner.pinnable_bytes(platform))
+  here = jax.default_backend()
+  platform = platform or here
+  if platform not in ("cpu", "gpu"):
+    raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
+  result, _ = planner.make_plan(
+      inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
+      host_budget=options.host_budget,
+      pinnable_bytes=planner.pinnable_bytes(platform) if platform == here else None)
   return result

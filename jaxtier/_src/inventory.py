@@ -88,8 +88,10 @@ def bytes_per_device(x: Any) -> int:
   return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
-def check_leaves(api: str, state: Any) -> list[tuple[Any, Any]]:
+def check_leaves(api: str, state: Any, allow_abstract: bool = False) -> list[tuple[Any, Any]]:
   """Flattens `state` with paths; raises TypeError naming the first leaf that is not an array.
+
+  With `allow_abstract`, `jax.ShapeDtypeStruct` leaves are accepted too (planning only).
 
   Raises:
     TypeError: a leaf is not a `jax.Array`/`np.ndarray` (e.g. a Python int or a string), or a
@@ -105,7 +107,7 @@ def check_leaves(api: str, state: Any) -> list[tuple[Any, Any]]:
             "donated to an earlier step, which consumed it. Pass the state returned by that "
             "step (`state, metrics = step(state, batch)`), not the one passed into it.")
       continue
-    if isinstance(leaf, np.ndarray):
+    if isinstance(leaf, np.ndarray) or (allow_abstract and isinstance(leaf, jax.ShapeDtypeStruct)):
       continue
     raise TypeError(
         f"{api}: state leaf {name} is a {type(leaf).__name__} ({leaf!r:.60}), not an array; "
@@ -122,7 +124,7 @@ def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
     TypeError: a non-array state leaf (named by path), or an output that is not
       `(new_state, metrics)` with the state's structure.
   """
-  flat = check_leaves(api, state)
+  flat = check_leaves(api, state, allow_abstract=(api == "jaxtier.plan"))
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(state, *args)
   state_treedef = jax.tree_util.tree_structure(state)
   out_treedef = jax.tree_util.tree_structure(out_shape)

@@ -289,8 +289,9 @@ def run(
     given the window's mean; entry 0 is the first step alone, compile
     included), ``tokens_per_sec`` (mean over all steps but the first),
     ``first_loss``, ``last_loss``, ``compile_secs``, ``total_secs``,
-    ``num_params``, ``state_bytes`` and ``plan`` (``str(step.plan)`` or
-    ``None``).
+    ``num_params``, ``state_bytes``, ``plan`` (``str(step.plan)`` or
+    ``None``) and ``plan_bytes`` (state bytes per memory kind, fp32 masters
+    included: ``{"device": ..., "pinned_host": ...}``).
 
   Raises:
     ValueError: for an unknown config or offload mode, bad sizes, or bad data.
@@ -340,11 +341,13 @@ def run(
 
   first_batch = jnp.asarray(next(batch_iter))
   plan = None
+  plan_bytes = {"device": state_bytes, "pinned_host": 0}
   if offload == "auto":
     step = _offload_step(train_step, device_budget=_budget(device_budget),
                          host_budget=_budget(host_budget))
     state = step.place(state, first_batch)
     plan = str(step.plan)
+    plan_bytes = step.plan.bytes_by_memory_kind()
     print(step.plan)
     print("state placement (jaxtier):")
     print(placement_table(state))
@@ -406,6 +409,7 @@ def run(
       "total_secs": total_secs,
       "num_params": num_params,
       "state_bytes": state_bytes,
+      "plan_bytes": plan_bytes,
       "plan": plan,
   }
 
