@@ -95,14 +95,14 @@ class OffloadedStep:
         pinnable_bytes=planner.pinnable_bytes(platform))
     self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
     self._masters, self._master_sources = [], ()
-    self._jitted = self._build(state)
+    self._jitted = self._build(state, args)
     log.info("jaxtier plan:\n%s", plan)
 
   def _shardings(self, state: Any) -> list[Any]:
     leaves = jax.tree_util.tree_leaves(state)
     return [jc.named_sharding(x, lp.memory_kind) for x, lp in zip(leaves, self.plan.leaves)]
 
-  def _build(self, state: Any):
+  def _build(self, state: Any, args: Sequence[Any]):
     run = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled)
     n_state = len(self.plan.leaves)
     state_sh = self._shardings(state)
@@ -115,9 +115,17 @@ class OffloadedStep:
       return outs[:n_state], masters, outs[n_state:]
 
     n_metrics = out_treedef.num_leaves - n_state
+    # Explicit in_shardings: with the memory kind of every donated input known at lowering,
+    # JAX pairs each donated buffer with an output of the same memory kind (on jax 0.11 it
+    # otherwise paired a device param with a same-shaped pinned_host moment, which XLA's
+    # verifier rejects).
+    # JAX ignores memory kinds when pairing donations if any argument's is unknown, so the
+    # other arguments get theirs too (their own sharding, in device memory).
+    arg_sh = [jc.named_sharding(x, getattr(getattr(x, "sharding", None), "memory_kind", None)
+                                or "device") for x in jax.tree_util.tree_leaves(args)]
     jitted = jax.jit(flat_step, donate_argnums=(0, 1),
+                     in_shardings=(state_sh, master_sh, arg_sh),
                      out_shardings=(state_sh, master_sh, [None] * n_metrics))
-    del out_treedef
     return jitted
 
   def place(self, state: Any, *example_args: Any) -> Any:

@@ -94,3 +94,46 @@ def platform_of(x: Any) -> str:
   if sharding is not None:
     return next(iter(sharding.device_set)).platform
   return jax.default_backend()
+
+
+# Call-like primitives whose body is a pure function of the inputs: inlining them changes no
+# value. remat/checkpoint is excluded (it carries the user's memory policy).
+_INLINABLE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                        "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def inline_calls(closed: Any) -> Any:
+  """Re-traces `closed` (a ClosedJaxpr) with nested pure calls (jit, custom_jvp/vjp) inlined.
+
+  Why: libraries wrap tree-wide helpers in `jax.jit` (optax's bias correction on jax 0.11 is one
+  `jit` over every moment leaf at once). Dataflow per leaf needs per-leaf equations, so the
+  calls are flattened into their primitives. Custom derivative rules are dropped, which is
+  harmless here: the traced train step already contains its gradients and is not
+  differentiated again. Control flow (scan, while, cond) and remat are kept as they are.
+  """
+  jaxpr, consts = closed.jaxpr, list(closed.consts)
+
+  def eval_inlined(j, cs, args):
+    env: dict[Any, Any] = {}
+    env.update(zip(j.constvars, cs))
+    env.update(zip(j.invars, args))
+
+    def read(v):
+      return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in j.eqns:
+      invals = [read(v) for v in eqn.invars]
+      inner = inner_jaxpr(eqn) if eqn.primitive.name in _INLINABLE else None
+      if inner is not None:
+        ij, ic = open_jaxpr(inner)
+        offset = len(invals) - len(ij.invars)
+        outs = eval_inlined(ij, ic, invals[offset:]) if offset >= 0 else bind_eqn(eqn, invals)
+      else:
+        outs = bind_eqn(eqn, invals)
+      for v, val in zip(eqn.outvars, outs):
+        if not isinstance(v, DropVar):
+          env[v] = val
+    return [read(v) for v in j.outvars]
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+  return jax.make_jaxpr(lambda *args: eval_inlined(jaxpr, consts, list(args)))(*avals)
