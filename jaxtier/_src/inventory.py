@@ -5,8 +5,12 @@ of `state` with its pytree path, shape, dtype, sharding and bytes per device, an
 from its uses in the traced jaxpr:
 
 - `param`: a floating leaf read by non-elementwise ops (matmuls, gathers, reductions).
-- `optimizer_state`: a floating leaf whose every use is elementwise and that feeds its own new
-  value (moments, accumulators, EMA copies): touched once per step, the first to go to host.
+- `optimizer_state`: a floating leaf that feeds its own new value and whose every use is
+  elementwise (moments, accumulators, EMA copies): touched once per step, the first to go to
+  host. Also such a carried leaf whose update is not one elementwise pass (Adafactor's factored
+  moments, a preconditioner) when the leaf itself is read elementwise (scaled, added to) and
+  does not reach the step's metrics: a param is read by a matmul or broadcast against
+  activations, and it reaches the loss. The plan then serves it by XLA's transfers and says why.
 - `other`: integer, boolean, key or 0-d leaves (step counts, RNG keys); they stay on device.
 """
 
@@ -85,7 +89,18 @@ def bytes_per_device(x: Any) -> int:
       shape = tuple(sharding.shard_shape(shape))
     except Exception:  # pylint: disable=broad-except
       pass
-  return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+  return int(np.prod(shape, dtype=np.int64)) * _itemsize(x.dtype)
+
+
+def _itemsize(dtype: Any) -> int:
+  """Bytes per element; extended dtypes (PRNG keys) report theirs through `itemsize`."""
+  return int(getattr(dtype, "itemsize", 0)) or np.dtype(dtype).itemsize
+
+
+def dtype_name(dtype: Any) -> str:
+  """'float32', 'bfloat16', ..., or e.g. 'key<fry>' for a PRNG key dtype."""
+  return jax.numpy.dtype(dtype).name if not jax.dtypes.issubdtype(
+      dtype, jax.dtypes.extended) else str(dtype)
 
 
 def check_leaves(api: str, state: Any, allow_abstract: bool = False) -> list[tuple[Any, Any]]:
@@ -125,7 +140,12 @@ def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
       `(new_state, metrics)` with the state's structure.
   """
   flat = check_leaves(api, state, allow_abstract=(api == "jaxtier.plan"))
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(state, *args)
+  # Trace on shapes alone: a state already placed in pinned_host (a re-plan after a new batch
+  # shape, or a second wrapper) would otherwise trace host-memory avals into the user's ops.
+  abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
+      jax.tree.map(abstract, state), *jax.tree.map(abstract, tuple(args)))
+  closed = jc.inline_calls(closed)
   state_treedef = jax.tree_util.tree_structure(state)
   out_treedef = jax.tree_util.tree_structure(out_shape)
   if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2
@@ -141,18 +161,18 @@ def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
   for i, (path, leaf) in enumerate(flat):
     role, why = roles[i]
     leaves.append(LeafInfo(index=i, path=jax.tree_util.keystr(path), shape=tuple(leaf.shape),
-                           dtype=np.dtype(leaf.dtype).name, nbytes=bytes_per_device(leaf),
+                           dtype=dtype_name(leaf.dtype), nbytes=bytes_per_device(leaf),
                            role=role, why=why))
   return Inventory(leaves=tuple(leaves), closed_jaxpr=closed, state_treedef=state_treedef,
                    out_treedef=out_treedef, num_args=len(jaxpr.invars) - n_state)
 
 
 def _roles(jaxpr: Any, flat: list[tuple[Any, Any]]) -> list[tuple[str, str]]:
+  metrics = {v for v in jaxpr.outvars[len(flat):] if isinstance(v, jc.Var)}
   out = []
   for i, (_, leaf) in enumerate(flat):
-    dtype = np.dtype(leaf.dtype)
-    if not (np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"):
-      out.append((OTHER, f"{dtype.name} leaf"))
+    if not jax.dtypes.issubdtype(leaf.dtype, jax.numpy.floating):
+      out.append((OTHER, f"{dtype_name(leaf.dtype)} leaf"))
       continue
     if len(leaf.shape) == 0:
       out.append((OTHER, "0-d leaf"))
@@ -168,6 +188,9 @@ def _roles(jaxpr: Any, flat: list[tuple[Any, Any]]) -> list[tuple[str, str]]:
         jaxpr.outvars[i] in tainted)
     if not why and own_out:
       out.append((OPTIMIZER_STATE, "read only elementwise; feeds its own update"))
+    elif why and own_out and not tainted & metrics and not jaxpr_graph.first_use_why(jaxpr, i):
+      out.append((OPTIMIZER_STATE, f"read elementwise, feeds its own update and not the "
+                  f"metrics; its update is not elementwise ({why})"))
     elif why:
       out.append((PARAM, f"read by non-elementwise ops ({why})"))
     else:

@@ -4,6 +4,12 @@ Taint flows forward from chosen input variables (the host-placed state leaves). 
 equations split into connected components; a component is *elementwise* when every tainted
 equation maps arrays of one element count N (or broadcast scalars) elementwise, so that it can
 run as one pass over the host buffers (`jaxtier/_src/primitives/host_update.py`).
+
+Values inside a component may be floating point, boolean or signed integers of up to 32 bits
+(the op program computes in fp32, exact for integers below 2**24); bitwise ops on integers are
+not elementwise in that sense. Call-like equations (`pjit`, custom_jvp/vjp calls) are looked
+into, and so is `cond`: a static branch index selects that branch, a traced one evaluates every
+branch and selects the result per element.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.primitives.host_update import MAX_OPERANDS
 
 # lax primitives that act elementwise on equally-shaped operands (0-d operands broadcast).
 ELEMENTWISE = frozenset({
@@ -23,6 +30,8 @@ ELEMENTWISE = frozenset({
     "rem", "select_n", "clamp", "integer_pow", "square", "convert_element_type", "copy",
     "copy_p", "reduce_precision", "stop_gradient", "optimization_barrier",
 })
+# Ops whose integer form is bitwise (their boolean form is logical, which the program has).
+BITWISE_ON_INT = frozenset({"and", "or", "not"})
 # Size-preserving layout ops that are the identity on the row-major flat index.
 FLAT_IDENTITY = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 
@@ -37,6 +46,38 @@ def _is_float_or_bool(aval: Any) -> bool:
     return False
   return dtype == np.bool_ or np.issubdtype(dtype, np.floating) or dtype.name in (
       "bfloat16", "float16")
+
+
+def _is_int(aval: Any) -> bool:
+  """Signed integers of up to 32 bits (exact in the program's fp32 registers below 2**24)."""
+  dtype = np.dtype(aval.dtype) if hasattr(aval, "dtype") else None
+  return dtype is not None and np.issubdtype(dtype, np.signedinteger) and dtype.itemsize <= 4
+
+
+def computable(aval: Any) -> bool:
+  """True for the dtypes a value inside an op program may have (float, bool, small int)."""
+  return _is_float_or_bool(aval) or _is_int(aval)
+
+
+def bodies(eqn: Any) -> "tuple[list[tuple[Any, list[Any]]], int] | None":
+  """The inner jaxprs (open, with consts) of a call-like or `cond` equation, and the offset.
+
+  `eqn.invars[offset:]` bind each body's invars. A `cond` whose branch index is a literal gives
+  that branch only; a traced index gives every branch (the caller selects). None for any other
+  primitive.
+  """
+  if eqn.primitive.name == "cond":
+    branches = list(eqn.params["branches"])
+    index = eqn.invars[0]
+    if isinstance(index, jc.Literal):
+      k = int(np.clip(int(np.asarray(index.val)), 0, len(branches) - 1))
+      branches = [branches[k]]
+    return [jc.open_jaxpr(b) for b in branches], 1
+  inner = jc.inner_jaxpr(eqn)
+  if inner is None:
+    return None
+  inner_jaxpr, consts = jc.open_jaxpr(inner)
+  return [(inner_jaxpr, consts)], len(eqn.invars) - len(inner_jaxpr.invars)
 
 
 @dataclasses.dataclass
@@ -75,7 +116,7 @@ def check_elementwise(jaxpr: Any, tainted_in: list[bool], n: int) -> str:
   """Empty string if every equation tainted by `tainted_in` is elementwise over N elements.
 
   Otherwise a short reason naming the first offending primitive. Recurses into call-like
-  equations (pjit, custom_jvp/vjp).
+  equations (pjit, custom_jvp/vjp) and `cond` branches.
   """
   tainted = {v for v, t in zip(jaxpr.invars, tainted_in) if t}
   for eqn in jaxpr.eqns:
@@ -84,35 +125,91 @@ def check_elementwise(jaxpr: Any, tainted_in: list[bool], n: int) -> str:
       continue
     outs = [v for v in eqn.outvars if not isinstance(v, jc.DropVar)]
     tainted.update(outs)
-    name = eqn.primitive.name
-    inner = jc.inner_jaxpr(eqn)
-    if inner is not None:
-      inner_jaxpr, _ = jc.open_jaxpr(inner)
-      offset = len(eqn.invars) - len(inner_jaxpr.invars)
-      why = check_elementwise(inner_jaxpr, hit[offset:], n) if offset >= 0 else f"{name} layout"
+    why = _eqn_why(eqn, hit, n)
+    if why:
+      return why
+  return ""
+
+
+def _eqn_why(eqn: Any, hit: list[bool], n: int) -> str:
+  """Why one equation, reading the values flagged by `hit`, is not elementwise over N ('')."""
+  name = eqn.primitive.name
+  outs = [v for v in eqn.outvars if not isinstance(v, jc.DropVar)]
+  inner = bodies(eqn)
+  if inner is not None:
+    subs, offset = inner
+    if offset < 0:
+      return f"{name} layout"
+    if name == "cond" and hit[0]:
+      return "`cond` branches on a value computed from a host leaf"
+    for v in outs:
+      if size_of(v.aval) not in (n, 1):
+        return f"`{name}` produces {size_of(v.aval)} elements, not {n}"
+    for sub, _ in subs:
+      why = check_elementwise(sub, hit[offset:], n)
       if why:
         return why
-      continue
-    if name not in ELEMENTWISE and name not in FLAT_IDENTITY:
-      return f"`{name}` is not elementwise"
-    for v, is_t in zip(eqn.invars, hit):
-      s = size_of(v.aval)
-      if is_t and s != n:
-        return f"`{name}` mixes {s} and {n} elements"
-      if not is_t and s not in (n, 1):
-        return f"`{name}` reads an operand of {s} elements, not {n} or 1"
-      if is_t and not _is_float_or_bool(v.aval):
-        return f"`{name}` computes in {v.aval.dtype}"
-    for v in outs:
-      if size_of(v.aval) != n:
-        return f"`{name}` produces {size_of(v.aval)} elements, not {n}"
-      if not _is_float_or_bool(v.aval):
-        return f"`{name}` produces {v.aval.dtype}"
-    if name == "select_n" and len(eqn.invars) != 3:
-      return "`select_n` with more than two cases"
-    if name == "convert_element_type" and not _is_float_or_bool(eqn.outvars[0].aval):
-      return f"conversion to {eqn.outvars[0].aval.dtype}"
+    return ""
+  if name not in ELEMENTWISE and name not in FLAT_IDENTITY:
+    return f"`{name}` is not elementwise"
+  for v, is_t in zip(eqn.invars, hit):
+    s = size_of(v.aval)
+    if is_t and s != n:
+      return f"`{name}` mixes {s} and {n} elements"
+    if not is_t and s not in (n, 1):
+      return f"`{name}` reads an operand of {s} elements, not {n} or 1"
+    if is_t and not computable(v.aval):
+      return f"`{name}` computes in {v.aval.dtype}"
+    if is_t and name in BITWISE_ON_INT and _is_int(v.aval):
+      return f"`{name}` is bitwise on {v.aval.dtype}"
+  for v in outs:
+    if size_of(v.aval) != n:
+      return f"`{name}` produces {size_of(v.aval)} elements, not {n}"
+    if not computable(v.aval):
+      return f"`{name}` produces {v.aval.dtype}"
   return ""
+
+
+def first_use_why(jaxpr: Any, index: int) -> str:
+  """Why invar `index` is read by an op that is not elementwise over its elements ('' if not).
+
+  Only the leaf's own value is followed (through same-size conversions, reshapes and call
+  bodies), not what is computed from it: a moment that is scaled, added to, then reduced is
+  read elementwise; a weight that enters a matmul or is broadcast against activations is not.
+  """
+  n = size_of(jaxpr.invars[index].aval)
+  why, _ = _first_use(jaxpr, [k == index for k in range(len(jaxpr.invars))], n)
+  return why
+
+
+_SAME_VALUE = frozenset({"convert_element_type", "copy", "copy_p", "reduce_precision",
+                         "stop_gradient", "optimization_barrier", "reshape", "squeeze",
+                         "expand_dims", "broadcast_in_dim"})  # (same-size only: checked below)
+
+
+def _first_use(jaxpr: Any, follow_in: list[bool], n: int) -> tuple[str, list[bool]]:
+  """(`first_use_why` of the flagged invars, which outvars are still the followed value)."""
+  follow = {v for v, t in zip(jaxpr.invars, follow_in) if t}
+  for eqn in jaxpr.eqns:
+    hit = [isinstance(v, jc.Var) and v in follow for v in eqn.invars]
+    if not any(hit):
+      continue
+    inner = bodies(eqn)
+    if inner is not None and inner[1] >= 0 and not any(hit[:inner[1]]):
+      subs, offset = inner
+      for sub, _ in subs:
+        why, passed = _first_use(sub, hit[offset:], n)
+        if why:
+          return why, []
+        follow.update(v for v, p in zip(eqn.outvars, passed) if p)
+      continue
+    if eqn.primitive.name in _SAME_VALUE and all(size_of(v.aval) == n for v in eqn.outvars):
+      follow.update(eqn.outvars)
+      continue
+    why = _eqn_why(eqn, hit, n)
+    if why:
+      return why, []
+  return "", [isinstance(v, jc.Var) and v in follow for v in jaxpr.outvars]
 
 
 def components(jaxpr: Any, seeds: Iterable[int]) -> list[Component]:
@@ -158,12 +255,17 @@ def components(jaxpr: Any, seeds: Iterable[int]) -> list[Component]:
   _absorb(jaxpr, result, eqn_ids)
   for comp in result:
     sizes = {size_of(jaxpr.invars[i].aval) for i in comp.seeds}
-    if len(sizes) != 1:
-      comp.elementwise, comp.why = False, f"host leaves of different sizes {sorted(sizes)} interact"
-      continue
-    sub_in = [i in comp.seeds for i in range(len(jaxpr.invars))]
     # Check only this component's equations: build a view restricted to them.
     view = _SubJaxpr(jaxpr, comp.eqns)
+    if len(sizes) != 1:
+      first = comp.seeds[0]
+      why = check_elementwise(view, [i == first for i in range(len(jaxpr.invars))],
+                              size_of(jaxpr.invars[first].aval))
+      comp.elementwise = False
+      comp.why = f"host leaves of different sizes {sorted(sizes)} interact" + (
+          f"; {why}" if why else "")
+      continue
+    sub_in = [i in comp.seeds for i in range(len(jaxpr.invars))]
     why = check_elementwise(view, sub_in, comp.size)
     comp.elementwise, comp.why = (not why), why
   return result
@@ -175,9 +277,16 @@ def _absorb(jaxpr: Any, comps: list[Component], tainted_eqns: set[int]) -> None:
   Example: AdamW's weight decay `0.1 * param` and the `convert(param, f32)` of
   `apply_updates` are computed from a device param and used only by the host update. Run inside
   the op program, they read the param's fp32 master copy (when it has one) and cost the device
-  nothing. An equation is absorbed when it is elementwise, every use of its outputs is in the
-  component, none is a step output, and each input is a literal, a scalar, a step input, or a
-  value the component already computes.
+  nothing. Likewise `clip_by_global_norm`'s `select(norm < max, g, g / norm * max)` and Adam's
+  `g ** 2`: the program reads the raw gradient once, the norm as a scalar operand.
+
+  A candidate is an elementwise equation (or a call of elementwise ones) outside every
+  component, with an output of the component's size, whose every output is used only by the
+  component (and by what is absorbed with it) and is not a step output. Candidates are taken
+  (with their own candidate producers, or alone) while the number of array operands the
+  component reads does not grow and its operands stay within the executors' limit; the
+  device computes no fewer values otherwise, and a scalar computed once on the device is not
+  recomputed per element.
   """
   uses: dict[Any, list[int]] = {}
   def_of: dict[Any, int] = {}
@@ -188,30 +297,61 @@ def _absorb(jaxpr: Any, comps: list[Component], tainted_eqns: set[int]) -> None:
     for v in eqn.outvars:
       def_of[v] = k
   outs = {v for v in jaxpr.outvars if isinstance(v, jc.Var)}
-  top_in = set(jaxpr.invars)
   for comp in comps:
     member = set(comp.eqns)
+    ok: dict[int, bool] = {}
+
+    def candidate(d: int, comp=comp) -> bool:
+      if d not in ok:
+        eqn = jaxpr.eqns[d]
+        ok[d] = (d not in tainted_eqns
+                 and any(size_of(w.aval) == comp.size for w in eqn.outvars)
+                 and all(size_of(w.aval) in (comp.size, 1) and computable(w.aval)
+                         and w not in outs for w in eqn.outvars)
+                 and not _eqn_why(eqn, [isinstance(v, jc.Var) and size_of(v.aval) == comp.size
+                                        for v in eqn.invars], comp.size))
+      return ok[d]
+
+    def feeds_only(d: int, into: set[int]) -> bool:
+      return all(u in into for w in jaxpr.eqns[d].outvars for u in uses.get(w, ()))
+
+    def producers(eqn_ids: set[int]) -> list[int]:
+      found = {def_of[v] for k in eqn_ids for v in jaxpr.eqns[k].invars
+               if isinstance(v, jc.Var) and v in def_of}
+      return sorted(found - eqn_ids, reverse=True)
+
+    def cost(eqn_ids: set[int]) -> tuple[int, int]:
+      """(array operands, all operands) that `eqn_ids` read from outside themselves."""
+      inside = {w for k in eqn_ids for w in jaxpr.eqns[k].outvars}
+      read = {v for k in eqn_ids for v in jaxpr.eqns[k].invars
+              if isinstance(v, jc.Var) and v not in inside}
+      arrays = sum(1 for v in read if size_of(v.aval) > 1 or comp.size == 1)
+      return arrays, len(read)
+
+    best = cost(member)
     changed = True
     while changed:
       changed = False
-      for k in sorted(member):
-        for v in jaxpr.eqns[k].invars:
-          d = def_of.get(v) if isinstance(v, jc.Var) else None
-          if d is None or d in member or d in tainted_eqns:
-            continue
-          eqn = jaxpr.eqns[d]
-          name = eqn.primitive.name
-          if name not in ELEMENTWISE and name not in FLAT_IDENTITY:
-            continue
-          if any(w in outs or any(u not in member for u in uses.get(w, ())) for w in eqn.outvars):
-            continue
-          if any(size_of(w.aval) not in (comp.size, 1) or not _is_float_or_bool(w.aval)
-                 for w in eqn.outvars):
-            continue
-          if all(isinstance(a, jc.Literal) or a in top_in or size_of(a.aval) == 1
-                 or def_of.get(a) in member for a in eqn.invars):
-            member.add(d)
+      for d in producers(member):
+        if d in member or not candidate(d) or not feeds_only(d, member):
+          continue
+        with_upstream = {d}
+        grew = True
+        while grew:  # d's own candidate producers that feed only what is taken.
+          grew = False
+          for u in producers(member | with_upstream):
+            if u not in with_upstream and candidate(u) and feeds_only(u, member | with_upstream):
+              with_upstream.add(u)
+              grew = True
+        for take in (with_upstream, {d}):
+          arrays, total = cost(member | take)
+          if arrays <= best[0] and total <= max(best[1], MAX_OPERANDS):
+            member |= take
+            best = (arrays, total)
             changed = True
+            break
+        if changed:
+          break
     comp.eqns = sorted(member)
 
 

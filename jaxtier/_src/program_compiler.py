@@ -122,11 +122,30 @@ def _emit_integer_pow(em: _Emitter, x: int, y: int) -> int:
   return acc
 
 
+def _is_int(aval: Any) -> bool:
+  """Integer (not boolean) values."""
+  return np.issubdtype(np.dtype(aval.dtype), np.integer)
+
+
+def _trunc(em: _Emitter, x: int) -> int:
+  """Rounds toward zero (XLA's float -> int conversion and integer division)."""
+  return em.op(Op.MUL, em.op(Op.SIGN, x), em.op(Op.FLOOR, em.op(Op.ABS, x)))
+
+
 def _emit_eqn(em: _Emitter, eqn: Any, ins: list[int]) -> list[int]:
-  """Instructions for one equation; `ins` are the registers of its inputs."""
+  """Instructions for one equation; `ins` are the registers of its inputs.
+
+  Integer values live in the fp32 registers too (exact for magnitudes below 2**24, integer
+  division included): conversions to an integer type and integer division truncate toward
+  zero; bitwise ops on integers are refused.
+  """
   name = eqn.primitive.name
+  if name in ("and", "or", "not") and any(_is_int(v.aval) for v in eqn.invars):
+    raise Unsupported(f"`{name}` is bitwise on {eqn.invars[0].aval.dtype}")
   if name in _UNARY:
     return [em.op(_UNARY[name], ins[0])]
+  if name == "div" and _is_int(eqn.outvars[0].aval):
+    return [_trunc(em, em.op(Op.DIV, ins[0], ins[1]))]
   if name in _BINARY:
     return [em.op(_BINARY[name], ins[0], ins[1])]
   if name == "integer_pow":
@@ -139,16 +158,24 @@ def _emit_eqn(em: _Emitter, eqn: Any, ins: list[int]) -> list[int]:
     if int(eqn.params.get("rounding_method", 0)) != 0:
       raise Unsupported("`round` to nearest even")
     return [em.op(Op.ROUND, ins[0])]
-  if name == "select_n":
-    if len(ins) != 3:
-      raise Unsupported("`select_n` with more than two cases")
-    return [em.op(Op.SELECT, ins[0], ins[1], ins[2])]
+  if name == "select_n":  # select_n(which, *cases): cases[which], `which` bool or int.
+    which, cases = ins[0], ins[1:]
+    if len(cases) == 1:
+      return [cases[0]]
+    out = em.op(Op.SELECT, which, cases[0], cases[1])
+    for k, case in enumerate(cases[2:], start=2):
+      out = em.op(Op.SELECT, em.op(Op.EQ, which, em.const(k)), out, case)
+    return [out]
   if name == "clamp":
     return [em.op(Op.CLAMP, ins[0], ins[1], ins[2])]
   if name == "convert_element_type":
     new = np.dtype(eqn.params["new_dtype"])
     if new == np.bool_:
       return [em.op(Op.NE, ins[0], em.const(0.0))]
+    if np.issubdtype(new, np.integer):
+      if np.issubdtype(new, np.unsignedinteger) or new.itemsize > 4:
+        raise Unsupported(f"conversion to {new.name}")
+      return [ins[0] if _is_int(eqn.invars[0].aval) else _trunc(em, ins[0])]
     if not (np.issubdtype(new, np.floating) or new.name == "bfloat16"):
       raise Unsupported(f"conversion to {new.name}")
     return [ins[0]]
@@ -269,11 +296,20 @@ def compile_component(jaxpr: Any, consts: list[Any], comp: jaxpr_graph.Component
     return [read(v) for v in inner.outvars]
 
   def _emit_nested(eqn: Any, ins: list[int]) -> list[int]:
-    sub = jc.inner_jaxpr(eqn)
-    if sub is not None:
-      sub_jaxpr, sub_consts = jc.open_jaxpr(sub)
-      offset = len(ins) - len(sub_jaxpr.invars)
-      return emit_jaxpr(sub_jaxpr, sub_consts, ins[offset:])
+    inner = jaxpr_graph.bodies(eqn)
+    if inner is not None:
+      subs, offset = inner
+      if offset < 0:
+        raise Unsupported(f"`{eqn.primitive.name}` layout")
+      outs = [emit_jaxpr(sub, sub_consts, ins[offset:]) for sub, sub_consts in subs]
+      if len(outs) == 1:  # a call, or a `cond` with a static branch index.
+        return outs[0]
+      index = ins[0]  # `cond` on a traced index: every branch, selected per element.
+      picked = list(outs[0])
+      for k, branch in enumerate(outs[1:], start=1):
+        which = index if len(outs) == 2 else em.op(Op.EQ, index, em.const(k))
+        picked = [em.op(Op.SELECT, which, a, b) for a, b in zip(picked, branch)]
+      return picked
     for v in eqn.outvars:
       if not isinstance(v, jc.DropVar) and jaxpr_graph.size_of(v.aval) not in (comp.size, 1):
         raise Unsupported(f"`{eqn.primitive.name}` produces {jaxpr_graph.size_of(v.aval)} "
@@ -298,10 +334,14 @@ def compile_component(jaxpr: Any, consts: list[Any], comp: jaxpr_graph.Component
     aval = v.aval
     if np.dtype(aval.dtype) not in SUPPORTED_DTYPES:
       raise Unsupported(f"a result of dtype {np.dtype(aval.dtype).name}")
+    # Only host leaves are updated in place. A device param's new value gets its own result:
+    # aliasing it to the device operand made XLA (jax 0.11.2, H200) give that result the host
+    # memory space of its siblings and fail verification; jit-level donation still recycles
+    # the old param buffer.
     alias = -1
     for j in outs:
-      for key in (("host", j), jaxpr.invars[j] if j < len(jaxpr.invars) else None):
-        idx = operand_of.get(key, -1) if key is not None else -1
+      for key in (("host", j),):
+        idx = operand_of.get(key, -1)
         if idx >= 0 and alias < 0:
           src = jaxpr.invars[j].aval
           if tuple(src.shape) == tuple(aval.shape) and np.dtype(src.dtype) == np.dtype(aval.dtype):
