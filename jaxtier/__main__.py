@@ -37,8 +37,14 @@ def plan_main() -> None:
   _, state, step = train_lib.make_train_state(config, 1e-3, abstract=True)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   platform = _PLATFORM.value or jax.default_backend()
-  plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
-                      host_budget=flags.FLAGS.host_budget or None, platform=platform)
+  refused = None
+  try:
+    plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
+                        host_budget=flags.FLAGS.host_budget or None, platform=platform)
+  except jaxtier.PlanError as e:
+    if e.plan is None:
+      raise app.UsageError(str(e)) from e
+    plan, refused = e.plan, str(e)
   if _JSON.value:
     print(plan.to_json())
     return
@@ -47,6 +53,9 @@ def plan_main() -> None:
   print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
         f"seq {seq_len}")
   print(plan)
+  if refused:
+    print(f"REFUSED: {refused}")
+    sys.exit(1)
 
 
 def main(argv: list[str]) -> None:

@@ -163,10 +163,30 @@ def test_non_elementwise_optimizer_state_falls_back_to_xla():
 
 def test_non_array_leaf_is_named():
   state = _mlp_state(TX)
-  state["lr"] = 0.1
+  state["name"] = "run-1"
   step = jaxtier.offload(_step_fn(TX))
-  with pytest.raises(TypeError, match=re.escape("state leaf ['lr'] is a float")):
+  with pytest.raises(TypeError, match=re.escape("state leaf ['name'] is a str")):
     step.place(state, _batch())
+
+
+def test_python_number_leaf_becomes_an_array():
+  # Flax's TrainState.create(...) starts with step=0, a Python int; jax.jit accepts it.
+  step_fn = _step_fn(TX)
+
+  def counting_step(state, batch):
+    new, metrics = step_fn({k: v for k, v in state.items() if k != "step"}, batch)
+    return dict(new, step=state["step"] + 1), metrics
+  state = dict(_mlp_state(TX), step=0)
+  step = jaxtier.offload(counting_step)
+  state, _ = step(step.place(state, _batch()), _batch())
+  assert int(state["step"]) == 1 and state["step"].dtype == jnp.int32
+
+
+def test_called_under_jit_is_refused():
+  step = jaxtier.offload(_step_fn(TX))
+  state = step.place(_mlp_state(TX), _batch())
+  with pytest.raises(TypeError, match="called under a JAX transformation"):
+    jax.jit(step)(state, _batch())
 
 
 def test_integer_leaf_offloaded_is_refused():
@@ -214,8 +234,16 @@ def test_admission_refuses_before_allocating_state_intact():  # case C5
 
 def test_device_budget_over_is_refused():
   step = jaxtier.offload(_step_fn(TX), device_budget=100)
-  with pytest.raises(jaxtier.PlanError, match=r"over the device budget of 100 B \(100 bytes\)"):
+  with pytest.raises(jaxtier.PlanError, match=r"over the device budget of 100 B \(100 bytes\)"
+                     ) as err:
     step.place(_mlp_state(TX), _batch())
+  # The suggested policy names a real path prefix of the state, and applying it works.
+  hint = re.search(r"policy=(\{.*?\})\)", str(err.value)).group(1)
+  assert hint == "{\"^\\\\['params'\\\\]\": 'host_xla'}", hint
+  assert err.value.plan is not None and err.value.plan.device_bytes > 100
+  step = jaxtier.offload(_step_fn(TX), device_budget=100, policy={r"^\['params'\]": "host_xla"})
+  step.place(_mlp_state(TX), _batch())
+  assert step.plan.device_bytes == 8  # only the two int32 step counters remain on device.
 
 
 def test_step_must_return_state_and_metrics():
@@ -270,3 +298,42 @@ def test_replan_after_placement_with_new_batch_shape():
   other = jaxtier.offload(step_fn)
   state, _ = other(state, _batch())
   assert state["opt"][0].mu["w1"].sharding.memory_kind == "pinned_host"
+
+
+def test_bias_broadcast_against_activations_is_a_param_without_metrics():
+  # A bias is read elementwise by its own update but broadcast against activations in the
+  # forward pass: it is a param (stays on device), even when the step reports no metrics.
+  tx = optax.adamw(1e-2)
+  params = {"w": jnp.ones((16, 8)) * 0.1, "b": jnp.zeros(8)}
+
+  def step(state, x):
+    g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state["params"])
+    u, o = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
+  plan = jaxtier.plan(step, {"params": params, "opt": tx.init(params)}, jnp.ones((4, 16)))
+  roles = {l.path: (l.role, l.placement) for l in plan.leaves}
+  assert roles["['params']['b']"] == ("param", "device")
+  assert roles["['opt'][0].mu['b']"] == ("optimizer_state", HOST_EXEC)
+  assert plan.num_host_updates == 2
+
+
+def test_same_array_twice_in_state_and_key_leaves():
+  # optax.contrib.prodigy keeps the initial params in its state (the same arrays), and
+  # optax.noisy_sgd carries a PRNG key: both must plan and train like jax.jit.
+  params = {"w": jnp.ones((16, 4)) * 0.1}
+  key = jax.random.key(0)
+
+  def step(state, x):
+    g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(state["params"])
+    k, sub = jax.random.split(state["key"])
+    noise = 1e-3 * jax.random.normal(sub, g["w"].shape)
+    mu = 0.9 * state["mu"] + g["w"] + noise
+    return {"params": {"w": state["params"]["w"] - 1e-2 * mu + 0 * state["init"]},
+            "init": state["init"], "mu": mu, "key": k}, {}
+  fresh = lambda: {"params": params, "init": params["w"], "mu": jnp.zeros((16, 4)), "key": key}
+  want, _ = jax.jit(step)(fresh(), jnp.ones((2, 16)))
+  off = jaxtier.offload(step)
+  got, _ = off(off.place(fresh(), jnp.ones((2, 16))), jnp.ones((2, 16)))
+  assert {l.path: l.dtype for l in off.plan.leaves}["['key']"] == "key<fry>"
+  np.testing.assert_allclose(np.asarray(got["params"]["w"]), np.asarray(want["params"]["w"]),
+                             rtol=1e-6)

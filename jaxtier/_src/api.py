@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtier._src import inventory as inv_lib
 from jaxtier._src import jax_compat as jc
@@ -96,7 +97,7 @@ class OffloadedStep:
     self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
     self._masters, self._master_sources = [], ()
     self._jitted = self._build(state, args)
-    log.info("jaxtier plan:\n%s", plan)
+    log.debug("jaxtier plan:\n%s", plan)
 
   def _shardings(self, state: Any) -> list[Any]:
     leaves = jax.tree_util.tree_leaves(state)
@@ -144,6 +145,7 @@ class OffloadedStep:
       TypeError: a non-array leaf (named by path), or no example arguments before a plan exists.
       jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
     """
+    state = _arrays("OffloadedStep.place", state)
     if self.plan is None and not example_args:
       raise TypeError("OffloadedStep.place: the step has no plan yet; pass example arguments "
                       "for tracing it, e.g. `step.place(state, batch)`")
@@ -175,15 +177,26 @@ class OffloadedStep:
   def __call__(self, state: Any, *args: Any) -> tuple[Any, Any]:
     """Runs one step: `(state, *args) -> (new_state, metrics)`, the state donated.
 
+    Arguments are positional, as the wrapped step takes them. Python numbers in the state
+    (Flax `TrainState.step`) become 0-d arrays in the returned state.
+
     Raises:
       ValueError: a state leaf was already donated to an earlier step (named by path).
       TypeError: a non-array state leaf.
     """
+    state = _arrays("jaxtier.offload", state)
     inv_lib.check_leaves("jaxtier.offload", state)
     self._ensure_plan(state, args)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     want = self._shardings(state)
     moved = [x if _same_placement(x, s) else jax.device_put(x, s) for x, s in zip(leaves, want)]
+    # The same buffer twice in the state (e.g. an optimizer keeping a reference to the params)
+    # cannot be donated twice: later occurrences get their own copy.
+    seen: set[int] = set()
+    for i, x in enumerate(moved):
+      if id(x) in seen:
+        moved[i] = jnp.copy(x)
+      seen.add(id(x))
     self._refresh_masters(leaves, moved)
     arg_leaves = jax.tree_util.tree_leaves(args)
     new_leaves, self._masters, metric_leaves = self._jitted(moved, self._masters, arg_leaves)
@@ -200,6 +213,22 @@ class OffloadedStep:
     return self._jitted.lower(leaves, self._masters or [
         jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
         for i in lowering.master_indices(self._compiled)], jax.tree_util.tree_leaves(args))
+
+
+def _arrays(api: str, state: Any) -> Any:
+  """`state` with Python numbers (e.g. Flax `TrainState.step`) made 0-d arrays, as jax.jit does.
+
+  Raises:
+    TypeError: a leaf is a tracer: the offloaded step was called under jit/grad/vmap.
+  """
+  def fix(x):
+    if isinstance(x, jax.core.Tracer):
+      raise TypeError(f"{api}: called under a JAX transformation (jit, grad, vmap...); call the "
+                      "offloaded step directly: it compiles itself, with the placement baked in")
+    if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+      return jnp.asarray(x)
+    return x
+  return jax.tree.map(fix, state)
 
 
 def _same_placement(x: Any, s: Any) -> bool:
@@ -267,7 +296,7 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
   """
   options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy)
-  inv = inv_lib.take_inventory(fun, state, args, api="jaxtier.plan")
+  inv = inv_lib.take_inventory(fun, _arrays("jaxtier.plan", state), args, api="jaxtier.plan")
   here = jax.default_backend()
   platform = platform or here
   if platform not in ("cpu", "gpu"):

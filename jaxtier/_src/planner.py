@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from typing import Any, Callable, Mapping
@@ -39,18 +40,28 @@ HOST_STREAM = "host_stream"
 PLACEMENTS = (DEVICE, HOST_DHA, HOST_CPU, HOST_XLA, HOST_STREAM)
 HOST_PLACEMENTS = (HOST_DHA, HOST_CPU, HOST_XLA, HOST_STREAM)
 
+log = logging.getLogger("jaxtier")
+
 Policy = str | Callable[[str, LeafInfo], "str | None"] | Mapping[str, str]
 
 
 class PlanError(ValueError):
-  """The state cannot be placed as asked (a budget, a leaf's dtype, an unknown placement)."""
+  """The state cannot be placed as asked (a budget, a leaf's dtype, an unknown placement).
+
+  When a complete plan was refused (over a budget), `plan` holds it; else None.
+  """
+
+  plan: "Plan | None" = None
 
 
 class AdmissionError(PlanError):
   """The plan needs more pinned host memory than the budget or the host allows.
 
-  Raised before anything is allocated; the caller's state is untouched.
+  Raised before anything is allocated; the caller's state is untouched. `plan` holds the
+  refused plan (for printing).
   """
+
+  plan: "Plan | None" = None
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -189,6 +200,11 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
     else:
       raise PlanError(f"jaxtier.offload: expected policy 'auto', 'none', a callable "
                       f"(path, leaf) -> placement or a {{regex: placement}} dict, got {policy!r}")
+  if isinstance(policy, Mapping):
+    for pat in policy:
+      if not any(re.search(pat, leaf.path) for leaf in inv.leaves):
+        log.warning("jaxtier.offload: policy pattern %r matches no state leaf (paths look like "
+                    "%s)", pat, inv.leaves[0].path if inv.leaves else "none")
   for i, (placement, _) in out.items():
     leaf = inv.leaves[i]
     if placement not in PLACEMENTS:
@@ -257,6 +273,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
           executor_leaves.discard(i)
           placement[i] = HOST_XLA
           reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
+          log.warning("jaxtier: leaf %s falls back to host_xla: %s", inv.leaves[i].path,
+                      reasons[i])
         demoted = True
       else:
         masters |= comp_masters
@@ -283,7 +301,11 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     pinned_bytes += master_nbytes
   plan = Plan(tuple(leaves), platform, device_bytes, pinned_bytes, device_budget, host_budget,
               len(compiled))
-  _admit(plan, pinnable_bytes)
+  try:
+    _admit(plan, pinnable_bytes)
+  except PlanError as e:
+    e.plan = plan
+    raise
   return plan, compiled
 
 
@@ -310,6 +332,13 @@ def _largest(leaves: list[LeafPlan], key: Callable[[LeafPlan], int], k: int = 5)
   return "; ".join(f"{leaf.path} {format_bytes(key(leaf))}" for leaf in top if key(leaf))
 
 
+def _prefix_regex(leaves: list[LeafPlan]) -> str:
+  """A policy regex matching the first path component of the largest of `leaves`."""
+  top = max(leaves, key=lambda l: l.nbytes).path
+  m = re.match(r"(\[[^\]]*\]|\.[A-Za-z_]\w*)", top)
+  return "^" + re.escape(m.group(1) if m else top)
+
+
 def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
   host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
   host_bytes = lambda l: (l.nbytes if l.memory_kind == "pinned_host" else 0) + l.master_nbytes
@@ -331,7 +360,8 @@ def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
         f"of device memory after offloading, over the device budget of "
         f"{format_bytes(plan.device_budget)} ({plan.device_budget} bytes). Largest device "
         f"leaves: {_largest(dev, lambda l: l.nbytes)}. Fix: raise device_budget, or place "
-        "more leaves on the host with a policy (e.g. {'params': 'host_xla'}).")
+        f"more leaves on the host with a policy (e.g. policy={{{_prefix_regex(dev)!r}: "
+        "'host_xla'}).")
 
 
 def pinnable_bytes(platform: str) -> "int | None":

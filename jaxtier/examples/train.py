@@ -417,11 +417,12 @@ def run(
 _CONFIG = flags.DEFINE_enum("config", "tiny", list(llama.CONFIGS),
                             "Model config (llama.CONFIGS).")
 _STEPS = flags.DEFINE_integer("steps", None, "Train steps; default per config "
-                              "(tiny: about a minute on 2 CPU cores).")
+                              "(tiny: about a minute on 2 CPU cores).", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None,
-                                   "Sequences per step; default per config.")
+                                   "Sequences per step; default per config.", lower_bound=1)
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None,
-                                "Tokens per sequence; default config.max_seq_len.")
+                                "Tokens per sequence; default config.max_seq_len.",
+                                lower_bound=1)
 _OFFLOAD = flags.DEFINE_enum("offload", "auto", ["none", "auto"],
                              "none: jax.jit, all state on device; auto: "
                              "jaxtier.offload plans the placement.")
@@ -440,6 +441,22 @@ _DEVICE_BUDGET = flags.DEFINE_string("device_budget", "", "Device memory jaxtier
                                      "may use per device, e.g. 80GB; empty: no limit.")
 _HOST_BUDGET = flags.DEFINE_string("host_budget", "", "Pinned host memory jaxtier "
                                    "may use, e.g. 400GB; empty: no limit.")
+
+
+def _valid_size(value: str) -> bool:
+  if not value:
+    return True
+  import jaxtier  # pylint: disable=g-import-not-at-top
+  try:
+    jaxtier.offload(lambda s, b: (s, {}), device_budget=value)
+  except ValueError as e:
+    raise flags.ValidationError(str(e).replace("device_budget: ", "")) from None
+  return True
+
+
+flags.register_validator("device_budget", _valid_size)
+flags.register_validator("host_budget", _valid_size)
+
 _REMAT_POLICY = flags.DEFINE_string(
     "remat_policy", None, "Per-layer rematerialisation: 'none', or a "
     "jax.checkpoint_policies name; default: the config's.")
