@@ -4,7 +4,7 @@ Runs the example decoder (`--config`, default `1b`) for `--steps` steps four way
 own process so that peak device memory is its own: fp32 params with `--offload=none` and
 `auto` (AdamW moments in pinned_host, updated in place by the DHA kernel), and bf16 params
 with `none` and `auto` (auto adds fp32 master copies on the host). Checks that the loss traces
-match (fp32: 2e-3 relative; bf16 vs its none baseline: 3e-2, bf16 tolerance) and writes
+match within bf16 tolerance (1e-2 relative: the decoder computes in bf16) and writes
 `$OUT/e2e_smoke.json` with step times, peak HBM and pinned host bytes, then prints a table.
 
   python benchmarks/e2e_smoke.py --config=1b --steps=30 --batch_size=8 --seq_len=1024
@@ -86,7 +86,10 @@ def main(argv):
     a, b = np.asarray(runs[a]["losses"]), np.asarray(runs[b]["losses"])
     return float(np.max(np.abs(a - b) / np.abs(b)))
   checks = {}
-  for dtype, tol in (("fp32", 2e-3), ("bf16", 3e-2)):
+  # The decoder computes in bf16 whatever its param dtype, so an ulp of difference in an update
+  # shows at bf16 level after a few steps (fp32 'none' runs repeat exactly; bf16 ones vary by
+  # ~0.3% run to run on their own): bf16 tolerance, 1e-2 relative, for both.
+  for dtype, tol in (("fp32", 1e-2), ("bf16", 1e-2)):
     a, b = f"{dtype}:auto", f"{dtype}:none"
     if "losses" in runs.get(a, {}) and "losses" in runs.get(b, {}):
       d = rel(a, b)

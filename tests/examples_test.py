@@ -186,3 +186,17 @@ def test_run_rejects_bad_arguments(corpus):
     _run(corpus, offload="sometimes")
   with pytest.raises(ValueError, match="config"):
     train.run(config_name="nope", data=corpus, progress=False)
+
+
+def test_bf16_params_get_masters_under_remat_and_scan():
+  # nnx.scan with a remat policy hands the stacked params back out of the scan; the optimizer
+  # update reads that pass-through, which must still count as reading the param (fp32 master).
+  import dataclasses
+  import jaxtier
+  cfg = dataclasses.replace(MICRO, param_dtype=jnp.bfloat16,
+                            remat_policy="dots_with_no_batch_dims_saveable")
+  _, state, step = train.make_train_state(cfg, 1e-3, abstract=True)
+  plan = jaxtier.plan(step, state, jax.ShapeDtypeStruct((2, 9), jnp.int32))
+  params = [l for l in plan.leaves if l.path.startswith("[0]")]
+  assert params and all(l.master_nbytes == l.nbytes * 2 for l in params), [
+      (l.path, l.master_nbytes) for l in params if l.master_nbytes != l.nbytes * 2]

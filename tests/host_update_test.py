@@ -218,11 +218,16 @@ def test_adamw_on_gpu_matches_optax_device(gpu):
   off = jaxtier.offload(step)
   s_off = off.place({"params": jax.tree.map(jnp.copy, params), "opt": tx.init(params)}, batch)
   assert set(off.plan.placements().values()) == {"device", "host_dha"}
-  for _ in range(20):
+  # One step: the same fp32 arithmetic (XLA may contract a*b+c into an FMA, the kernel does
+  # not, so allow a few ulps). Twenty steps: those ulps stay small against the values.
+  for i in range(20):
     s_ref, _ = ref(s_ref, batch)
     s_off, _ = off(s_off, batch)
+    if i == 0:
+      for a, b in zip(jax.tree.leaves(s_off), jax.tree.leaves(s_ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
   for a, b in zip(jax.tree.leaves(s_off), jax.tree.leaves(s_ref)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=2e-5)
   assert s_off["opt"][0].mu["w"].sharding.memory_kind == "pinned_host"
 
 

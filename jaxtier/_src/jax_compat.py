@@ -105,6 +105,10 @@ _INLINABLE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_c
 def inline_calls(closed: Any) -> Any:
   """Re-traces `closed` (a ClosedJaxpr) with nested pure calls (jit, custom_jvp/vjp) inlined.
 
+  Also forwards scan outputs that are inputs passed through unchanged (Flax's `nnx.scan` and
+  a remat'ed layer stack hand the stacked params back out of the scan): their users read the
+  input itself, so an optimizer update reads the param leaf, not an equal copy of it.
+
   Why: libraries wrap tree-wide helpers in `jax.jit` (optax's bias correction on jax 0.11 is one
   `jit` over every moment leaf at once). Dataflow per leaf needs per-leaf equations, so the
   calls are flattened into their primitives. Custom derivative rules are dropped, which is
@@ -130,6 +134,8 @@ def inline_calls(closed: Any) -> Any:
         outs = eval_inlined(ij, ic, invals[offset:]) if offset >= 0 else bind_eqn(eqn, invals)
       else:
         outs = bind_eqn(eqn, invals)
+        if eqn.primitive.name == "scan":
+          outs = _forward_scan_passthrough(eqn, invals, outs)
       for v, val in zip(eqn.outvars, outs):
         if not isinstance(v, DropVar):
           env[v] = val
@@ -137,3 +143,23 @@ def inline_calls(closed: Any) -> Any:
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
   return jax.make_jaxpr(lambda *args: eval_inlined(jaxpr, consts, list(args)))(*avals)
+
+
+def _forward_scan_passthrough(eqn: Any, invals: list[Any], outs: list[Any]) -> list[Any]:
+  """`outs` of a scan with each output that is an input passed through replaced by that input.
+
+  A carry returned unchanged by the body equals its initial value; a `ys` output that is the
+  body's `xs` slice unchanged equals the whole `xs` (scan stacks slice i at index i, in either
+  direction).
+  """
+  body = eqn.params["jaxpr"].jaxpr
+  nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+  pos = {v: i for i, v in enumerate(body.invars)}
+  outs = list(outs)
+  for k, ov in enumerate(body.outvars):
+    i = pos.get(ov) if isinstance(ov, Var) else None
+    if i is None:
+      continue
+    if (k < nk and i == nc + k) or (k >= nk and i >= nc + nk):
+      outs[k] = invals[i]
+  return outs
