@@ -6,6 +6,7 @@
 import os
 
 import jax
+import optax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -25,3 +26,13 @@ def gpu():
       pytest.fail("JAXTIER_REQUIRE_GPU=1 but JAX sees no GPU")
     pytest.skip("needs a GPU")
   return jax.devices("gpu")[0]
+
+
+def optax_train_step(tx, loss_fn):
+  """`train_step(state, (x, y)) -> (state, {"loss": ...})` over `{"params", "opt"}` with `tx`."""
+  def train_step(state, batch):
+    x, y = batch
+    loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
+    u, o = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
+  return train_step

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxtier
+from conftest import optax_train_step
 
 # The executor of host-resident updates: host CPU threads on the CPU backend, the DHA kernel on
 # a GPU (these tests run on both; the H200 benchmark script runs them there).
@@ -23,17 +24,13 @@ def _mlp_state(tx, dtype=jnp.float32, seed=0):
   return {"params": params, "opt": tx.init(params)}
 
 
-def _step_fn(tx):
-  def loss_fn(p, x, y):
-    h = jnp.tanh(x @ p["w1"].astype(jnp.float32))
-    return jnp.mean((h @ p["w2"].astype(jnp.float32) + p["b"].astype(jnp.float32) - y) ** 2)
+def _loss(p, x, y):
+  h = jnp.tanh(x @ p["w1"].astype(jnp.float32))
+  return jnp.mean((h @ p["w2"].astype(jnp.float32) + p["b"].astype(jnp.float32) - y) ** 2)
 
-  def train_step(state, batch):
-    x, y = batch
-    loss, g = jax.value_and_grad(loss_fn)(state["params"], x, y)
-    u, o = tx.update(g, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
-  return train_step
+
+def _step_fn(tx):
+  return optax_train_step(tx, _loss)
 
 
 def _batch(seed=0):

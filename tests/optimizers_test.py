@@ -20,6 +20,7 @@ import optax
 import pytest
 
 import jaxtier
+from conftest import optax_train_step
 
 HOST_EXEC = "host_dha" if jax.default_backend() == "gpu" else "host_cpu"
 STEPS = 50
@@ -46,12 +47,7 @@ def _loss(p, x, y):
 
 
 def _step_fn(tx):
-  def train_step(state, batch):
-    x, y = batch
-    loss, g = jax.value_and_grad(_loss)(state["params"], x, y)
-    u, o = tx.update(g, state["opt"], state["params"])
-    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
-  return train_step
+  return optax_train_step(tx, _loss)
 
 
 def _batch(i):
