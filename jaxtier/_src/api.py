@@ -101,10 +101,12 @@ class OffloadedStep:
 
   def _shardings(self, state: Any) -> list[Any]:
     leaves = jax.tree_util.tree_leaves(state)
-    return [jc.named_sharding(x, lp.memory_kind) for x, lp in zip(leaves, self.plan.leaves)]
+    mesh = jc.common_mesh(leaves)
+    return [jc.named_sharding(x, lp.memory_kind, mesh) for x, lp in zip(leaves, self.plan.leaves)]
 
   def _build(self, state: Any, args: Sequence[Any]):
-    run = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled)
+    run = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled,
+                           self._shardings(state))
     n_state = len(self.plan.leaves)
     state_sh = self._shardings(state)
     master_idx = lowering.master_indices(self._compiled)
@@ -122,8 +124,9 @@ class OffloadedStep:
     # verifier rejects).
     # JAX ignores memory kinds when pairing donations if any argument's is unknown, so the
     # other arguments get theirs too (their own sharding, in device memory).
+    mesh = jc.common_mesh((state, args))
     arg_sh = [jc.named_sharding(x, getattr(getattr(x, "sharding", None), "memory_kind", None)
-                                or "device") for x in jax.tree_util.tree_leaves(args)]
+                                or "device", mesh) for x in jax.tree_util.tree_leaves(args)]
     jitted = jax.jit(flat_step, donate_argnums=(0, 1),
                      in_shardings=(state_sh, master_sh, arg_sh),
                      out_shardings=(state_sh, master_sh, [None] * n_metrics))

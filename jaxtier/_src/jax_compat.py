@@ -71,20 +71,32 @@ def memory_space(kind: str) -> Any:
   return {"device": jax.memory.Space.Device, "pinned_host": jax.memory.Space.Host}[kind]
 
 
-def named_sharding(x: Any, memory_kind: str) -> NamedSharding:
+def common_mesh(trees: Any) -> "Mesh | None":
+  """The largest mesh among the `NamedSharding`s of the arrays in `trees` (None if there is none)."""
+  best = None
+  for x in jax.tree_util.tree_leaves(trees):
+    sh = getattr(x, "sharding", None)
+    if isinstance(sh, NamedSharding) and (best is None or sh.mesh.size > best.size):
+      best = sh.mesh
+  return best
+
+
+def named_sharding(x: Any, memory_kind: str, mesh: "Mesh | None" = None) -> NamedSharding:
   """A `NamedSharding` for array `x` in `memory_kind`, keeping x's mesh and spec.
 
-  Only `NamedSharding` carries the memory kind into JAX's types, so a `SingleDeviceSharding`
-  (what `jnp` arrays get by default) becomes a one-device mesh with a replicated spec.
+  Only `NamedSharding` carries the memory kind into JAX's types. Another sharding (what `jnp`
+  arrays get by default, e.g. an optimizer's step count) becomes replicated over `mesh` (the
+  state's mesh, from `common_mesh`) or, without one, a one-device mesh on x's device.
   """
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
     return sharding.with_memory_kind(memory_kind)
-  if sharding is not None and len(sharding.device_set) == 1:
-    device = next(iter(sharding.device_set))
-  else:
-    device = jax.devices()[0]
-  mesh = Mesh([device], ("_jaxtier",))
+  if mesh is None:
+    if sharding is not None and len(sharding.device_set) == 1:
+      device = next(iter(sharding.device_set))
+    else:
+      device = jax.devices()[0]
+    mesh = Mesh([device], ("_jaxtier",))
   return NamedSharding(mesh, PartitionSpec(), memory_kind=memory_kind)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
@@ -22,12 +23,15 @@ from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.program_compiler import CompiledComponent
 
 
-def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent]
+def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent],
+            shardings: "Sequence[Any] | None" = None
             ) -> Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]:
   """Returns `run(state_leaves, master_leaves, arg_leaves) -> (out_leaves, new_masters)`.
 
   `master_leaves` are ordered like `master_indices(compiled)`; `out_leaves` are the step's
-  flattened outputs (new state leaves first, then metrics).
+  flattened outputs (new state leaves first, then metrics). `shardings` (one `NamedSharding`
+  per state leaf) lets a component whose leaves are sharded over a mesh run per shard: each
+  device updates its own shard of the host buffers (`shard_map`), with no all-gather.
   """
   jaxpr, consts = closed_jaxpr.jaxpr, list(closed_jaxpr.consts)
   skip = {k for cc in compiled for k in cc.component.eqns}
@@ -68,8 +72,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent]
         if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
           x = jnp.asarray(x).astype(jnp.float32)
         operands.append(x)
-      shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in cc.results]
-      outs = hu.host_update(cc.program, operands, shapes, [r.alias for r in cc.results])
+      outs = _call(cc, operands, shardings)
       for r, val in zip(cc.results, outs):
         for j in r.outputs:
           env[jaxpr.outvars[j]] = val
@@ -79,6 +82,31 @@ def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent]
     return out_leaves, [new_masters[i] for i in masters]
 
   return run
+
+
+def _call(cc: CompiledComponent, operands: list[Any], shardings: "Sequence[Any] | None"
+          ) -> list[Any]:
+  """One host_update call for `cc`, per shard when its seed leaf is sharded over a mesh."""
+  aliases = [r.alias for r in cc.results]
+  seed = cc.component.seeds[0]
+  sh = shardings[seed] if shardings is not None else None
+  shape = tuple(cc.results[0].shape) if cc.results else ()
+  sharded = (sh is not None and sh.mesh.size > 1 and any(a is not None for a in sh.spec)
+             and all(tuple(np.shape(x)) in (shape, ()) or np.size(x) == 1 for x in operands))
+  if not sharded:
+    shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in cc.results]
+    return hu.host_update(cc.program, operands, shapes, aliases)
+  spec = sh.spec
+  in_specs = tuple(spec if tuple(np.shape(x)) == shape and np.size(x) != 1 else P()
+                   for x in operands)
+  operands = [x if tuple(np.shape(x)) == shape or np.ndim(x) == 0 else jnp.reshape(x, ())
+              for x in operands]
+  local = [jax.ShapeDtypeStruct(sh.shard_shape(r.shape), r.dtype) for r in cc.results]
+
+  def per_shard(*ops):
+    return tuple(hu.host_update(cc.program, list(ops), local, aliases))
+  return list(jax.shard_map(per_shard, mesh=sh.mesh, in_specs=in_specs,
+                            out_specs=tuple(spec for _ in cc.results), check_vma=False)(*operands))
 
 
 def master_indices(compiled: Sequence[CompiledComponent]) -> list[int]:

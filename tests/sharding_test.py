@@ -1,0 +1,76 @@
+"""Sharded state on 8 forced CPU devices: data-parallel and FSDP meshes.
+
+Runs in a subprocess: the device count must be set before JAX initialises its backend.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np, optax, jaxtier
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    def loss(p, x, y):
+      return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+    def step(state, batch):
+      x, y = batch
+      l, g = jax.value_and_grad(loss)(state["params"], x, y)
+      u, o = tx.update(g, state["opt"], state["params"])
+      return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": l}
+    out = {}
+    for name, spec in [("dp", P()), ("fsdp", P("d"))]:
+      k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+      params = {"w1": jax.random.normal(k1, (64, 32)) * .1, "w2": jax.random.normal(k2, (32, 8)) * .1}
+      params = jax.device_put(params, NamedSharding(mesh, spec))
+      make = lambda: {"params": jax.tree.map(jnp.copy, params), "opt": tx.init(params)}
+      xb = jax.device_put(jax.random.normal(k3, (16, 64)), NamedSharding(mesh, P("d")))
+      yb = jax.device_put(jnp.sin(xb[:, :8]), NamedSharding(mesh, P("d")))
+      ref = jax.jit(step, donate_argnums=0)
+      s1, l1 = make(), []
+      for _ in range(10):
+        s1, m = ref(s1, (xb, yb)); l1.append(float(m["loss"]))
+      off = jaxtier.offload(step)
+      s2, l2 = off.place(make(), (xb, yb)), []
+      for _ in range(10):
+        s2, m = off(s2, (xb, yb)); l2.append(float(m["loss"]))
+      mu = s2["opt"][0].mu["w1"]
+      hlo = off.lower(s2, (xb, yb)).compile().as_text()
+      out[name] = dict(
+          ref=l1, got=l2, mu_kind=mu.sharding.memory_kind, mu_spec=str(mu.sharding.spec),
+          mu_plan_bytes={l.path: l.nbytes for l in off.plan.leaves}["['opt'][0].mu['w1']"],
+          placement=off.plan.placements()["['opt'][0].mu['w1']"],
+          gathers=hlo.count("all-gather-start") + hlo.count("all-gather("),
+          ref_gathers=(lambda t: t.count("all-gather-start") + t.count("all-gather("))(
+              ref.lower(make(), (xb, yb)).compile().as_text()),
+          calls=hlo.count('custom_call_target="jaxtier_host_update_ffi"'),
+          params_equal=bool(np.allclose(np.asarray(s1["params"]["w1"]),
+                                        np.asarray(s2["params"]["w1"]), rtol=1e-5, atol=1e-7)))
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_data_parallel_and_fsdp_meshes(tmp_path):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                     cwd=tmp_path, timeout=600)
+  line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
+  assert p.returncode == 0 and line, p.stderr[-3000:]
+  out = json.loads(line[0][len("RESULT"):])
+  for name, r in out.items():
+    assert max(abs(a - b) / abs(b) for a, b in zip(r["got"], r["ref"])) < 1e-5, name
+    assert r["params_equal"], name
+    assert r["mu_kind"] == "pinned_host" and r["placement"] == "host_cpu", name
+    assert r["calls"] == 2, name
+    # Per shard: no all-gather beyond what the device-only step has (FSDP's forward gathers).
+    assert r["gathers"] == r["ref_gathers"], (name, r["gathers"], r["ref_gathers"])
+  assert out["dp"]["mu_spec"] in ("P()", "PartitionSpec()") and out["dp"]["mu_plan_bytes"] == 64 * 32 * 4
+  # FSDP: each device holds 1/8 of the moment in its pinned host memory; budgets count that.
+  assert out["fsdp"]["mu_spec"] in ("P('d',)", "PartitionSpec('d',)")
+  assert out["fsdp"]["mu_plan_bytes"] == 64 * 32 * 4 // 8
