@@ -334,3 +334,21 @@ def test_same_array_twice_in_state_and_key_leaves():
   assert {l.path: l.dtype for l in off.plan.leaves}["['key']"] == "key<fry>"
   np.testing.assert_allclose(np.asarray(got["params"]["w"]), np.asarray(want["params"]["w"]),
                              rtol=1e-6)
+
+
+def test_gpu_plan_keeps_the_chosen_executor_per_fused_call():
+  # Planning for a GPU (no GPU needed): the user's executor is kept; leaves that share a fused
+  # call with it follow it, and the plan says so.
+  state = _mlp_state(TX)
+  plan = jaxtier.plan(_step_fn(TX), state, _batch(), platform="gpu",
+                      policy={r"\.mu\[": "host_split", r"\.nu\['w1'\]": "host_cpu"})
+  p = {l.path: l for l in plan.leaves}
+  assert p["['opt'][0].mu['w2']"].placement == "host_split"
+  assert p["['opt'][0].nu['w2']"].placement == "host_split"  # auto (host_dha) follows its call
+  assert "shares a fused call with (host_split)" in p["['opt'][0].nu['w2']"].reason
+  # w1: one leaf asks host_split, one host_cpu: a tie, settled by name order, said in the plan.
+  assert p["['opt'][0].nu['w1']"].placement == "host_cpu"
+  assert p["['opt'][0].mu['w1']"].placement == "host_cpu"
+  assert "shares a fused call with (host_cpu)" in p["['opt'][0].mu['w1']"].reason
+  auto = jaxtier.plan(_step_fn(TX), state, _batch(), platform="gpu")
+  assert {l.placement for l in auto.leaves if l.role == "optimizer_state"} == {"host_dha"}

@@ -3,11 +3,22 @@
 from typing import Any
 
 def registrations() -> dict[str, dict[str, Any]]:
-    """Maps a platform to ``{target name: PyCapsule}``.
+    """Maps a platform to ``{target name: handler}``.
 
-    ``"cpu"`` is always present; ``"CUDA"`` only in a build with CUDA. Each capsule wraps an
-    XLA FFI handler, for ``jax.ffi.register_ffi_target(name, capsule, platform=...)``.
-    Targets: ``"jaxtier_host_update_ffi"``.
+    ``"cpu"`` is always present; ``"CUDA"`` only in a build with CUDA. A handler is a
+    ``PyCapsule`` wrapping an XLA FFI handler, or (the CUDA handler, which keeps per-instance
+    state) a dict ``{"instantiate": PyCapsule, "execute": PyCapsule}``; either goes to
+    ``jax.ffi.register_ffi_target(name, handler, platform=...)``. Register ``state_types()``
+    first. Targets: ``"jaxtier_host_update_ffi"``.
+    """
+
+def state_types() -> dict[str, dict[str, dict[str, Any]]]:
+    """Maps a platform to ``{type name: {"type_id": PyCapsule, "type_info": PyCapsule}}``.
+
+    The per-instance state types of the stateful handlers, for
+    ``jax.ffi.register_ffi_type(name, registration, platform=...)``, which must run before
+    ``registrations()`` are registered (XLA checks the state type when it registers a handler).
+    ``{}`` in a build without CUDA; else ``{"CUDA": {"jaxtier_host_update_state": ...}}``.
     """
 
 def has_cuda() -> bool:

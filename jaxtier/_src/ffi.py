@@ -52,6 +52,14 @@ def ensure_registered() -> None:
   with _lock:
     if _registered:
       return
+    # State types first: XLA checks a stateful handler's state type when the handler is
+    # registered (the CUDA handler keeps its streams and staging buffers in FFI state).
+    types = getattr(_module(), "state_types", dict)()
+    if types:
+      jax.default_backend()  # start the plugins' registration hooks before registering.
+    for platform, entries in types.items():
+      for name, registration in entries.items():
+        jax.ffi.register_ffi_type(name, registration, platform=platform)
     regs = _module().registrations()
     for platform, handlers in regs.items():
       for name, capsule in handlers.items():

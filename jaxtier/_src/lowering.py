@@ -88,6 +88,7 @@ def _call(cc: CompiledComponent, operands: list[Any], shardings: "Sequence[Any] 
           ) -> list[Any]:
   """One host_update call for `cc`, per shard when its seed leaf is sharded over a mesh."""
   aliases = [r.alias for r in cc.results]
+  kw = dict(executor=cc.executor, dha_fraction=cc.dha_fraction)
   seed = cc.component.seeds[0]
   sh = shardings[seed] if shardings is not None else None
   shape = tuple(cc.results[0].shape) if cc.results else ()
@@ -95,7 +96,7 @@ def _call(cc: CompiledComponent, operands: list[Any], shardings: "Sequence[Any] 
              and all(tuple(np.shape(x)) in (shape, ()) or np.size(x) == 1 for x in operands))
   if not sharded:
     shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in cc.results]
-    return hu.host_update(cc.program, operands, shapes, aliases)
+    return hu.host_update(cc.program, operands, shapes, aliases, **kw)
   spec = sh.spec
   in_specs = tuple(spec if tuple(np.shape(x)) == shape and np.size(x) != 1 else P()
                    for x in operands)
@@ -104,7 +105,7 @@ def _call(cc: CompiledComponent, operands: list[Any], shardings: "Sequence[Any] 
   local = [jax.ShapeDtypeStruct(sh.shard_shape(r.shape), r.dtype) for r in cc.results]
 
   def per_shard(*ops):
-    return tuple(hu.host_update(cc.program, list(ops), local, aliases))
+    return tuple(hu.host_update(cc.program, list(ops), local, aliases, **kw))
   return list(jax.shard_map(per_shard, mesh=sh.mesh, in_specs=in_specs,
                             out_specs=tuple(spec for _ in cc.results), check_vma=False)(*operands))
 

@@ -11,7 +11,10 @@ Placements (DESIGN.md's vocabulary):
 - `device`: stays in HBM.
 - `host_dha`: lives in pinned_host; a GPU kernel reads and writes it in place (direct host access).
 - `host_cpu`: lives in pinned_host; host CPU threads compute its update (on the CPU backend, the
-  CPU handler; this is the executor there).
+  CPU handler; this is the executor there). On a GPU, the CUDA handler drives them, staging
+  gradients down and new params up through pinned buffers.
+- `host_split`: lives in pinned_host; the DHA kernel and the host CPUs each update a share of
+  its elements at once (the share from the hardware profile's rates: `profile.split_fraction`).
 - `host_xla`: lives in pinned_host; XLA copies it to the device for the step and back.
 """
 
@@ -28,6 +31,7 @@ import numpy as np
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src import jaxpr_graph
+from jaxtier._src import profile
 from jaxtier._src import program_compiler
 from jaxtier._src.inventory import Inventory, LeafInfo, OPTIMIZER_STATE, PARAM
 from jaxtier._src.primitives.host_update import ProgramTooLarge
@@ -35,12 +39,15 @@ from jaxtier._src.primitives.host_update import ProgramTooLarge
 DEVICE = "device"
 HOST_DHA = "host_dha"
 HOST_CPU = "host_cpu"
+HOST_SPLIT = "host_split"
 HOST_XLA = "host_xla"
 HOST_STREAM = "host_stream"
-PLACEMENTS = (DEVICE, HOST_DHA, HOST_CPU, HOST_XLA, HOST_STREAM)
-HOST_PLACEMENTS = (HOST_DHA, HOST_CPU, HOST_XLA, HOST_STREAM)
+PLACEMENTS = (DEVICE, HOST_DHA, HOST_CPU, HOST_SPLIT, HOST_XLA, HOST_STREAM)
+HOST_PLACEMENTS = (HOST_DHA, HOST_CPU, HOST_SPLIT, HOST_XLA, HOST_STREAM)
+EXECUTOR_PLACEMENTS = (HOST_DHA, HOST_CPU, HOST_SPLIT)
 
 log = logging.getLogger("jaxtier")
+USER_PLACED = "placed by the user's policy"
 
 Policy = str | Callable[[str, LeafInfo], "str | None"] | Mapping[str, str]
 
@@ -193,10 +200,10 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
       out[leaf.index] = (DEVICE, "policy 'none'")
     elif callable(policy):
       asked = policy(leaf.path, leaf)
-      out[leaf.index] = auto if asked is None else (asked, "placed by the user's policy")
+      out[leaf.index] = auto if asked is None else (asked, USER_PLACED)
     elif isinstance(policy, Mapping):
       hit = next((p for pat, p in policy.items() if re.search(pat, leaf.path)), None)
-      out[leaf.index] = auto if hit is None else (hit, "placed by the user's policy")
+      out[leaf.index] = auto if hit is None else (hit, USER_PLACED)
     else:
       raise PlanError(f"jaxtier.offload: expected policy 'auto', 'none', a callable "
                       f"(path, leaf) -> placement or a {{regex: placement}} dict, got {policy!r}")
@@ -219,14 +226,15 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
           f"{placement}, but only floating-point leaves can live on the host (the fused host "
           "update computes in floating point, and step counters are tiny). Keep it on the "
           "device: return None or 'device' for it from the policy.")
-    if placement in (HOST_DHA, HOST_CPU):
-      out[i] = (host_exec, out[i][1])
+    if placement in EXECUTOR_PLACEMENTS and host_exec == HOST_CPU:
+      out[i] = (HOST_CPU, out[i][1])  # on the CPU backend every executor is the CPU handler.
   return out
 
 
 def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               device_budget: "int | None" = None, host_budget: "int | None" = None,
-              pinnable_bytes: "int | None" = None) -> tuple[Plan, list[Any]]:
+              pinnable_bytes: "int | None" = None,
+              hardware: "profile.HardwareProfile | None" = None) -> tuple[Plan, list[Any]]:
   """Plans every leaf of `inv` and checks the budgets.
 
   Args:
@@ -237,6 +245,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     device_budget: bytes of device memory the state may take per device (None: no limit).
     host_budget: bytes of pinned host memory the plan may pin per device (None: no limit).
     pinnable_bytes: what the host can pin at most (None: do not check).
+    hardware: rates for the `host_split` share (None: `profile.DEFAULT_PROFILE`).
 
   Returns:
     (plan, compiled components): the second is what the lowering runs.
@@ -249,7 +258,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   host_exec = HOST_DHA if platform == "gpu" else HOST_CPU
   req = _requested(inv, policy, host_exec)
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
-  executor_leaves = {i for i, (p, _) in req.items() if p == host_exec}
+  executor_leaves = {i for i, (p, _) in req.items() if p in EXECUTOR_PLACEMENTS}
   reasons = {i: r for i, (_, r) in req.items()}
   placement = {i: p for i, (p, _) in req.items()}
   compiled: list[Any] = []
@@ -264,8 +273,20 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       if comp.elementwise:
         comp_masters = _masters_for(jaxpr, comp, inv)
         try:
-          compiled.append(program_compiler.compile_component(
-              jaxpr, consts, comp, frozenset(comp_masters), frozenset(executor_leaves)))
+          cc = program_compiler.compile_component(
+              jaxpr, consts, comp, frozenset(comp_masters), frozenset(executor_leaves))
+          # One executor per fused call: the one the user's policy asked for most (else the
+          # automatic choice); ties go to the first in name order.
+          chosen = [placement[i] for i in comp.seeds if reasons[i] == USER_PLACED] or [
+              placement[i] for i in comp.seeds]
+          executor = max(sorted(set(chosen)), key=chosen.count)
+          for i in comp.seeds:
+            if placement[i] != executor:
+              reasons[i] += f"; updated with the leaves it shares a fused call with ({executor})"
+              placement[i] = executor
+          compiled.append(dataclasses.replace(
+              cc, executor={HOST_SPLIT: "split"}.get(executor, executor),
+              dha_fraction=profile.split_fraction(hardware or profile.DEFAULT_PROFILE)))
         except (program_compiler.Unsupported, ProgramTooLarge) as e:
           why = str(e)
       if why or not comp.elementwise:
@@ -289,8 +310,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     master_nbytes = leaf.nbytes * 4 // np.dtype(_np_dtype(leaf.dtype)).itemsize if master else 0
     reason = reasons[leaf.index]
     if master:
-      reason = (f"{reason}; its update runs on the host from an fp32 master copy "
-                f"({host_exec}), the new {leaf.dtype} value is sent to the device")
+      reason = (f"{reason}; its update runs on the host from an fp32 master copy, the new "
+                f"{leaf.dtype} value is sent to the device")
     leaves.append(LeafPlan(index=leaf.index, path=leaf.path, shape=leaf.shape, dtype=leaf.dtype,
                            nbytes=leaf.nbytes, role=leaf.role, placement=p, memory_kind=kind,
                            master_nbytes=master_nbytes, reason=reason))

@@ -70,10 +70,18 @@ class ResultSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledComponent:
+  """A component ready to run: its program, operands, results and executor.
+
+  `executor` is 'host_dha', 'host_cpu' or 'split' (with `dha_fraction` of the elements on the
+  DHA kernel); the planner sets them.
+  """
+
   component: jaxpr_graph.Component
   program: Program
   operands: tuple[OperandSpec, ...]
   results: tuple[ResultSpec, ...]
+  executor: str = "host_dha"
+  dha_fraction: float = 0.5
 
 
 class _Emitter:

@@ -11,8 +11,16 @@ namespace jaxtier {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCpu);
 
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
-// Target `jaxtier_host_update_ffi` on platform "CUDA" (host_update_kernels.cu).
+// Target `jaxtier_host_update_ffi` on platform "CUDA" (host_update_kernels.cu): the instantiate
+// stage (creates the per-instance state) and the execute stage.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCudaInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCuda);
+
+// The per-instance state type of the CUDA handler, registered with XLA (as
+// "jaxtier_host_update_state", platform "CUDA") before the handler: its type id (XLA writes the
+// assigned id into it) and its type info (the deleter).
+XLA_FFI_TypeId* HostUpdateCudaStateTypeId();
+const XLA_FFI_TypeInfo* HostUpdateCudaStateTypeInfo();
 #endif
 
 }  // namespace jaxtier

@@ -5,6 +5,11 @@
 // the whole block in a tight loop (which the compiler vectorises), with the registers held as
 // per-thread fp32 scratch [num_regs][kBlock]. Large calls are split across one persistent,
 // lazily created thread pool.
+//
+// The same executor (BuildCpuPlan + RunCpuPlan, host_update_cpu.h) serves the CUDA handler's
+// `host_cpu` and `split` executors, from host functions on jaxtier's streams. The CPU handler
+// takes the `executor` / `dha_fraction` attributes (validated) and ignores them: it is the host
+// CPU executor already.
 
 #include <algorithm>
 #include <atomic>
@@ -22,6 +27,7 @@
 #endif
 
 #include "handlers.h"
+#include "host_update_cpu.h"
 #include "program.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -174,20 +180,12 @@ class ThreadPool {
 // The arithmetic is unchanged, so the bits are the same as a plain per-element evaluation.
 // ------------------------------------------------------------------------------------------------
 
-// Operand modes of a planned instruction: bit 0/1/2 set = field a/b/c reads a uniform slot.
-constexpr uint8_t kUniformA = 1, kUniformB = 2, kUniformC = 4;
-// For a planned LOAD: mode kInPlace = point the register at the operand's memory.
-constexpr uint8_t kInPlace = 8;
-
-struct PlannedInstruction {
-  uint8_t op, mode, dst, a, b, c;
-};
-
-struct CpuPlan {
-  int32_t num_instructions = 0;
-  PlannedInstruction instructions[host_update::kMaxInstructions];
-  float uniform[host_update::kMaxInstructions];  // one slot per uniform definition
-};
+using host_update::CpuPlan;
+using host_update::kInPlace;
+using host_update::kUniformA;
+using host_update::kUniformB;
+using host_update::kUniformC;
+using host_update::PlannedInstruction;
 
 void BuildPlan(const HostUpdateParams& p, CpuPlan* plan) {
   using namespace host_update;  // opcodes
@@ -478,14 +476,37 @@ float* ThreadScratch() {
   return scratch.get();
 }
 
-void Execute(const HostUpdateParams& p) {
-  const int64_t n = p.n;
-  if (n == 0 || p.num_instructions == 0) return;
-  CpuPlan plan;
-  BuildPlan(p, &plan);
+ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                             ffi::Dictionary attrs) {
+  host_update::HostUpdateAttrs a;
+  if (ffi::Error e = host_update::DecodeHostUpdateAttrs(attrs, &a); e.failure()) return e;
+  HostUpdateParams params;
+  ffi::Error error = host_update::PrepareHostUpdate(args, rets, a.program, a.consts, a.num_regs,
+                                                    a.aliases, &params);
+  if (error.failure()) return error;
+  if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
+  // The plan is about 2.5 KB: keep it off the (XLA:CPU) caller's stack.
+  auto plan = std::make_unique<CpuPlan>();
+  BuildPlan(params, plan.get());
+  host_update::RunCpuPlan(params, *plan, 0, params.n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+namespace host_update {
+
+void BuildCpuPlan(const HostUpdateParams& p, CpuPlan* plan) {
+  *plan = CpuPlan();
+  BuildPlan(p, plan);
+}
+
+void RunCpuPlan(const HostUpdateParams& p, const CpuPlan& plan, int64_t lo, int64_t hi) {
+  const int64_t n = hi - lo;
+  if (n <= 0 || plan.num_instructions == 0) return;
   ThreadPool* pool = n >= kMinParallelElements ? &ThreadPool::Global() : nullptr;
   if (pool == nullptr || pool->num_threads() == 1) {
-    RunRange(p, plan, 0, n, ThreadScratch());
+    RunRange(p, plan, lo, hi, ThreadScratch());
     return;
   }
   // About four tasks per thread (for balance), each a whole number of blocks.
@@ -493,31 +514,31 @@ void Execute(const HostUpdateParams& p) {
   const int64_t task = std::max(kMinTaskElements, (target + kBlock - 1) / kBlock * kBlock);
   const int64_t num_tasks = (n + task - 1) / task;
   pool->ParallelFor(num_tasks, [&](int64_t t) {
-    const int64_t begin = t * task;
-    RunRange(p, plan, begin, std::min(n, begin + task), ThreadScratch());
+    const int64_t begin = lo + t * task;
+    RunRange(p, plan, begin, std::min(hi, begin + task), ThreadScratch());
   });
 }
 
-ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
-                             ffi::Span<const int32_t> program, ffi::Span<const float> consts,
-                             int32_t num_regs, ffi::Span<const int32_t> aliases) {
-  HostUpdateParams params;
-  ffi::Error error =
-      host_update::PrepareHostUpdate(args, rets, program, consts, num_regs, aliases, &params);
-  if (error.failure()) return error;
-  Execute(params);
-  return ffi::Error::Success();
+ScopedIeeeFloatingPoint::ScopedIeeeFloatingPoint() : saved_(GetFpControl()) {
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+  SetFpControl(0x1f80);  // all exceptions masked, round to nearest, no FTZ / DAZ
+#elif defined(__aarch64__)
+  SetFpControl(0);  // round to nearest, no flush-to-zero
+#endif
 }
 
-}  // namespace
+ScopedIeeeFloatingPoint::~ScopedIeeeFloatingPoint() { SetFpControl(saved_); }
 
+}  // namespace host_update
+
+// Attributes are decoded as a dictionary (DecodeHostUpdateAttrs) so that `executor` and
+// `dha_fraction` may be absent.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCpu, HostUpdateCpuImpl,
                               ffi::Ffi::Bind()
-                                  .RemainingArgs()                              // operands
-                                  .RemainingRets()                              // results
-                                  .Attr<ffi::Span<const int32_t>>("program")    // program
-                                  .Attr<ffi::Span<const float>>("consts")       // consts
-                                  .Attr<int32_t>("num_regs")                    // num_regs
-                                  .Attr<ffi::Span<const int32_t>>("aliases"));  // aliases
+                                  .RemainingArgs()                // operands
+                                  .RemainingRets()                // results
+                                  .Attrs<ffi::Dictionary>());     // program, consts, num_regs,
+                                                                  // aliases, executor,
+                                                                  // dha_fraction
 
 }  // namespace jaxtier

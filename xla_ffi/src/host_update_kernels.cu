@@ -1,15 +1,41 @@
-// CUDA handler of `jaxtier_host_update_ffi`: one grid-stride kernel interprets the op program
-// (program.h, docs/design.md) per element. Operands and results may live in pinned host memory
-// (read and written zero-copy over the link) or in device memory; the kernel does not care.
-// No nanobind here: module.cc registers the symbol.
+// CUDA handler of `jaxtier_host_update_ffi` (op program: program.h, docs/design.md). Attribute
+// `executor` picks who computes the update:
+//
+//   0 host_dha  One grid-stride kernel interprets the program per element on XLA's stream.
+//               Operands and results may live in pinned host memory (read and written zero-copy
+//               over the link) or in device memory; the kernel does not care.
+//   1 host_cpu  Host CPU threads run the program (the CPU handler's executor, host_update.cc)
+//               from host functions (cudaLaunchHostFunc) on jaxtier's own streams. Buffers in
+//               host memory are used in place; device buffers (gradients, device params, device
+//               scalars) are staged through pinned buffers: the element range is cut into chunks,
+//               chunk c goes to stream c % 3 and its staging slot, and each stream runs
+//               down-copy, CPU compute, up-copy, so that the down-copy of one chunk, the compute of
+//               the next and the up-copy of the one before overlap.
+//   2 split     The kernel runs on [0, k) on XLA's stream while the CPU runs on [k, N) on jaxtier's
+//               streams; k = dha_fraction * N, rounded to a multiple of 256.
+//
+// Ordering with XLA: an event recorded on XLA's stream at the start of the call gates jaxtier's
+// streams; XLA's stream waits on an event of each jaxtier stream at the end. Streams, events and
+// the pinned staging buffer are per-instance state (created by the instantiate stage, filled per
+// device on first use, grown only when a call needs more staging, freed with the executable).
+// Neither path is marked kCmdBufferCompatible (own streams, host functions, event waits).
+// No nanobind here: module.cc registers the symbols.
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "handlers.h"
+#include "host_update_cpu.h"
 #include "program.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -64,74 +90,537 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
+ffi::Error CudaError(const std::string& what, cudaError_t e) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxtier_host_update: ") + what +
+                                                   " failed: " + cudaGetErrorName(e) + ": " +
+                                                   cudaGetErrorString(e));
+}
+
+#define JT_CUDA_RETURN_IF_ERROR(expr, what)                            \
+  do {                                                                 \
+    const cudaError_t jt_cuda_error = (expr);                          \
+    if (jt_cuda_error != cudaSuccess) return CudaError(what, jt_cuda_error); \
+  } while (0)
+
 // Blocks that fill the device, computed once per device.
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_resident_blocks[kMaxDevices];
 
 ffi::Error ResidentBlocks(int* blocks) {
   int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("jaxtier_host_update: cudaGetDevice failed: ") +
-                          cudaGetErrorString(e));
-  }
+  JT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
   std::atomic<int>* slot = device < kMaxDevices ? &g_resident_blocks[device] : nullptr;
   if (slot != nullptr && (*blocks = slot->load(std::memory_order_relaxed)) > 0) {
     return ffi::Error::Success();
   }
   int num_sms = 0, per_sm = 0;
-  e = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, HostUpdateKernel,
-                                                      kThreadsPerBlock, 0);
-  }
-  if (e != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("jaxtier_host_update: querying the device failed: ") +
-                          cudaGetErrorString(e));
-  }
+  JT_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+      "querying the device (cudaDeviceGetAttribute)");
+  JT_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                              &per_sm, HostUpdateKernel, kThreadsPerBlock, 0),
+                          "querying the device (cudaOccupancyMaxActiveBlocksPerMultiprocessor)");
   *blocks = num_sms * (per_sm > 0 ? per_sm : 1);
   if (slot != nullptr) slot->store(*blocks, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
-ffi::Error HostUpdateCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
-                              ffi::RemainingRets rets, ffi::Span<const int32_t> program,
-                              ffi::Span<const float> consts, int32_t num_regs,
-                              ffi::Span<const int32_t> aliases) {
-  HostUpdateParams params;
-  ffi::Error error =
-      host_update::PrepareHostUpdate(args, rets, program, consts, num_regs, aliases, &params);
-  if (error.failure()) return error;
+// Launches the kernel over elements [0, params.n) on `stream`.
+ffi::Error LaunchKernel(cudaStream_t stream, const HostUpdateParams& params) {
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
-
   int resident = 0;
-  if (error = ResidentBlocks(&resident); error.failure()) return error;
+  if (ffi::Error e = ResidentBlocks(&resident); e.failure()) return e;
   const int64_t needed = (params.n + kThreadsPerBlock - 1) / kThreadsPerBlock;
   const int grid = static_cast<int>(needed < resident ? needed : resident);
   HostUpdateKernel<<<grid, kThreadsPerBlock, 0, stream>>>(params);
-  const cudaError_t e = cudaGetLastError();
+  JT_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "kernel launch");
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host CPU executor driven from the GPU program (executors host_cpu and split).
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kNumStreams = 3;
+// Staging bytes per slot (one chunk of every staged buffer); JAXTIER_HOST_CPU_CHUNK_BYTES
+// overrides it (read when an executable is instantiated).
+constexpr int64_t kDefaultChunkBytes = int64_t{32} << 20;
+constexpr int64_t kMinChunkBytes = int64_t{64} << 10;
+constexpr int64_t kChunkAlignElements = 4096;
+constexpr int64_t kRegionAlignBytes = 256;
+// Device scalar operands come down into 64-byte slots at the start of the staging buffer.
+constexpr int64_t kScalarSlotBytes = 64;
+constexpr int64_t kScalarAreaBytes = host_update::kMaxOperands * kScalarSlotBytes;
+constexpr int64_t kStagingGranularityBytes = int64_t{2} << 20;
+
+int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// Streams, events and pinned staging of one device, owned by one instance's state. One call
+// enqueues at a time (mu). Work of consecutive calls never overlaps: a call's streams wait for
+// XLA's stream to reach the call, and XLA's stream waits for the previous call's streams.
+struct DeviceResources {
+  explicit DeviceResources(int device) : device(device) {}
+  ~DeviceResources();
+  DeviceResources(const DeviceResources&) = delete;
+  DeviceResources& operator=(const DeviceResources&) = delete;
+
+  // Creates the streams and events (on the current device, which must be `device`).
+  ffi::Error Init();
+  // Makes the pinned staging buffer at least `bytes` long. Growing waits for this device's
+  // jaxtier streams (earlier calls may still read the old buffer), then reallocates.
+  ffi::Error EnsureStaging(int64_t bytes);
+
+  const int device;
+  std::mutex mu;
+  cudaStream_t streams[kNumStreams] = {};
+  cudaEvent_t start = nullptr;  // on XLA's stream, at the start of a call
+  cudaEvent_t ready = nullptr;  // on streams[0], once the CPU plan of a call is built
+  cudaEvent_t done[kNumStreams] = {};
+  char* staging = nullptr;  // pinned host memory
+  int64_t staging_bytes = 0;
+};
+
+ffi::Error DeviceResources::Init() {
+  for (cudaStream_t& s : streams) {
+    JT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                            "cudaStreamCreateWithFlags");
+  }
+  for (cudaEvent_t* e : {&start, &ready, &done[0], &done[1], &done[2]}) {
+    JT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming),
+                            "cudaEventCreateWithFlags");
+  }
+  static_assert(kNumStreams == 3, "Init lists the done events");
+  return ffi::Error::Success();
+}
+
+ffi::Error DeviceResources::EnsureStaging(int64_t bytes) {
+  if (staging_bytes >= bytes) return ffi::Error::Success();
+  for (cudaStream_t s : streams) {
+    JT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s),
+                            "cudaStreamSynchronize (before growing the pinned staging buffer)");
+  }
+  if (staging != nullptr) {
+    JT_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging), "cudaFreeHost (pinned staging buffer)");
+    staging = nullptr;
+    staging_bytes = 0;
+  }
+  const int64_t size = AlignUp(bytes, kStagingGranularityBytes);
+  void* p = nullptr;
+  JT_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, static_cast<size_t>(size), cudaHostAllocPortable),
+                          "cudaHostAlloc of " + std::to_string(size) +
+                              " bytes (pinned staging buffer)");
+  staging = static_cast<char*>(p);
+  staging_bytes = size;
+  return ffi::Error::Success();
+}
+
+DeviceResources::~DeviceResources() {
+  // Errors are ignored here: nothing can report them (this runs when XLA frees the executable,
+  // possibly at process exit).
+  int previous = -1;
+  const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+  for (cudaStream_t s : streams) {
+    if (s != nullptr) cudaStreamSynchronize(s);
+  }
+  if (staging != nullptr) cudaFreeHost(staging);
+  for (cudaEvent_t e : {start, ready, done[0], done[1], done[2]}) {
+    if (e != nullptr) cudaEventDestroy(e);
+  }
+  for (cudaStream_t s : streams) {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
+  if (switched) cudaSetDevice(previous);
+  cudaGetLastError();  // leave no error of ours behind for a later check on this thread
+}
+
+// Per-instance state (one per custom call of an executable), created by the instantiate stage.
+struct HostUpdateState {
+  static ffi::TypeId id;
+
+  int32_t executor = host_update::kExecutorHostDha;
+  int64_t chunk_bytes = kDefaultChunkBytes;
+
+  // The resources of `device`, created on first use (on the current device).
+  ffi::Error Resources(int device, DeviceResources** out) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (device < 0) {
+      return ffi::Error(ffi::ErrorCode::kInternal,
+                        "jaxtier_host_update: invalid current device " + std::to_string(device));
+    }
+    if (devices.size() <= static_cast<size_t>(device)) devices.resize(device + 1);
+    if (devices[device] == nullptr) {
+      auto r = std::make_unique<DeviceResources>(device);
+      if (ffi::Error e = r->Init(); e.failure()) return e;
+      devices[device] = std::move(r);
+    }
+    *out = devices[device].get();
+    return ffi::Error::Success();
+  }
+
+  std::mutex mu;
+  std::vector<std::unique_ptr<DeviceResources>> devices;  // by device ordinal
+};
+
+ffi::TypeId HostUpdateState::id = {};  // assigned by XLA when the type is registered
+
+void DeleteHostUpdateState(void* state) { delete static_cast<HostUpdateState*>(state); }
+
+// One call of the CPU path: what its host functions need. Heap-allocated, reference-counted by
+// the handler and by each host function enqueued, deleted by the last to finish.
+struct CpuCall;
+
+struct CpuChunk {
+  CpuCall* call;
+  int slot;  // also the stream
+  int64_t lo, hi;
+};
+
+struct CpuCall {
+  HostUpdateParams params;  // as validated: where XLA put the buffers
+  char* slot_base[kNumStreams] = {};
+  int64_t operand_offset[host_update::kMaxOperands];  // bytes into a slot; -1: in place
+  int64_t result_offset[host_update::kMaxResults];    // bytes into a slot; -1: in place
+  const void* scalar_src[host_update::kMaxOperands] = {};  // host-readable scalar operands
+  std::vector<CpuChunk> chunks;
+  host_update::CpuPlan plan;
+  std::atomic<bool> plan_ready{false};
+  std::atomic<int> refs{1};  // the handler's
+};
+
+void Release(CpuCall* call) {
+  if (call->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete call;
+}
+
+// Host-side view of chunk [lo, hi): vector pointers rebased to element lo (host buffers) or set
+// to the chunk's staging slot (device buffers); scalars read from host memory. Aliased pairs stay
+// aliased (a staged aliased pair shares one region), so one plan serves every chunk.
+void ChunkParams(const CpuCall& call, int slot, int64_t lo, int64_t hi, HostUpdateParams* p) {
+  using host_update::StorageBytes;
+  *p = call.params;
+  p->n = hi - lo;
+  for (int i = 0; i < p->num_operands; ++i) {
+    if (p->operand_scalar[i]) {
+      p->operands[i] = call.scalar_src[i];
+    } else if (call.operand_offset[i] >= 0) {
+      p->operands[i] = call.slot_base[slot] + call.operand_offset[i];
+    } else {
+      p->operands[i] =
+          static_cast<const char*>(call.params.operands[i]) + lo * StorageBytes(p->operand_type[i]);
+    }
+  }
+  for (int r = 0; r < p->num_results; ++r) {
+    if (call.result_offset[r] >= 0) {
+      p->results[r] = call.slot_base[slot] + call.result_offset[r];
+    } else {
+      p->results[r] = static_cast<char*>(call.params.results[r]) + lo * StorageBytes(p->result_type[r]);
+    }
+  }
+}
+
+// Host functions: no CUDA calls in here (cudaLaunchHostFunc's contract). They may block while
+// the CPU thread pool works.
+void CUDART_CB BuildPlanHostFn(void* arg) {
+  CpuCall* call = static_cast<CpuCall*>(arg);
+  {
+    host_update::ScopedIeeeFloatingPoint ieee;
+    HostUpdateParams p;
+    const CpuChunk& first = call->chunks.front();
+    ChunkParams(*call, first.slot, first.lo, first.hi, &p);
+    host_update::BuildCpuPlan(p, &call->plan);
+    call->plan_ready.store(true, std::memory_order_release);
+  }
+  Release(call);
+}
+
+void CUDART_CB RunChunkHostFn(void* arg) {
+  const CpuChunk* chunk = static_cast<const CpuChunk*>(arg);
+  CpuCall* call = chunk->call;
+  {
+    host_update::ScopedIeeeFloatingPoint ieee;
+    HostUpdateParams p;
+    ChunkParams(*call, chunk->slot, chunk->lo, chunk->hi, &p);
+    if (call->plan_ready.load(std::memory_order_acquire)) {
+      host_update::RunCpuPlan(p, call->plan, 0, p.n);
+    } else {
+      // Unreachable: the stream waited for the event recorded after BuildPlanHostFn. Kept so
+      // that a broken ordering cannot read a half-built plan.
+      host_update::CpuPlan plan;
+      host_update::BuildCpuPlan(p, &plan);
+      host_update::RunCpuPlan(p, plan, 0, p.n);
+    }
+  }
+  Release(call);
+}
+
+ffi::Error LaunchHostFn(cudaStream_t stream, cudaHostFn_t fn, void* arg, CpuCall* call) {
+  call->refs.fetch_add(1, std::memory_order_relaxed);
+  const cudaError_t e = cudaLaunchHostFunc(stream, fn, arg);
   if (e != cudaSuccess) {
-    return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("jaxtier_host_update: kernel launch failed: ") +
-                          cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+    call->refs.fetch_sub(1, std::memory_order_relaxed);  // the handler still holds one
+    return CudaError("cudaLaunchHostFunc", e);
   }
   return ffi::Error::Success();
 }
 
+ffi::Error IsDeviceMemory(const void* ptr, const std::string& where, bool* on_device) {
+  cudaPointerAttributes attr;
+  JT_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, ptr),
+                          "cudaPointerGetAttributes for " + where);
+  // Host (pinned), unregistered (pageable) and managed memory are all readable by the CPU.
+  *on_device = attr.type == cudaMemoryTypeDevice;
+  return ffi::Error::Success();
+}
+
+// Enqueues the CPU executor over elements [lo, hi) of `params` (lo < hi) on `dev`'s streams.
+// The caller holds dev->mu and has recorded dev->start on `xla_stream` where the CPU part may
+// begin; on success `xla_stream` waits for the CPU part.
+ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceResources* dev,
+                           const HostUpdateParams& params, ffi::Span<const int32_t> aliases,
+                           int64_t lo, int64_t hi) {
+  using host_update::StorageBytes;
+  auto owned = std::make_unique<CpuCall>();
+  CpuCall* call = owned.get();
+  call->params = params;
+  const int num_operands = params.num_operands;
+  const int num_results = params.num_results;
+
+  // Where each buffer lives, asked once per call.
+  bool operand_on_device[host_update::kMaxOperands] = {};
+  bool result_on_device[host_update::kMaxResults] = {};
+  for (int i = 0; i < num_operands; ++i) {
+    if (ffi::Error e = IsDeviceMemory(params.operands[i], "input " + std::to_string(i),
+                                      &operand_on_device[i]);
+        e.failure()) {
+      return e;
+    }
+  }
+  for (int r = 0; r < num_results; ++r) {
+    if (ffi::Error e = IsDeviceMemory(params.results[r], "result " + std::to_string(r),
+                                      &result_on_device[r]);
+        e.failure()) {
+      return e;
+    }
+  }
+
+  // Staging layout. A staged result that aliases a staged vector operand shares its region
+  // (copied down, updated in place, copied up); any other staged result has its own (copied up
+  // only: the program stores every result).
+  int64_t bytes_per_element = 0;
+  bool any_device_scalar = false;
+  for (int i = 0; i < num_operands; ++i) {
+    call->operand_offset[i] = -1;
+    if (!operand_on_device[i]) continue;
+    if (params.operand_scalar[i]) {
+      any_device_scalar = true;
+    } else {
+      bytes_per_element += StorageBytes(params.operand_type[i]);
+    }
+  }
+  auto shares_operand_region = [&](int r) {
+    const int32_t a = aliases[r];
+    return a >= 0 && operand_on_device[a] && !params.operand_scalar[a];
+  };
+  for (int r = 0; r < num_results; ++r) {
+    call->result_offset[r] = -1;
+    if (result_on_device[r] && !shares_operand_region(r)) {
+      bytes_per_element += StorageBytes(params.result_type[r]);
+    }
+  }
+  const int64_t n = hi - lo;
+  int64_t chunk = n;
+  if (bytes_per_element > 0) {
+    chunk = std::max(kChunkAlignElements,
+                     chunk_bytes / bytes_per_element / kChunkAlignElements * kChunkAlignElements);
+    chunk = std::min(chunk, n);
+  }
+  const int64_t num_chunks = (n + chunk - 1) / chunk;
+  const int num_streams = static_cast<int>(std::min<int64_t>(kNumStreams, num_chunks));
+  int64_t slot_bytes = 0;
+  for (int i = 0; i < num_operands; ++i) {
+    if (operand_on_device[i] && !params.operand_scalar[i]) {
+      call->operand_offset[i] = slot_bytes;
+      slot_bytes += AlignUp(chunk * StorageBytes(params.operand_type[i]), kRegionAlignBytes);
+    }
+  }
+  for (int r = 0; r < num_results; ++r) {
+    if (!result_on_device[r]) continue;
+    if (shares_operand_region(r)) {
+      call->result_offset[r] = call->operand_offset[aliases[r]];
+    } else {
+      call->result_offset[r] = slot_bytes;
+      slot_bytes += AlignUp(chunk * StorageBytes(params.result_type[r]), kRegionAlignBytes);
+    }
+  }
+  const int64_t scalar_bytes = any_device_scalar ? kScalarAreaBytes : 0;
+  if (slot_bytes > 0 || scalar_bytes > 0) {
+    if (ffi::Error e = dev->EnsureStaging(scalar_bytes + num_streams * slot_bytes); e.failure()) {
+      return e;
+    }
+  }
+  for (int s = 0; s < num_streams; ++s) {
+    call->slot_base[s] = dev->staging + scalar_bytes + s * slot_bytes;
+  }
+  call->chunks.resize(static_cast<size_t>(num_chunks));
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t begin = lo + c * chunk;
+    call->chunks[c] = CpuChunk{call, static_cast<int>(c % num_streams), begin,
+                               std::min(hi, begin + chunk)};
+  }
+
+  // From here on host functions hold references; the handler drops its own when it returns.
+  struct HandlerRef {
+    CpuCall* call;
+    ~HandlerRef() { Release(call); }
+  } handler_ref{owned.release()};
+
+  for (int s = 0; s < num_streams; ++s) {
+    JT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(dev->streams[s], dev->start, 0),
+                            "cudaStreamWaitEvent (jaxtier stream on XLA's stream)");
+  }
+  // Scalars first (stream 0), then the plan, which reads them.
+  for (int i = 0; i < num_operands; ++i) {
+    if (!params.operand_scalar[i]) continue;
+    if (operand_on_device[i]) {
+      char* dst = dev->staging + i * kScalarSlotBytes;
+      JT_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(dst, params.operands[i], StorageBytes(params.operand_type[i]),
+                          cudaMemcpyDeviceToHost, dev->streams[0]),
+          "cudaMemcpyAsync (scalar input " + std::to_string(i) + " to pinned staging)");
+      call->scalar_src[i] = dst;
+    } else {
+      call->scalar_src[i] = params.operands[i];
+    }
+  }
+  if (ffi::Error e = LaunchHostFn(dev->streams[0], BuildPlanHostFn, call, call); e.failure()) {
+    return e;
+  }
+  JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->ready, dev->streams[0]), "cudaEventRecord");
+
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    CpuChunk* chunk_desc = &call->chunks[c];
+    const cudaStream_t stream = dev->streams[chunk_desc->slot];
+    char* slot = call->slot_base[chunk_desc->slot];
+    const int64_t len = chunk_desc->hi - chunk_desc->lo;
+    for (int i = 0; i < num_operands; ++i) {
+      if (call->operand_offset[i] < 0) continue;
+      const int64_t es = StorageBytes(params.operand_type[i]);
+      JT_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(slot + call->operand_offset[i],
+                          static_cast<const char*>(params.operands[i]) + chunk_desc->lo * es,
+                          static_cast<size_t>(len * es), cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync (input " + std::to_string(i) + " to pinned staging)");
+    }
+    if (c > 0 && c < num_streams) {
+      JT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, dev->ready, 0),
+                              "cudaStreamWaitEvent (for the CPU plan)");
+    }
+    if (ffi::Error e = LaunchHostFn(stream, RunChunkHostFn, chunk_desc, call); e.failure()) {
+      return e;
+    }
+    for (int r = 0; r < num_results; ++r) {
+      if (call->result_offset[r] < 0) continue;
+      const int64_t es = StorageBytes(params.result_type[r]);
+      JT_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(static_cast<char*>(params.results[r]) + chunk_desc->lo * es,
+                          slot + call->result_offset[r], static_cast<size_t>(len * es),
+                          cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync (result " + std::to_string(r) + " from pinned staging)");
+    }
+  }
+  for (int s = 0; s < num_streams; ++s) {
+    JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->done[s], dev->streams[s]), "cudaEventRecord");
+    JT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(xla_stream, dev->done[s], 0),
+                            "cudaStreamWaitEvent (XLA's stream on a jaxtier stream)");
+  }
+  return ffi::Error::Success();
+}
+
+// Elements [0, k) go to the kernel: k = dha_fraction * n rounded to a multiple of 256, in [0, n].
+int64_t SplitPoint(int64_t n, float dha_fraction) {
+  const double blocks = std::nearbyint(static_cast<double>(dha_fraction) * static_cast<double>(n) /
+                                       static_cast<double>(host_update::kSplitAlignElements));
+  const int64_t k = static_cast<int64_t>(blocks) * host_update::kSplitAlignElements;
+  return std::min(std::max<int64_t>(k, 0), n);
+}
+
+ffi::ErrorOr<std::unique_ptr<HostUpdateState>> HostUpdateCudaInstantiateImpl(
+    ffi::Dictionary attrs) {
+  host_update::HostUpdateAttrs a;
+  if (ffi::Error e = host_update::DecodeHostUpdateAttrs(attrs, &a); e.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(e));
+  }
+  auto state = std::make_unique<HostUpdateState>();
+  state->executor = a.executor;
+  if (const char* env = std::getenv("JAXTIER_HOST_CPU_CHUNK_BYTES"); env != nullptr && *env) {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    if (end == env || *end != '\0' || v < kMinChunkBytes) {
+      return ffi::Unexpected<ffi::Error>(host_update::internal::Invalid(
+          "value", "environment variable JAXTIER_HOST_CPU_CHUNK_BYTES",
+          "an integer number of bytes >= " + std::to_string(kMinChunkBytes), env));
+    }
+    state->chunk_bytes = v;
+  }
+  return ffi::ErrorOr<std::unique_ptr<HostUpdateState>>(std::move(state));
+}
+
+ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
+                              ffi::RemainingArgs args, ffi::RemainingRets rets,
+                              ffi::Dictionary attrs) {
+  host_update::HostUpdateAttrs a;
+  if (ffi::Error e = host_update::DecodeHostUpdateAttrs(attrs, &a); e.failure()) return e;
+  HostUpdateParams params;
+  ffi::Error error = host_update::PrepareHostUpdate(args, rets, a.program, a.consts, a.num_regs,
+                                                    a.aliases, &params);
+  if (error.failure()) return error;
+  if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
+
+  int64_t k = params.n;  // the kernel's share: [0, k)
+  if (a.executor == host_update::kExecutorHostCpu) k = 0;
+  if (a.executor == host_update::kExecutorSplit) k = SplitPoint(params.n, a.dha_fraction);
+  if (k == params.n) return LaunchKernel(stream, params);
+
+  int device = 0;
+  JT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  DeviceResources* dev = nullptr;
+  if (ffi::Error e = state->Resources(device, &dev); e.failure()) return e;
+  std::lock_guard<std::mutex> lock(dev->mu);
+  // Recorded before the kernel: the CPU part does not wait for it.
+  JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->start, stream), "cudaEventRecord");
+  if (k > 0) {
+    HostUpdateParams head = params;
+    head.n = k;
+    if (ffi::Error e = LaunchKernel(stream, head); e.failure()) return e;
+  }
+  return EnqueueCpuRange(stream, state->chunk_bytes, dev, params, a.aliases, k, params.n);
+}
+
 }  // namespace
 
-// Not marked kCmdBufferCompatible: behaviour under XLA's command-buffer (CUDA graph) capture, with
-// pinned_host operands whose addresses change between steps, has not been verified.
+XLA_FFI_TypeId* HostUpdateCudaStateTypeId() { return &HostUpdateState::id; }
+
+const XLA_FFI_TypeInfo* HostUpdateCudaStateTypeInfo() {
+  static const XLA_FFI_TypeInfo info = {XLA_FFI_TypeInfo_STRUCT_SIZE, nullptr,
+                                        &DeleteHostUpdateState};
+  return &info;
+}
+
+// Attributes are decoded as a dictionary (DecodeHostUpdateAttrs): `executor` and `dha_fraction`
+// may be absent. Not kCmdBufferCompatible: host_cpu / split use their own streams, host functions
+// and event waits, and the DHA path's behaviour under XLA's command-buffer (CUDA graph) capture,
+// with pinned_host operands whose addresses change between steps, has not been verified.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCudaInstantiate, HostUpdateCudaInstantiateImpl,
+                              ffi::Ffi::BindInstantiate()
+                                  .Attrs<ffi::Dictionary>());  // the attributes
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCuda, HostUpdateCudaImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()     // stream
-                                  .RemainingArgs()                              // operands
-                                  .RemainingRets()                              // results
-                                  .Attr<ffi::Span<const int32_t>>("program")    // program
-                                  .Attr<ffi::Span<const float>>("consts")       // consts
-                                  .Attr<int32_t>("num_regs")                    // num_regs
-                                  .Attr<ffi::Span<const int32_t>>("aliases"));  // aliases
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::State<HostUpdateState>>()        // state
+                                  .RemainingArgs()                           // operands
+                                  .RemainingRets()                           // results
+                                  .Attrs<ffi::Dictionary>());  // program, consts, num_regs,
+                                                               // aliases, executor, dha_fraction
 
 }  // namespace jaxtier

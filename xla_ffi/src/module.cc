@@ -1,7 +1,13 @@
 // Python module `_jaxtier_ffi`: hands the XLA FFI handlers to Python as capsules.
 //
 //   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule},
-//                       "CUDA": {...}}   # "CUDA" only in a build with CUDA
+//                       "CUDA": {"jaxtier_host_update_ffi": {"instantiate": capsule,
+//                                                            "execute": capsule}}}
+//                      # "CUDA" only in a build with CUDA
+//   state_types() -> {"CUDA": {"jaxtier_host_update_state": {"type_id": capsule,
+//                                                              "type_info": capsule}}}
+//                      # {} without CUDA; register these (jax.ffi.register_ffi_type) BEFORE the
+//                      # handlers: XLA checks a stateful handler's type when it is registered
 //   has_cuda() -> bool
 
 #include <type_traits>
@@ -36,11 +42,29 @@ nb::dict Registrations() {
   cpu["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCpu);
   registrations["cpu"] = cpu;
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
+  nb::dict host_update_cuda;  // a stateful handler: one capsule per stage
+  host_update_cuda["instantiate"] = EncapsulateFfiHandler(HostUpdateCudaInstantiate);
+  host_update_cuda["execute"] = EncapsulateFfiHandler(HostUpdateCuda);
   nb::dict cuda;
-  cuda["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCuda);
+  cuda["jaxtier_host_update_ffi"] = host_update_cuda;
   registrations["CUDA"] = cuda;
 #endif
   return registrations;
+}
+
+nb::dict StateTypes() {
+  nb::dict types;
+#if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
+  nb::dict host_update_state;
+  host_update_state["type_id"] =
+      nb::capsule(reinterpret_cast<void*>(HostUpdateCudaStateTypeId()));
+  host_update_state["type_info"] = nb::capsule(
+      const_cast<void*>(reinterpret_cast<const void*>(HostUpdateCudaStateTypeInfo())));
+  nb::dict cuda;
+  cuda["jaxtier_host_update_state"] = host_update_state;
+  types["CUDA"] = cuda;
+#endif
+  return types;
 }
 
 }  // namespace
@@ -50,6 +74,9 @@ NB_MODULE(_jaxtier_ffi, m) {
   m.doc() = "XLA FFI handlers of jaxtier (registered by jaxtier._src.primitives).";
   m.def("registrations", &jaxtier::Registrations,
         "Maps platform ('cpu', and 'CUDA' when built with CUDA) to {target name: capsule}.");
+  m.def("state_types", &jaxtier::StateTypes,
+        "Maps platform to {type name: {'type_id': capsule, 'type_info': capsule}}, for "
+        "jax.ffi.register_ffi_type; register them before the handlers.");
   m.def("has_cuda", []() { return jaxtier::kHasCuda; },
         "True when the module was built with the CUDA handlers.");
 }

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include <string>
+#include <string_view>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -46,6 +47,17 @@ inline constexpr int kMaxResults = 16;
 
 // Name used in error messages.
 inline constexpr const char kOpName[] = "jaxtier_host_update";
+
+// Attribute `executor`: who computes the update on a GPU (the CPU handler accepts all three and
+// is the host CPU executor whatever the value).
+enum Executor : int32_t {
+  kExecutorHostDha = 0,  // the CUDA kernel, reading and writing host memory in place (zero-copy)
+  kExecutorHostCpu = 1,  // host CPU threads, driven from the CUDA handler
+  kExecutorSplit = 2,    // the kernel on [0, k), the CPU on [k, N); k from `dha_fraction`
+};
+inline constexpr int32_t kNumExecutors = 3;
+// Split executor: the kernel's share [0, k) is rounded to a multiple of this many elements.
+inline constexpr int64_t kSplitAlignElements = 256;
 
 enum Op : uint8_t {
   kLoad = 1,      // r[dst] = operand[a][i] (operand[a][0] when scalar)
@@ -413,6 +425,97 @@ inline std::string Instr(int64_t k, const char* field) {
 }
 
 }  // namespace internal
+
+// The attributes of a call, decoded from the attribute dictionary. `executor` and
+// `dha_fraction` are optional (calls built before they existed still run: DHA, 0.5).
+struct HostUpdateAttrs {
+  xla::ffi::Span<const int32_t> program;
+  xla::ffi::Span<const float> consts;
+  int32_t num_regs = 0;
+  xla::ffi::Span<const int32_t> aliases;
+  int32_t executor = kExecutorHostDha;
+  float dha_fraction = 0.5f;
+};
+
+namespace internal {
+
+template <typename T>
+xla::ffi::Error GetAttr(const xla::ffi::Dictionary& attrs, const char* name,
+                        const char* expected, bool required, T* out) {
+  if (!attrs.contains(name)) {
+    if (!required) return xla::ffi::Error::Success();
+    return Invalid("attribute", "the call", std::string("an attribute `") + name + "` (" +
+                   expected + ")", "none");
+  }
+  xla::ffi::ErrorOr<T> value = attrs.get<T>(name);
+  if (value.has_error()) {
+    return Invalid("type", std::string("attribute ") + name, expected,
+                   "another type (" + value.error().message() + ")");
+  }
+  *out = *value;
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace internal
+
+// Decodes and checks the attributes: program, consts, num_regs, aliases (required), executor
+// (0, 1 or 2) and dha_fraction (in [0, 1]) (optional); an unknown attribute name is an error.
+inline xla::ffi::Error DecodeHostUpdateAttrs(const xla::ffi::Dictionary& attrs,
+                                             HostUpdateAttrs* out) {
+  using internal::GetAttr;
+  using internal::Invalid;
+  namespace ffi = xla::ffi;
+  static constexpr const char* kKnown[] = {"aliases", "consts", "dha_fraction",
+                                           "executor", "num_regs", "program"};
+  for (auto it = attrs.begin(); it != attrs.end(); ++it) {
+    const std::string_view name = *it;
+    bool known = false;
+    for (const char* k : kKnown) known = known || name == k;
+    if (!known) {
+      return Invalid("attribute", "the call",
+                     "one of aliases, consts, dha_fraction, executor, num_regs, program",
+                     "`" + std::string(name) + "`");
+    }
+  }
+  if (ffi::Error e = GetAttr(attrs, "program", "an int32 array", true, &out->program);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = GetAttr(attrs, "consts", "a float32 array", true, &out->consts);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = GetAttr(attrs, "num_regs", "an int32 scalar", true, &out->num_regs);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = GetAttr(attrs, "aliases", "an int32 array", true, &out->aliases);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e = GetAttr(attrs, "executor", "an int32 scalar", false, &out->executor);
+      e.failure()) {
+    return e;
+  }
+  if (ffi::Error e =
+          GetAttr(attrs, "dha_fraction", "a float32 scalar", false, &out->dha_fraction);
+      e.failure()) {
+    return e;
+  }
+  if (out->executor < 0 || out->executor >= kNumExecutors) {
+    return Invalid("value", "attribute executor",
+                   "0 (host_dha), 1 (host_cpu) or 2 (split)", std::to_string(out->executor));
+  }
+  // Written so that NaN fails too.
+  if (!(out->dha_fraction >= 0.0f && out->dha_fraction <= 1.0f)) {
+    return Invalid("value", "attribute dha_fraction", "a value in [0, 1]",
+                   std::to_string(out->dha_fraction));
+  }
+  return ffi::Error::Success();
+}
+
+// Size in bytes of one element of a storage type.
+inline int64_t StorageBytes(uint8_t type) { return type == kF32 ? 4 : 2; }
 
 // Validates a call and fills `params`. Returns an InvalidArgument error naming the first
 // problem found. Checks: operand/result counts and dtypes (f32/bf16/f16), element counts (N or

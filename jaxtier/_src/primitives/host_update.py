@@ -7,14 +7,25 @@ optimizer update (any optax chain of elementwise maps) into a `Program`; `host_u
 
 Operands are arrays of N elements (read at element i) or 1 element (broadcast scalars); results
 have N elements. A result listed in `aliases` is written in place into the operand's buffer:
-with a donated `pinned_host` operand this updates host memory without a copy (the CUDA handler
-reads and writes the host pages directly over PCIe: direct host access).
+with a donated `pinned_host` operand this updates host memory without a copy.
+
+Executors (attribute `executor`; on a GPU):
+- `host_dha`: the CUDA kernel reads and writes the host pages directly over PCIe (direct host
+  access, zero-copy).
+- `host_cpu`: host CPU threads compute the update, driven from the CUDA handler (host functions
+  on jaxtier's own streams); device operands and results (gradients, device params, device
+  scalars) are staged through pinned buffers in pipelined chunks.
+- `split`: the kernel takes elements [0, k) and the CPU [k, N) at once, k = `dha_fraction` * N
+  rounded to a multiple of 256.
+On the CPU backend the CPU handler runs every executor the same way (it is the host CPU
+executor); the pure-JAX reference ignores the executor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from typing import Sequence
 
@@ -30,6 +41,12 @@ MAX_CONSTS = 64
 MAX_OPERANDS = 32
 MAX_RESULTS = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# Executor names -> attribute `executor` (xla_ffi/src/program.h, enum Executor).
+HOST_DHA = "host_dha"
+HOST_CPU = "host_cpu"
+SPLIT = "split"
+EXECUTORS = {HOST_DHA: 0, HOST_CPU: 1, SPLIT: 2}
 
 
 class Op(enum.IntEnum):
@@ -144,7 +161,8 @@ def ffi_disabled() -> bool:
 
 
 def host_update(program: Program, operands: Sequence[jax.Array],
-                results: Sequence[jax.ShapeDtypeStruct], aliases: Sequence[int]) -> list[jax.Array]:
+                results: Sequence[jax.ShapeDtypeStruct], aliases: Sequence[int], *,
+                executor: str = HOST_DHA, dha_fraction: float = 0.5) -> list[jax.Array]:
   """Runs `program` once per element over `operands`, producing `results`.
 
   Args:
@@ -154,15 +172,30 @@ def host_update(program: Program, operands: Sequence[jax.Array],
     results: shapes and dtypes of the results; every result has N elements.
     aliases: for each result, the index of the operand whose buffer it overwrites in place
       (that operand must be donated by the enclosing jit), or -1.
+    executor: who computes the update on a GPU: 'host_dha' (the CUDA kernel, zero-copy),
+      'host_cpu' (host CPU threads driven from the CUDA handler) or 'split' (both at once).
+      The CPU backend's handler and the pure-JAX reference compute the same either way.
+    dha_fraction: for 'split', the fraction of the N elements the kernel takes (the first
+      ones; rounded to a multiple of 256); the CPU takes the rest. In [0, 1]; ignored by the
+      other executors.
 
   Returns:
     The results, as a list of arrays.
 
   Raises:
-    ValueError: a dtype outside float32/bfloat16/float16, or element counts that differ.
+    ValueError: a dtype outside float32/bfloat16/float16, element counts that differ, an
+      unknown executor, or a dha_fraction outside [0, 1].
   """
   n = _check(program, operands, results, aliases)
   del n
+  if executor not in EXECUTORS:
+    raise ValueError(f"host_update: expected executor in {tuple(EXECUTORS)}, got {executor!r}")
+  try:
+    fraction = float(dha_fraction)
+  except (TypeError, ValueError):
+    fraction = math.nan
+  if not 0.0 <= fraction <= 1.0:
+    raise ValueError(f"host_update: expected dha_fraction in [0, 1], got {dha_fraction!r}")
   if ffi_disabled():
     return _reference(program, operands, results)
   from jaxtier._src import ffi  # Imported late: loads the extension after jax.
@@ -176,7 +209,9 @@ def host_update(program: Program, operands: Sequence[jax.Array],
              program=np.ascontiguousarray(program.code.reshape(-1), dtype=np.int32),
              consts=np.ascontiguousarray(program.consts, dtype=np.float32),
              num_regs=np.int32(program.num_regs),
-             aliases=np.asarray(list(aliases), dtype=np.int32))
+             aliases=np.asarray(list(aliases), dtype=np.int32),
+             executor=np.int32(EXECUTORS[executor]),
+             dha_fraction=np.float32(fraction))
   return list(out)
 
 
