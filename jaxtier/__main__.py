@@ -5,7 +5,10 @@ Commands:
           `--offload=auto` places state through `jaxtier.offload`).
   plan    print the plan `jaxtier.offload` would make for an example config, without
           allocating it (`--config`, `--batch_size`, `--seq_len`, `--device_budget`,
-          `--host_budget`, `--json`).
+          `--host_budget`, `--json`, `--platform`).
+  calibrate  measure this machine's host-update rates (the CPU executor today; the GPU
+          rates keep MEASURED.md's H200 defaults) and store the profile as JSON in the user's
+          cache directory (`--json` prints it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from absl import flags
 import jaxtier  # (imports jax first)
 from jaxtier.examples import train as train_lib
 
-COMMANDS = ("train", "plan")
+COMMANDS = ("train", "plan", "calibrate")
 _JSON = flags.DEFINE_bool("json", False, "plan: print the plan as JSON.")
 _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
                               "plan: plan for this platform's executors (default: this machine's).")
@@ -66,8 +69,31 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"unexpected arguments {argv[2:]!r}")
   if argv[1] == "train":
     train_lib.main(argv[:1])
-  else:
+  elif argv[1] == "plan":
     plan_main()
+  else:
+    calibrate_main()
+
+
+def calibrate_main() -> None:
+  """Measures and stores a `HardwareProfile`; says which figures are defaults."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
+  prof = profile.calibrate()
+  path = profile.save(prof)
+  if _JSON.value:
+    print(json.dumps(dataclasses.asdict(prof), indent=1))
+    return
+  if jax.default_backend() != "gpu":
+    print("warning: no GPU here: link, zero-copy and DHA rates are the H200 defaults "
+          "(../shared/MEASURED.md); only the host CPU executor was measured")
+  for field in dataclasses.fields(prof):
+    print(f"{field.name:<28} {getattr(prof, field.name):.4g}")
+  print(f"split share of the DHA kernel: {profile.split_fraction(prof):.3f}")
+  print(f"saved to {path}")
 
 
 if __name__ == "__main__":

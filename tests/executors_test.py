@@ -280,3 +280,25 @@ def test_hlo_guard_gpu(gpu, executor, fraction):
   assert lowering.hlo_violations(hlo) == []
   assert "S(5)" in hlo  # the state reaches the call in the host memory space
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == 1
+
+
+def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  p = profile.HardwareProfile(cpu_adamw_params_per_sec=1.5e9)
+  path = profile.save(p, str(tmp_path / "p.json"))
+  assert profile.load(path) == p
+  assert profile.load(str(tmp_path / "missing.json")) == profile.DEFAULT_PROFILE
+  (tmp_path / "bad.json").write_text(json.dumps({"warp_factor": 9}))
+  with pytest.raises(ValueError, match=r"unknown fields \['warp_factor'\]"):
+    profile.load(str(tmp_path / "bad.json"))
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+  out = subprocess.run([sys.executable, "-m", "jaxtier", "calibrate"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "no GPU here" in out.stdout and "saved to" in out.stdout
+  saved = profile.load(out.stdout.strip().splitlines()[-1].split("saved to ", 1)[1])
+  assert saved.cpu_adamw_params_per_sec > 1e7  # measured here, not the default
+  assert saved.cpu_adamw_params_per_sec != profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec

@@ -15,6 +15,7 @@ from jaxtier._src import inventory as inv_lib
 from jaxtier._src import jax_compat as jc
 from jaxtier._src import lowering
 from jaxtier._src import planner
+from jaxtier._src import profile
 
 log = logging.getLogger("jaxtier")
 
@@ -93,7 +94,7 @@ class OffloadedStep:
     plan, compiled = planner.make_plan(
         inv, platform=platform, policy=self._options.policy,
         device_budget=self._options.device_budget, host_budget=self._options.host_budget,
-        pinnable_bytes=planner.pinnable_bytes(platform))
+        pinnable_bytes=planner.pinnable_bytes(platform), hardware=profile.load())
     self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
     self._masters, self._master_sources = [], ()
     self._jitted = self._build(state, args)

@@ -203,3 +203,44 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24) -> Hardwar
     return DEFAULT_PROFILE
   rate = measure_cpu_adamw(num_params)
   return dataclasses.replace(DEFAULT_PROFILE, cpu_adamw_params_per_sec=rate)
+
+
+def cache_path() -> str:
+  """Where `save` keeps the profile: the user's cache dir, keyed by device kind and versions."""
+  import os  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
+  return os.path.join(base, "jaxtier", f"profile-{kind}-jax{jax.__version__}.json")
+
+
+def save(profile: HardwareProfile, path: "str | None" = None) -> str:
+  """Writes `profile` as JSON (default: `cache_path()`); returns the path."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  path = path or cache_path()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(profile), f, indent=1)
+  return path
+
+
+def load(path: "str | None" = None) -> HardwareProfile:
+  """The profile stored by `save` (default: `cache_path()`), or `DEFAULT_PROFILE` if none.
+
+  Raises:
+    ValueError: the file holds unknown fields or non-positive rates.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  path = path or cache_path()
+  if not os.path.exists(path):
+    return DEFAULT_PROFILE
+  with open(path) as f:
+    data = json.load(f)
+  names = {f.name for f in dataclasses.fields(HardwareProfile)}
+  unknown = sorted(set(data) - names)
+  if unknown:
+    raise ValueError(f"jaxtier profile {path}: unknown fields {unknown}; delete it and run "
+                     "`python -m jaxtier calibrate` again")
+  return HardwareProfile(**data)
