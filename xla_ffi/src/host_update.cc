@@ -479,11 +479,10 @@ float* ThreadScratch() {
 ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                              ffi::Dictionary attrs) {
   host_update::HostUpdateAttrs a;
-  if (ffi::Error e = host_update::DecodeHostUpdateAttrs(attrs, &a); e.failure()) return e;
   HostUpdateParams params;
-  ffi::Error error = host_update::PrepareHostUpdate(args, rets, a.program, a.consts, a.num_regs,
-                                                    a.aliases, &params);
-  if (error.failure()) return error;
+  if (ffi::Error e = host_update::DecodeAndPrepare(args, rets, attrs, &a, &params); e.failure()) {
+    return e;
+  }
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
   // The plan is about 2.5 KB: keep it off the (XLA:CPU) caller's stack.
   auto plan = std::make_unique<CpuPlan>();

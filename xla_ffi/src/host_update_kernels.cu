@@ -569,11 +569,10 @@ ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
                               ffi::RemainingArgs args, ffi::RemainingRets rets,
                               ffi::Dictionary attrs) {
   host_update::HostUpdateAttrs a;
-  if (ffi::Error e = host_update::DecodeHostUpdateAttrs(attrs, &a); e.failure()) return e;
   HostUpdateParams params;
-  ffi::Error error = host_update::PrepareHostUpdate(args, rets, a.program, a.consts, a.num_regs,
-                                                    a.aliases, &params);
-  if (error.failure()) return error;
+  if (ffi::Error e = host_update::DecodeAndPrepare(args, rets, attrs, &a, &params); e.failure()) {
+    return e;
+  }
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
 
   int64_t k = params.n;  // the kernel's share: [0, k)

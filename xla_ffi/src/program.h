@@ -728,6 +728,15 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
   return ffi::Error::Success();
 }
 
+// Both handlers' prologue: decode the attributes, then validate the call into `params`.
+inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
+                                        xla::ffi::RemainingRets rets,
+                                        const xla::ffi::Dictionary& attrs, HostUpdateAttrs* a,
+                                        HostUpdateParams* params) {
+  if (xla::ffi::Error e = DecodeHostUpdateAttrs(attrs, a); e.failure()) return e;
+  return PrepareHostUpdate(args, rets, a->program, a->consts, a->num_regs, a->aliases, params);
+}
+
 }  // namespace jaxtier::host_update
 
 #endif  // JAXTIER_XLA_FFI_SRC_PROGRAM_H_
