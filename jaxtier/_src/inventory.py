@@ -76,9 +76,6 @@ class Inventory:
   out_treedef: Any
   num_args: int
 
-  def by_path(self) -> dict[str, LeafInfo]:
-    return {leaf.path: leaf for leaf in self.leaves}
-
 
 def bytes_per_device(x: Any) -> int:
   """Bytes one device holds for array-like `x` (its shard when it carries a sharding)."""

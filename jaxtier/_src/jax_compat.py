@@ -21,9 +21,6 @@ Literal = jex.core.Literal
 Var = jex.core.Var
 DropVar = jex.core.DropVar
 
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
-
 def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
   """Evaluates one jaxpr equation on concrete or traced values; returns its outputs as a list.
 

@@ -115,11 +115,6 @@ def master_indices(compiled: Sequence[CompiledComponent]) -> list[int]:
   return sorted({r.master for cc in compiled for r in cc.results if r.master >= 0})
 
 
-def host_update_operand_leaves(compiled: Sequence[CompiledComponent]) -> list[int]:
-  """State-leaf indices passed to a host_update call as host operands (for the HLO guard)."""
-  return sorted({s.index for cc in compiled for s in cc.operands if s.kind == "host"})
-
-
 def _split_top(text: str) -> list[str]:
   """Splits `text` at commas that are not inside (), [] or {}."""
   parts, depth, cur = [], 0, []
