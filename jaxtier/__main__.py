@@ -13,6 +13,7 @@ Commands:
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from absl import app
@@ -51,17 +52,20 @@ def plan_main() -> None:
   if _JSON.value:
     print(plan.to_json())
     return
-  if jax.default_backend() != "gpu":
-    print(f"note: no GPU here; planning for platform '{platform}' without measuring it")
+  if platform == "gpu" and jax.default_backend() != "gpu":
+    print("note: no GPU here; planning for a GPU with the stored or default hardware profile "
+          "(pinnable host memory not checked)")
   print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
         f"seq {seq_len}")
   print(plan)
   if refused:
-    print(f"REFUSED: {refused}")
+    print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
     sys.exit(1)
 
 
 def main(argv: list[str]) -> None:
+  # JAX logs at INFO that it found no TPU; the commands' own output is what matters here.
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   if len(argv) < 2 or argv[1] not in COMMANDS:
     raise app.UsageError(f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags]; got "
                          f"{argv[1:]!r}")

@@ -360,7 +360,9 @@ def run(
   losses: list[float] = []
   step_times: list[float] = []
   pending: list[jax.Array] = []
-  bar = tqdm.tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True)
+  # disable=None: a bar on a terminal, none in a log file.
+  bar = tqdm.tqdm(total=steps, disable=None if progress else True, unit="step",
+                  dynamic_ncols=True)
   window_start = time.perf_counter()
   window_steps = 0
   batch = first_batch
@@ -449,8 +451,9 @@ def _valid_size(value: str) -> bool:
   import jaxtier  # pylint: disable=g-import-not-at-top
   try:
     jaxtier.offload(lambda s, b: (s, {}), device_budget=value)
-  except ValueError as e:
-    raise flags.ValidationError(str(e).replace("device_budget: ", "")) from None
+  except ValueError:
+    raise flags.ValidationError(f"expected a size > 0 like 80GB, 16GiB or a number of bytes, "
+                                f"got {value!r}; leave it empty for no limit") from None
   return True
 
 
