@@ -106,10 +106,9 @@ class OffloadedStep:
     return [jc.named_sharding(x, lp.memory_kind, mesh) for x, lp in zip(leaves, self.plan.leaves)]
 
   def _build(self, state: Any, args: Sequence[Any]):
-    run = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled,
-                           self._shardings(state))
-    n_state = len(self.plan.leaves)
     state_sh = self._shardings(state)
+    run = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled, state_sh)
+    n_state = len(self.plan.leaves)
     master_idx = lowering.master_indices(self._compiled)
     master_sh = [state_sh[i].with_memory_kind("pinned_host") for i in master_idx]
     out_treedef = self._inventory.out_treedef
@@ -119,12 +118,10 @@ class OffloadedStep:
       return outs[:n_state], masters, outs[n_state:]
 
     n_metrics = out_treedef.num_leaves - n_state
-    # Explicit in_shardings: with the memory kind of every donated input known at lowering,
-    # JAX pairs each donated buffer with an output of the same memory kind (on jax 0.11 it
-    # otherwise paired a device param with a same-shaped pinned_host moment, which XLA's
-    # verifier rejects).
-    # JAX ignores memory kinds when pairing donations if any argument's is unknown, so the
-    # other arguments get theirs too (their own sharding, in device memory).
+    # Explicit in_shardings for every argument (the batch too): JAX pairs donated buffers
+    # with outputs by memory kind only when every argument's memory kind is known; otherwise
+    # (jax 0.11) it paired a device param with a same-shaped pinned_host moment, which XLA's
+    # verifier rejects.
     mesh = jc.common_mesh((state, args))
     arg_sh = [jc.named_sharding(x, getattr(getattr(x, "sharding", None), "memory_kind", None)
                                 or "device", mesh) for x in jax.tree_util.tree_leaves(args)]
