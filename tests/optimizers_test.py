@@ -172,10 +172,10 @@ OPTIMIZERS = {
     "adafactor": (lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),
                   r"`reduce_sum` is not elementwise"),
     "shampoo_like": (_shampoo_like, "`reduce_sum` is not elementwise"),
-    # MultiSteps: one lax.cond (skip / update) over the whole state reads every leaf. Its
-    # default predicate is a constant; inlining such a cond when tracing would fuse it.
-    "multisteps_adam": (lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
-                        r"host leaves of different sizes .* interact; `cond`"),
+    # MultiSteps: one lax.cond (skip / update) over the whole state reads every leaf. With
+    # the default predicate the branch index is a constant: the analysis takes that branch
+    # and the accumulators fuse. A real predicate (skip_not_finite) keeps the cond: fallback.
+    "multisteps_adam": (lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), FUSED),
     "multisteps_skip_not_finite": (lambda: optax.MultiSteps(
         optax.adam(1e-2), every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite),
                                    r"host leaves of different sizes .* interact; `cond`"),

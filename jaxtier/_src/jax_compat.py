@@ -122,7 +122,8 @@ def inline_calls(closed: Any) -> Any:
   `jit` over every moment leaf at once). Dataflow per leaf needs per-leaf equations, so the
   calls are flattened into their primitives. Custom derivative rules are dropped, which is
   harmless here: the traced train step already contains its gradients and is not
-  differentiated again. Control flow (scan, while, cond) and remat are kept as they are.
+  differentiated again. A `cond` whose branch index is a literal becomes that branch. Other
+  control flow (scan, while, cond) and remat are kept as they are.
   """
   jaxpr, consts = closed.jaxpr, list(closed.consts)
 
@@ -137,7 +138,13 @@ def inline_calls(closed: Any) -> Any:
     for eqn in j.eqns:
       invals = [read(v) for v in eqn.invars]
       inner = inner_jaxpr(eqn) if eqn.primitive.name in _INLINABLE else None
-      if inner is not None:
+      if eqn.primitive.name == "cond" and isinstance(eqn.invars[0], Literal):
+        # A branch index known at trace time (optax.MultiSteps' default predicate): only
+        # that branch runs, so it is the program (lax.cond clamps the index the same way).
+        branches = eqn.params["branches"]
+        k = min(max(int(eqn.invars[0].val), 0), len(branches) - 1)
+        outs = eval_inlined(branches[k].jaxpr, list(branches[k].consts), invals[1:])
+      elif inner is not None:
         ij, ic = open_jaxpr(inner)
         offset = len(invals) - len(ij.invars)
         outs = eval_inlined(ij, ic, invals[offset:]) if offset >= 0 else bind_eqn(eqn, invals)
