@@ -352,3 +352,24 @@ def test_gpu_plan_keeps_the_chosen_executor_per_fused_call():
   assert "shares a fused call with (host_cpu)" in p["['opt'][0].mu['w1']"].reason
   auto = jaxtier.plan(_step_fn(TX), state, _batch(), platform="gpu")
   assert {l.placement for l in auto.leaves if l.role == "optimizer_state"} == {"host_dha"}
+
+
+def test_failed_step_leaves_state_usable():
+  # A step that fails while being traced (here: for a new batch shape) has donated nothing:
+  # the caller's state is intact and the next good call proceeds from it.
+  step_fn = _step_fn(TX)
+
+  def fragile(state, batch):
+    if batch[0].shape[0] != 64:
+      raise ValueError("only batches of 64")
+    return step_fn(state, batch)
+  step = jaxtier.offload(fragile)
+  state, _ = step(step.place(_mlp_state(TX), _batch()), _batch())
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
+  with pytest.raises(ValueError, match="only batches of 64"):
+    step(state, tuple(b[:32] for b in _batch()))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  for x, b in zip(jax.tree.leaves(state), before):
+    np.testing.assert_array_equal(np.asarray(x), b)
+  state, m = step(state, _batch())
+  assert np.isfinite(float(m["loss"]))
