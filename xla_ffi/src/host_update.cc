@@ -480,9 +480,7 @@ ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                              ffi::Dictionary attrs) {
   host_update::HostUpdateAttrs a;
   HostUpdateParams params;
-  if (ffi::Error e = host_update::DecodeAndPrepare(args, rets, attrs, &a, &params); e.failure()) {
-    return e;
-  }
+  JT_RETURN_IF_ERROR(host_update::DecodeAndPrepare(args, rets, attrs, &a, &params));
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
   // The plan is about 2.5 KB: keep it off the (XLA:CPU) caller's stack.
   auto plan = std::make_unique<CpuPlan>();

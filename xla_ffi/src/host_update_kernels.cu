@@ -129,7 +129,7 @@ ffi::Error ResidentBlocks(int* blocks) {
 ffi::Error LaunchKernel(cudaStream_t stream, const HostUpdateParams& params) {
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
   int resident = 0;
-  if (ffi::Error e = ResidentBlocks(&resident); e.failure()) return e;
+  JT_RETURN_IF_ERROR(ResidentBlocks(&resident));
   const int64_t needed = (params.n + kThreadsPerBlock - 1) / kThreadsPerBlock;
   const int grid = static_cast<int>(needed < resident ? needed : resident);
   HostUpdateKernel<<<grid, kThreadsPerBlock, 0, stream>>>(params);
@@ -251,7 +251,7 @@ struct HostUpdateState {
     if (devices.size() <= static_cast<size_t>(device)) devices.resize(device + 1);
     if (devices[device] == nullptr) {
       auto r = std::make_unique<DeviceResources>(device);
-      if (ffi::Error e = r->Init(); e.failure()) return e;
+      JT_RETURN_IF_ERROR(r->Init());
       devices[device] = std::move(r);
     }
     *out = devices[device].get();
@@ -389,18 +389,12 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   bool operand_on_device[host_update::kMaxOperands] = {};
   bool result_on_device[host_update::kMaxResults] = {};
   for (int i = 0; i < num_operands; ++i) {
-    if (ffi::Error e = IsDeviceMemory(params.operands[i], "input " + std::to_string(i),
-                                      &operand_on_device[i]);
-        e.failure()) {
-      return e;
-    }
+    JT_RETURN_IF_ERROR(IsDeviceMemory(params.operands[i], "input " + std::to_string(i),
+                                      &operand_on_device[i]));
   }
   for (int r = 0; r < num_results; ++r) {
-    if (ffi::Error e = IsDeviceMemory(params.results[r], "result " + std::to_string(r),
-                                      &result_on_device[r]);
-        e.failure()) {
-      return e;
-    }
+    JT_RETURN_IF_ERROR(IsDeviceMemory(params.results[r], "result " + std::to_string(r),
+                                      &result_on_device[r]));
   }
 
   // Staging layout. A staged result that aliases a staged vector operand shares its region
@@ -454,9 +448,7 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   }
   const int64_t scalar_bytes = any_device_scalar ? kScalarAreaBytes : 0;
   if (slot_bytes > 0 || scalar_bytes > 0) {
-    if (ffi::Error e = dev->EnsureStaging(scalar_bytes + num_streams * slot_bytes); e.failure()) {
-      return e;
-    }
+    JT_RETURN_IF_ERROR(dev->EnsureStaging(scalar_bytes + num_streams * slot_bytes));
   }
   for (int s = 0; s < num_streams; ++s) {
     call->slot_base[s] = dev->staging + scalar_bytes + s * slot_bytes;
@@ -492,9 +484,7 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
       call->scalar_src[i] = params.operands[i];
     }
   }
-  if (ffi::Error e = LaunchHostFn(dev->streams[0], BuildPlanHostFn, call, call); e.failure()) {
-    return e;
-  }
+  JT_RETURN_IF_ERROR(LaunchHostFn(dev->streams[0], BuildPlanHostFn, call, call));
   JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->ready, dev->streams[0]), "cudaEventRecord");
 
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -515,9 +505,7 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
       JT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, dev->ready, 0),
                               "cudaStreamWaitEvent (for the CPU plan)");
     }
-    if (ffi::Error e = LaunchHostFn(stream, RunChunkHostFn, chunk_desc, call); e.failure()) {
-      return e;
-    }
+    JT_RETURN_IF_ERROR(LaunchHostFn(stream, RunChunkHostFn, chunk_desc, call));
     for (int r = 0; r < num_results; ++r) {
       if (call->result_offset[r] < 0) continue;
       const int64_t es = StorageBytes(params.result_type[r]);
@@ -570,9 +558,7 @@ ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
                               ffi::Dictionary attrs) {
   host_update::HostUpdateAttrs a;
   HostUpdateParams params;
-  if (ffi::Error e = host_update::DecodeAndPrepare(args, rets, attrs, &a, &params); e.failure()) {
-    return e;
-  }
+  JT_RETURN_IF_ERROR(host_update::DecodeAndPrepare(args, rets, attrs, &a, &params));
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
 
   int64_t k = params.n;  // the kernel's share: [0, k)
@@ -583,14 +569,14 @@ ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
   int device = 0;
   JT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
   DeviceResources* dev = nullptr;
-  if (ffi::Error e = state->Resources(device, &dev); e.failure()) return e;
+  JT_RETURN_IF_ERROR(state->Resources(device, &dev));
   std::lock_guard<std::mutex> lock(dev->mu);
   // Recorded before the kernel: the CPU part does not wait for it.
   JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->start, stream), "cudaEventRecord");
   if (k > 0) {
     HostUpdateParams head = params;
     head.n = k;
-    if (ffi::Error e = LaunchKernel(stream, head); e.failure()) return e;
+    JT_RETURN_IF_ERROR(LaunchKernel(stream, head));
   }
   return EnqueueCpuRange(stream, state->chunk_bytes, dev, params, a.aliases, k, params.n);
 }

@@ -14,6 +14,14 @@
 #ifndef JAXTIER_XLA_FFI_SRC_PROGRAM_H_
 #define JAXTIER_XLA_FFI_SRC_PROGRAM_H_
 
+// Returns the xla::ffi::Error of `expr` from the enclosing function when it is a failure.
+#define JT_RETURN_IF_ERROR(expr)                                  \
+  do {                                                            \
+    if (::xla::ffi::Error jt_error_ = (expr); jt_error_.failure()) { \
+      return jt_error_;                                           \
+    }                                                             \
+  } while (0)
+
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -477,31 +485,13 @@ inline xla::ffi::Error DecodeHostUpdateAttrs(const xla::ffi::Dictionary& attrs,
                      "`" + std::string(name) + "`");
     }
   }
-  if (ffi::Error e = GetAttr(attrs, "program", "an int32 array", true, &out->program);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = GetAttr(attrs, "consts", "a float32 array", true, &out->consts);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = GetAttr(attrs, "num_regs", "an int32 scalar", true, &out->num_regs);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = GetAttr(attrs, "aliases", "an int32 array", true, &out->aliases);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e = GetAttr(attrs, "executor", "an int32 scalar", false, &out->executor);
-      e.failure()) {
-    return e;
-  }
-  if (ffi::Error e =
-          GetAttr(attrs, "dha_fraction", "a float32 scalar", false, &out->dha_fraction);
-      e.failure()) {
-    return e;
-  }
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "program", "an int32 array", true, &out->program));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "consts", "a float32 array", true, &out->consts));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "num_regs", "an int32 scalar", true, &out->num_regs));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "aliases", "an int32 array", true, &out->aliases));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "executor", "an int32 scalar", false, &out->executor));
+  JT_RETURN_IF_ERROR(
+      GetAttr(attrs, "dha_fraction", "a float32 scalar", false, &out->dha_fraction));
   if (out->executor < 0 || out->executor >= kNumExecutors) {
     return Invalid("value", "attribute executor",
                    "0 (host_dha), 1 (host_cpu) or 2 (split)", std::to_string(out->executor));
@@ -658,22 +648,22 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
           return Invalid("result index", Instr(k, "dst"), Range(0, num_results),
                          std::to_string(dst));
         }
-        if (ffi::Error e = check_read(a, "a"); e.failure()) return e;
+        JT_RETURN_IF_ERROR(check_read(a, "a"));
         ins.dst = static_cast<uint8_t>(dst);
         ins.a = static_cast<uint8_t>(a);
         stored[dst] = true;
         break;
       case OpKind::kTernary:
-        if (ffi::Error e = check_read(c, "c"); e.failure()) return e;
+        JT_RETURN_IF_ERROR(check_read(c, "c"));
         ins.c = static_cast<uint8_t>(c);
         [[fallthrough]];
       case OpKind::kBinary:
-        if (ffi::Error e = check_read(b, "b"); e.failure()) return e;
+        JT_RETURN_IF_ERROR(check_read(b, "b"));
         ins.b = static_cast<uint8_t>(b);
         [[fallthrough]];
       case OpKind::kCopy:
       case OpKind::kUnary:
-        if (ffi::Error e = check_read(a, "a"); e.failure()) return e;
+        JT_RETURN_IF_ERROR(check_read(a, "a"));
         ins.a = static_cast<uint8_t>(a);
         break;
       case OpKind::kInvalid:
@@ -733,7 +723,7 @@ inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
                                         xla::ffi::RemainingRets rets,
                                         const xla::ffi::Dictionary& attrs, HostUpdateAttrs* a,
                                         HostUpdateParams* params) {
-  if (xla::ffi::Error e = DecodeHostUpdateAttrs(attrs, a); e.failure()) return e;
+  JT_RETURN_IF_ERROR(DecodeHostUpdateAttrs(attrs, a));
   return PrepareHostUpdate(args, rets, a->program, a->consts, a->num_regs, a->aliases, params);
 }
 
