@@ -27,6 +27,7 @@ import os
 import re
 from typing import Any, Callable, Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
@@ -307,7 +308,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     p = placement[leaf.index]
     kind = "pinned_host" if p in HOST_PLACEMENTS else "device"
     master = leaf.index in masters
-    master_nbytes = leaf.nbytes * 4 // np.dtype(_np_dtype(leaf.dtype)).itemsize if master else 0
+    master_nbytes = leaf.nbytes * 4 // jnp.dtype(leaf.dtype).itemsize if master else 0
     reason = reasons[leaf.index]
     if master:
       reason = (f"{reason}; its update runs on the host from an fp32 master copy, the new "
@@ -328,11 +329,6 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     e.plan = plan
     raise
   return plan, compiled
-
-
-def _np_dtype(name: str) -> Any:
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
-  return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 def _masters_for(jaxpr: Any, comp: jaxpr_graph.Component, inv: Inventory) -> set[int]:
