@@ -373,3 +373,31 @@ def test_failed_step_leaves_state_usable():
     np.testing.assert_array_equal(np.asarray(x), b)
   state, m = step(state, _batch())
   assert np.isfinite(float(m["loss"]))
+
+
+def test_step_failing_at_run_time_leaves_host_leaves_intact():
+  # The step raises while it runs (after its forward has started), not while tracing: the
+  # compute program reads the host leaves without donating them, so they survive intact.
+  def boom(flag):
+    if flag:
+      raise RuntimeError("interrupted")
+
+  def step_fn(state, batch, fail):
+    jax.debug.callback(boom, fail)
+    return _step_fn(TX)(state, batch)
+
+  step = jaxtier.offload(step_fn)
+  state = step.place(_mlp_state(TX), _batch(), jnp.asarray(False))
+  state, _ = step(state, _batch(), jnp.asarray(False))  # one good step: moments are nonzero
+  host = {l.path for l in step.plan.leaves if l.memory_kind == "pinned_host"}
+  assert host
+  flat, _ = jax.tree_util.tree_flatten_with_path(state)
+  before = {jax.tree_util.keystr(p): np.asarray(x) for p, x in flat}
+  with pytest.raises(Exception, match="interrupted"):
+    jax.block_until_ready(step(state, _batch(), jnp.asarray(True)))
+  for p, x in flat:
+    path = jax.tree_util.keystr(p)
+    if path in host:
+      assert not x.is_deleted(), path
+      assert x.sharding.memory_kind == "pinned_host"
+      np.testing.assert_array_equal(np.asarray(x), before[path])

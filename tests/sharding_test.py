@@ -40,7 +40,8 @@ SCRIPT = textwrap.dedent("""
       for _ in range(10):
         s2, m = off(s2, (xb, yb)); l2.append(float(m["loss"]))
       mu = s2["opt"][0].mu["w1"]
-      hlo = off.lower(s2, (xb, yb)).compile().as_text()
+      hlo = (off.lower(s2, (xb, yb)).compile().as_text()
+             + off.lower_update(s2, (xb, yb)).compile().as_text())
       out[name] = dict(
           ref=l1, got=l2, mu_kind=mu.sharding.memory_kind, mu_spec=str(mu.sharding.spec),
           mu_plan_bytes={l.path: l.nbytes for l in off.plan.leaves}["['opt'][0].mu['w1']"],

@@ -9,6 +9,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from jaxtier._src import inventory as inv_lib
@@ -16,6 +17,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src import lowering
 from jaxtier._src import planner
 from jaxtier._src import profile
+from jaxtier._src import streaming
 
 log = logging.getLogger("jaxtier")
 
@@ -77,8 +79,12 @@ class OffloadedStep:
     self.plan: "planner.Plan | None" = None
     self._compiled: list[Any] = []
     self._inventory: "inv_lib.Inventory | None" = None
-    self._jitted = None
+    self._split: "lowering.SplitStep | None" = None
+    self._compute = self._make_update = self._update = None
     self._masters: list[jax.Array] = []
+    self._stream = streaming.EMPTY
+    self._scratch: list[jax.Array] = []
+    self._scratch_sh: list[Any] = []
     self._master_sources: tuple[Any, ...] = ()
     self._signature = None
     functools.update_wrapper(self, fn)
@@ -97,7 +103,7 @@ class OffloadedStep:
         pinnable_bytes=planner.pinnable_bytes(platform), hardware=profile.load())
     self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
     self._masters, self._master_sources = [], ()
-    self._jitted = self._build(state, args)
+    self._build(state, args)
     log.debug("jaxtier plan:\n%s", plan)
 
   def _shardings(self, state: Any) -> list[Any]:
@@ -106,18 +112,24 @@ class OffloadedStep:
     return [jc.named_sharding(x, lp.memory_kind, mesh) for x, lp in zip(leaves, self.plan.leaves)]
 
   def _build(self, state: Any, args: Sequence[Any]):
+    """jits the two programs of the step (`lowering.SplitStep`); the update one lazily."""
     state_sh = self._shardings(state)
-    run = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled, state_sh)
+    jaxpr = self._inventory.closed_jaxpr.jaxpr
+    self._stream = streaming.schedule(
+        jaxpr, [l.index for l in self.plan.leaves if l.placement == planner.HOST_STREAM],
+        {k for cc in self._compiled for k in cc.component.eqns})
+    split = lowering.rewrite(self._inventory.closed_jaxpr, self.plan, self._compiled, state_sh,
+                             self._stream)
     n_state = len(self.plan.leaves)
-    master_idx = lowering.master_indices(self._compiled)
-    master_sh = [state_sh[i].with_memory_kind("pinned_host") for i in master_idx]
-    out_treedef = self._inventory.out_treedef
-
-    def flat_step(state_leaves, master_leaves, arg_leaves):
-      outs, masters = run(state_leaves, master_leaves, arg_leaves)
-      return outs[:n_state], masters, outs[n_state:]
-
-    n_metrics = out_treedef.num_leaves - n_state
+    master_sh = [state_sh[i].with_memory_kind("pinned_host")
+                 for i in lowering.master_indices(self._compiled)]
+    # A gradient buffer is sharded like its leaf (else replicated on the leaf's mesh).
+    scratch_sh = [
+        state_sh[s.leaf].with_memory_kind("pinned_host")
+        if tuple(s.shape) == tuple(self.plan.leaves[s.leaf].shape) else
+        NamedSharding(state_sh[s.leaf].mesh, PartitionSpec(), memory_kind="pinned_host")
+        for s in self._stream.scratch]
+    self._scratch, self._scratch_sh = [], scratch_sh
     # Explicit in_shardings for every argument (the batch too): JAX pairs donated buffers
     # with outputs by memory kind only when every argument's memory kind is known; otherwise
     # (jax 0.11) it paired a device param with a same-shaped pinned_host moment, which XLA's
@@ -125,10 +137,27 @@ class OffloadedStep:
     mesh = jc.common_mesh((state, args))
     arg_sh = [jc.named_sharding(x, getattr(getattr(x, "sharding", None), "memory_kind", None)
                                 or "device", mesh) for x in jax.tree_util.tree_leaves(args)]
-    jitted = jax.jit(flat_step, donate_argnums=(0, 1),
-                     in_shardings=(state_sh, master_sh, arg_sh),
-                     out_shardings=(state_sh, master_sh, [None] * n_metrics))
-    return jitted
+    out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
+    compute = jax.jit(
+        split.compute, donate_argnums=(0, 3),
+        in_shardings=([state_sh[i] for i in split.device_leaves],
+                      [state_sh[i] for i in split.host_leaves], arg_sh, scratch_sh),
+        out_shardings=(out_sh(split.compute_outs[:split.num_first]), [None] * split.num_feeds,
+                       out_sh(split.compute_outs[split.num_first:]), scratch_sh))
+
+    def make_update(feed_sh):
+      return jax.jit(
+          split.update, donate_argnums=(0, 2),
+          in_shardings=([state_sh[i] for i in split.updated_host],
+                        [state_sh[i] for i in split.read_host], master_sh, feed_sh, scratch_sh),
+          out_shardings=(out_sh(split.update_outs), master_sh))
+
+    self._split, self._compute, self._make_update, self._update = (
+        split, compute, make_update, None)
+
+  def _leaf_groups(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    split = self._split
+    return [leaves[i] for i in split.device_leaves], [leaves[i] for i in split.host_leaves]
 
   def place(self, state: Any, *example_args: Any) -> Any:
     """Moves each state leaf to its planned memory kind; returns the placed state.
@@ -200,20 +229,60 @@ class OffloadedStep:
       seen.add(id(x))
     self._refresh_masters(leaves, moved)
     arg_leaves = jax.tree_util.tree_leaves(args)
-    new_leaves, self._masters, metric_leaves = self._jitted(moved, self._masters, arg_leaves)
+    self._ensure_scratch()
+    split = self._split
+    dev, host = self._leaf_groups(moved)
+    # 1. Forward, backward, streaming: host leaves are read, not donated (a failure here
+    #    leaves them intact).
+    first, feeds, rest, self._scratch = self._compute(dev, host, arg_leaves, self._scratch)
+    # 2. The fused host updates, in place on the donated host leaves and masters.
+    if self._update is None:
+      self._update = self._make_update([x.sharding for x in feeds])
+    update_outs, self._masters = self._update(
+        [moved[i] for i in split.updated_host], [moved[i] for i in split.read_host],
+        self._masters, feeds, self._scratch)
+    outs = split.assemble(moved, list(first) + list(rest), update_outs,
+                          self._inventory.out_treedef.num_leaves)
     idx = lowering.master_indices(self._compiled)
-    self._master_sources = tuple(new_leaves[i] for i in idx)
-    out = jax.tree_util.tree_unflatten(self._inventory.out_treedef,
-                                       list(new_leaves) + list(metric_leaves))
+    self._master_sources = tuple(outs[i] for i in idx)
+    out = jax.tree_util.tree_unflatten(self._inventory.out_treedef, outs)
     return out[0], out[1]
 
   def lower(self, state: Any, *args: Any):
-    """`jax.stages.Lowered` of the planned step (for `.compile().memory_analysis()`, HLO)."""
+    """`jax.stages.Lowered` of the step's compute program (forward, backward, streaming).
+
+    This is the program that holds the device memory: `.compile().memory_analysis()` gives
+    its peak. The fused host updates run in a second program (`lower_update`).
+    """
+    self._ensure_plan(state, args)
+    dev, host = self._leaf_groups(jax.tree_util.tree_leaves(state))
+    return self._compute.lower(dev, host, jax.tree_util.tree_leaves(args), self._scratch_avals())
+
+  def lower_update(self, state: Any, *args: Any):
+    """`jax.stages.Lowered` of the step's fused host-update program (its custom calls)."""
     self._ensure_plan(state, args)
     leaves = jax.tree_util.tree_leaves(state)
-    return self._jitted.lower(leaves, self._masters or [
-        jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
-        for i in lowering.master_indices(self._compiled)], jax.tree_util.tree_leaves(args))
+    split = self._split
+    compiled = self.lower(state, *args).compile()
+    feed_sh = list(compiled.output_shardings[1])
+    feed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+                  compiled.out_info[1]]
+    update = self._update or self._make_update(feed_sh)
+    masters = self._masters or [jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
+                                for i in lowering.master_indices(self._compiled)]
+    return update.lower([leaves[i] for i in split.updated_host],
+                        [leaves[i] for i in split.read_host], masters, feed_avals,
+                        self._scratch_avals())
+
+  def _scratch_avals(self) -> list[Any]:
+    return self._scratch or [jax.ShapeDtypeStruct(s.shape, s.dtype)
+                             for s in self._stream.scratch]
+
+  def _ensure_scratch(self) -> None:
+    """Allocates the pinned_host buffers that receive streamed leaves' gradients (once)."""
+    if len(self._scratch) != len(self._stream.scratch):
+      self._scratch = [jax.device_put(np.zeros(s.shape, s.dtype), sh)
+                       for s, sh in zip(self._stream.scratch, self._scratch_sh)]
 
 
 def _arrays(api: str, state: Any) -> Any:

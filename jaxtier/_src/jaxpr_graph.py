@@ -101,12 +101,38 @@ class Component:
   why: str = ""
 
 
-def taint_forward(jaxpr: Any, seeds: Iterable[int]) -> tuple[set[int], set[Any]]:
-  """Indices of equations reachable from invars `seeds`, and the set of tainted Vars."""
+def scan_xs_positions(eqn: Any) -> range:
+  """Positions in a `scan` equation's invars that are its `xs` (sliced per iteration)."""
+  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  return range(start, len(eqn.invars))
+
+
+def streamed_read(eqn: Any, hit: list[bool], streamed_vars: "set[Any]") -> bool:
+  """True when `eqn` reads tainted values only as streamed leaves sliced by a `scan`.
+
+  Such a read is served by the streaming custom calls (each layer's slice is fetched to the
+  device ahead of use: `jaxtier/_src/streaming.py`), so what the scan computes stays on the
+  device and is not part of a host update.
+  """
+  if eqn.primitive.name != "scan" or not streamed_vars:
+    return False
+  xs = scan_xs_positions(eqn)
+  return all(not h or (p in xs and eqn.invars[p] in streamed_vars) for p, h in enumerate(hit))
+
+
+def taint_forward(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = ()
+                  ) -> tuple[set[int], set[Any]]:
+  """Indices of equations reachable from invars `seeds`, and the set of tainted Vars.
+
+  `streamed` (a subset of `seeds`) are leaves placed `host_stream`: a `scan` that reads them
+  only as `xs` is not tainted by them (see `streamed_read`).
+  """
   tainted: set[Any] = {jaxpr.invars[i] for i in seeds}
+  streamed_vars = {jaxpr.invars[i] for i in streamed}
   eqns: set[int] = set()
   for k, eqn in enumerate(jaxpr.eqns):
-    if any(isinstance(v, jc.Var) and v in tainted for v in eqn.invars):
+    hit = [isinstance(v, jc.Var) and v in tainted for v in eqn.invars]
+    if any(hit) and not streamed_read(eqn, hit, streamed_vars):
       eqns.add(k)
       tainted.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
   return eqns, tainted
@@ -212,14 +238,16 @@ def _first_use(jaxpr: Any, follow_in: list[bool], n: int) -> tuple[str, list[boo
   return "", [isinstance(v, jc.Var) and v in follow for v in jaxpr.outvars]
 
 
-def components(jaxpr: Any, seeds: Iterable[int]) -> list[Component]:
+def components(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = ()
+               ) -> list[Component]:
   """Splits the equations tainted by invars `seeds` into connected components.
 
   Two tainted equations are connected when one reads a tainted value the other writes, or both
-  read the same host leaf. Each component is checked with `check_elementwise`.
+  read the same host leaf. Each component is checked with `check_elementwise`. Reads of
+  `streamed` leaves by a `scan`'s xs do not taint (`taint_forward`).
   """
   seeds = sorted(set(seeds))
-  eqn_ids, tainted = taint_forward(jaxpr, seeds)
+  eqn_ids, tainted = taint_forward(jaxpr, seeds, streamed)
   parent: dict[Any, Any] = {}
 
   def find(x):

@@ -1,14 +1,18 @@
 """Lowering: the traced step rewritten so that its host-resident leaves are served by plan.
 
-Every equation of the traced step that does not touch a host leaf is re-bound as traced (the
-forward, the backward, the scalar bookkeeping). Each elementwise component that updates host
-leaves becomes one `host_update` custom call, in place on the donated host buffers. Leaves
-placed `host_xla` are copied to the device at the start of the step (XLA's memory-kind
-transfer) and their new values go back to pinned_host through the output shardings.
+The step becomes two programs (`SplitStep`). `compute` re-binds every equation of the traced
+step that no fused host update takes (the forward, the backward, the scalar bookkeeping);
+scans over host_stream leaves are unrolled and fed layer by layer (`streaming.py`); leaves
+placed `host_xla` are copied to the device (XLA's memory-kind transfer) and their new values go
+back to pinned_host through the output shardings. `update` runs each elementwise component
+that updates host leaves as one `host_update` custom call, in place on the donated host
+buffers. Only `update` donates host leaves: a step that fails in `compute` (after some
+transfers, say) leaves them intact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Callable, Sequence
 
@@ -18,70 +22,165 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src import streaming
 from jaxtier._src.planner import HOST_XLA, Plan
 from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.program_compiler import CompiledComponent
 
 
-def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent],
-            shardings: "Sequence[Any] | None" = None
-            ) -> Callable[[list[Any], list[Any], list[Any]], tuple[list[Any], list[Any]]]:
-  """Returns `run(state_leaves, master_leaves, arg_leaves) -> (out_leaves, new_masters)`.
+@dataclasses.dataclass
+class SplitStep:
+  """The traced step lowered as two programs run one after the other.
 
-  `master_leaves` are ordered like `master_indices(compiled)`; `out_leaves` are the step's
-  flattened outputs (new state leaves first, then metrics). `shardings` (one `NamedSharding`
-  per state leaf) lets a component whose leaves are sharded over a mesh run per shard: each
-  device updates its own shard of the host buffers (`shard_map`), with no all-gather.
+  `compute(device_leaves, host_leaves, args, scratch) -> (outs, feeds, more_outs, scratch)`:
+  the forward,
+  backward and everything else on the device, with host_stream leaves fetched layer by layer
+  and their gradients sent into `scratch`. It reads host leaves but never donates them, so a
+  step that fails here leaves every host-resident leaf intact and usable.
+
+  `update(updated_host, read_host, masters, feeds, scratch) -> (outs, masters)`: the fused host
+  updates, in place on the donated `updated_host` leaves and masters; `feeds` are the values
+  `compute` made for them (gradients, device params, scalars).
+
+  Index lists (into the state leaves / the step's outvars) say what goes where; `assemble`
+  puts the step's flattened outputs back together.
+  """
+
+  compute: Callable[..., tuple[list[Any], list[Any], list[Any], list[Any]]]
+  update: Callable[..., tuple[list[Any], list[Any]]]
+  device_leaves: list[int]     # state leaves in device memory (donated to `compute`)
+  host_leaves: list[int]       # state leaves in pinned_host (read by `compute`, not donated)
+  updated_host: list[int]      # host leaves updated in place by `update` (donated there)
+  read_host: list[int]         # host leaves `update` only reads
+  compute_outs: list[int]      # outvars `compute` returns, in order
+  update_outs: list[int]       # outvars `update` returns, in order
+  passthrough: dict[int, int]  # outvar -> state leaf returned unchanged (a host leaf)
+  num_feeds: int
+  num_first: int               # compute_outs[:num_first] come before the feeds
+
+  def assemble(self, state_leaves: Sequence[Any], compute_outs: Sequence[Any],
+               update_outs: Sequence[Any], num_outvars: int) -> list[Any]:
+    out: list[Any] = [None] * num_outvars
+    for j, x in zip(self.compute_outs, compute_outs):
+      out[j] = x
+    for j, x in zip(self.update_outs, update_outs):
+      out[j] = x
+    for j, i in self.passthrough.items():
+      out[j] = state_leaves[i]
+    return out
+
+
+def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent],
+            shardings: "Sequence[Any] | None" = None,
+            stream: streaming.StreamSchedule = streaming.EMPTY) -> SplitStep:
+  """Lowers the traced step by `plan` into a `SplitStep` (compute, then fused host updates).
+
+  Every equation that no fused host update takes is re-bound as traced (the scans of
+  `stream` unrolled, their host_stream leaves fetched layer by layer:
+  `jaxtier/_src/streaming.py`); each compiled component becomes one `host_update` call.
+  `shardings` (one `NamedSharding` per state leaf) lets a component whose leaves are sharded
+  over a mesh run per shard: each device updates its own shard of the host buffers
+  (`shard_map`), with no all-gather. Masters are ordered like `master_indices(compiled)`,
+  scratch buffers like `stream.scratch`.
   """
   jaxpr, consts = closed_jaxpr.jaxpr, list(closed_jaxpr.consts)
+  n_state = len(plan.leaves)
   skip = {k for cc in compiled for k in cc.component.eqns}
-  xla_host = [l.index for l in plan.leaves if l.placement == HOST_XLA]
+  xla_host = {l.index for l in plan.leaves if l.placement == HOST_XLA}
+  host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"]
+  device = [l.index for l in plan.leaves if l.memory_kind != "pinned_host"]
   masters = master_indices(compiled)
+  by_update = {j for cc in compiled for r in cc.results for j in r.outputs}
+  host_set = set(host)
+  invar_pos = {v: i for i, v in enumerate(jaxpr.invars)}
+  passthrough = {j: invar_pos[v] for j, v in enumerate(jaxpr.outvars)
+                 if j not in by_update and isinstance(v, jc.Var) and invar_pos.get(v) in host_set}
+  # `compute` returns the device leaves' new values first, in the order the leaves are
+  # donated, then the feeds, then the rest: JAX pairs donated inputs with outputs of the same
+  # shape in order, and (jax 0.10) not always by memory kind. A device leaf whose new value
+  # `update` makes (a bf16 param from its master) then pairs with a feed (its gradient).
+  compute_outs = [j for j in range(len(jaxpr.outvars)) if j not in by_update
+                  and j not in passthrough]
+  rank = {i: r for r, i in enumerate(device)}
+  compute_outs.sort(key=lambda j: (0, rank[j]) if j in rank else (1, j))
+  num_first = sum(1 for j in compute_outs if j in rank)
+  update_outs = sorted(by_update)
+  updated = sorted({cc.operands[r.alias].index for cc in compiled for r in cc.results
+                    if r.alias >= 0 and cc.operands[r.alias].kind == "host"})
+  read_only = sorted({spec.index for cc in compiled for spec in cc.operands
+                      if spec.kind == "host"} - set(updated))
+  # Device values the fused updates read, in a fixed order (a gradient sent to a scratch
+  # buffer is read there instead).
+  feed_vars: list[Any] = []
+  for cc in compiled:
+    for spec in cc.operands:
+      if spec.kind == "value" and spec.var not in stream.sent_vars and spec.var not in feed_vars:
+        feed_vars.append(spec.var)
 
-  def run(state_leaves, master_leaves, arg_leaves):
-    env: dict[Any, Any] = {}
-    invals = list(state_leaves) + list(arg_leaves)
-    for i in xla_host:
-      invals[i] = jax.device_put(invals[i], jc.memory_space("device"))
-    env.update(zip(jaxpr.invars, invals))
+  def compute(device_leaves, host_leaves, arg_leaves, scratch_leaves):
+    state = [None] * n_state
+    for i, x in zip(device, device_leaves):
+      state[i] = x
+    for i, x in zip(host, host_leaves):
+      state[i] = jax.device_put(x, jc.memory_space("device")) if i in xla_host else x
+    env: dict[Any, Any] = dict(zip(jaxpr.invars, state + list(arg_leaves)))
     env.update(zip(jaxpr.constvars, consts))
-    master_of = dict(zip(masters, master_leaves))
+    scratch = list(scratch_leaves)
 
     def read(v):
-      return v.val if isinstance(v, jc.Literal) else env[v]
+      if isinstance(v, jc.Literal):
+        return v.val
+      val = env[v]
+      return val.whole() if isinstance(val, streaming.Stacked) else val
 
     for k, eqn in enumerate(jaxpr.eqns):
       if k in skip:
         continue
-      outs = jc.bind_eqn(eqn, [read(v) for v in eqn.invars])
+      if k in stream.scans:  # a layer loop over host_stream leaves: unrolled, streamed
+        outs = streaming.run_scan(eqn, stream.scans[k], [
+            v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars], scratch)
+      else:
+        outs = jc.bind_eqn(eqn, [read(v) for v in eqn.invars])
       for v, val in zip(eqn.outvars, outs):
         if not isinstance(v, jc.DropVar):
           env[v] = val
+    feeds = [read(v) for v in feed_vars]
+    outs = [read(jaxpr.outvars[j]) for j in compute_outs]
+    return outs[:num_first], feeds, outs[num_first:], scratch
+
+  def update(updated_leaves, read_leaves, master_leaves, feeds, scratch):
+    host_of = dict(zip(updated, updated_leaves)) | dict(zip(read_only, read_leaves))
+    master_of = dict(zip(masters, master_leaves))
+    feed_of = dict(zip(feed_vars, feeds))
+    outs: dict[int, Any] = {}
     new_masters: dict[int, Any] = {}
     for cc in compiled:
       operands = []
       for spec in cc.operands:
         if spec.kind == "host":
-          x = state_leaves[spec.index]
+          x = host_of[spec.index]
         elif spec.kind == "master":
           x = master_of[spec.index]
         elif spec.kind == "const":
           x = jnp.asarray(spec.value)
+        elif spec.var in stream.sent_vars:
+          x = scratch[stream.sent_vars[spec.var]]
         else:
-          x = read(spec.var)
+          x = feed_of[spec.var]
         if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
           x = jnp.asarray(x).astype(jnp.float32)
         operands.append(x)
-      outs = _call(cc, operands, shardings)
-      for r, val in zip(cc.results, outs):
+      for r, val in zip(cc.results, _call(cc, operands, shardings)):
         for j in r.outputs:
-          env[jaxpr.outvars[j]] = val
+          outs[j] = val
         if r.master >= 0:
           new_masters[r.master] = val
-    out_leaves = [read(v) for v in jaxpr.outvars]
-    return out_leaves, [new_masters[i] for i in masters]
+    return [outs[j] for j in update_outs], [new_masters[i] for i in masters]
 
-  return run
+  return SplitStep(compute=compute, update=update, device_leaves=device, host_leaves=host,
+                   updated_host=updated, read_host=read_only, compute_outs=compute_outs,
+                   update_outs=update_outs, passthrough=passthrough, num_feeds=len(feed_vars),
+                   num_first=num_first)
 
 
 def _call(cc: CompiledComponent, operands: list[Any], shardings: "Sequence[Any] | None"

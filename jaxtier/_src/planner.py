@@ -34,6 +34,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src import jaxpr_graph
 from jaxtier._src import profile
 from jaxtier._src import program_compiler
+from jaxtier._src import streaming
 from jaxtier._src.inventory import Inventory, LeafInfo, OPTIMIZER_STATE, PARAM
 from jaxtier._src.primitives.host_update import ProgramTooLarge
 
@@ -219,8 +220,13 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
       raise PlanError(f"jaxtier.offload: leaf {leaf.path}: unknown placement {placement!r}; "
                       f"expected one of {', '.join(PLACEMENTS)}")
     if placement == HOST_STREAM:
-      raise PlanError(f"jaxtier.offload: leaf {leaf.path}: placement 'host_stream' (prefetching "
-                      "streamed parameters) is not available in this version; use 'host_xla'")
+      why = streaming.stream_reason(inv.closed_jaxpr.jaxpr, i)
+      if why:
+        raise PlanError(
+            f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) cannot be "
+            f"placed 'host_stream': {why}. Streaming serves a stack of layers read by a layer "
+            "loop (`jax.lax.scan`, `nnx.scan`) one slice per iteration; place this leaf "
+            "'host_xla' (copied whole for the step) or keep it on the device.")
     if placement in HOST_PLACEMENTS and not leaf.is_float:
       raise PlanError(
           f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) would be placed "
@@ -259,13 +265,16 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   host_exec = HOST_DHA if platform == "gpu" else HOST_CPU
   req = _requested(inv, policy, host_exec)
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
-  executor_leaves = {i for i, (p, _) in req.items() if p in EXECUTOR_PLACEMENTS}
+  # host_stream leaves are read by the layer loops through the streaming calls and updated
+  # in place by a fused host update, like the executor placements.
+  streamed = {i for i, (p, _) in req.items() if p == HOST_STREAM}
+  executor_leaves = {i for i, (p, _) in req.items() if p in EXECUTOR_PLACEMENTS} | streamed
   reasons = {i: r for i, (_, r) in req.items()}
   placement = {i: p for i, (p, _) in req.items()}
   compiled: list[Any] = []
   masters: set[int] = set()
   while True:  # Drop leaves whose component cannot run as one op program; re-cut until stable.
-    comps = jaxpr_graph.components(jaxpr, executor_leaves)
+    comps = jaxpr_graph.components(jaxpr, executor_leaves, streamed & executor_leaves)
     demoted = False
     compiled, masters = [], set()
     for comp in comps:
@@ -278,11 +287,15 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               jaxpr, consts, comp, frozenset(comp_masters), frozenset(executor_leaves))
           # One executor per fused call: the one the user's policy asked for most (else the
           # automatic choice); ties go to the first in name order.
-          chosen = [placement[i] for i in comp.seeds if reasons[i] == USER_PLACED] or [
-              placement[i] for i in comp.seeds]
+          execs = [i for i in comp.seeds if placement[i] != HOST_STREAM]
+          chosen = [placement[i] for i in execs if reasons[i] == USER_PLACED] or [
+              placement[i] for i in execs] or [host_exec]
           executor = max(sorted(set(chosen)), key=chosen.count)
           for i in comp.seeds:
-            if placement[i] != executor:
+            if placement[i] == HOST_STREAM:
+              if f"updated in place by {executor}" not in reasons[i]:
+                reasons[i] += f"; updated in place by {executor}"
+            elif placement[i] != executor:
               reasons[i] += f"; updated with the leaves it shares a fused call with ({executor})"
               placement[i] = executor
           compiled.append(dataclasses.replace(
