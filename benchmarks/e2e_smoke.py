@@ -34,6 +34,9 @@ _BATCH = flags.FLAGS["batch_size"]
 _SEQ = flags.FLAGS["seq_len"]
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one variant ('fp32:none', ...).")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Where the JSON goes.")
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["fp32:none", "fp32:auto", "bf16:none", "bf16:auto"],
+    "dtype:offload pairs; offload in none/auto/stream (stream: the layers' params host_stream).")
 
 
 def child(variant: str) -> None:
@@ -69,7 +72,7 @@ def main(argv):
     return
   import jax  # pylint: disable=g-import-not-at-top
   runs = {}
-  for variant in ("fp32:none", "fp32:auto", "bf16:none", "bf16:auto"):
+  for variant in _VARIANTS.value:
     cmd = [sys.executable, __file__, f"--child={variant}", f"--config={_CONFIG.value}",
            f"--steps={_STEPS.value}", f"--batch_size={_BATCH.value}", f"--seq_len={_SEQ.value}"]
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -89,18 +92,19 @@ def main(argv):
   # The decoder computes in bf16 whatever its param dtype, so an ulp of difference in an update
   # shows at bf16 level after a few steps (fp32 'none' runs repeat exactly; bf16 ones vary by
   # ~0.3% run to run on their own): bf16 tolerance, 1e-2 relative, for both.
-  for dtype, tol in (("fp32", 1e-2), ("bf16", 1e-2)):
-    a, b = f"{dtype}:auto", f"{dtype}:none"
+  for dtype, mode, tol in ((d, m, 1e-2) for d in ("fp32", "bf16") for m in ("auto", "stream")):
+    a, b = f"{dtype}:{mode}", f"{dtype}:none"
     if "losses" in runs.get(a, {}) and "losses" in runs.get(b, {}):
       d = rel(a, b)
-      checks[f"{dtype}_auto_vs_none_max_rel_loss_diff"] = d
-      checks[f"{dtype}_within_tolerance_{tol}"] = d <= tol
+      checks[f"{dtype}_{mode}_vs_none_max_rel_loss_diff"] = d
+      checks[f"{dtype}_{mode}_within_tolerance_{tol}"] = d <= tol
   result = dict(
       workload=f"e2e smoke: example decoder {_CONFIG.value}, batch {_BATCH.value} x seq "
                f"{_SEQ.value}, {_STEPS.value} steps, AdamW",
       command=("python benchmarks/e2e_smoke.py " + " ".join(
           f"--{k}={v}" for k, v in (("config", _CONFIG.value), ("steps", _STEPS.value),
-                                    ("batch_size", _BATCH.value), ("seq_len", _SEQ.value)))),
+                                    ("batch_size", _BATCH.value), ("seq_len", _SEQ.value),
+                                    ("variants", ",".join(_VARIANTS.value))))),
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       device=str(jax.devices()[0].device_kind), jax=jax.__version__,
       python=sys.version.split()[0], runs=runs, checks=checks)
@@ -108,13 +112,13 @@ def main(argv):
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
   print(f"\nwrote {path}")
-  print(f"{'variant':<10} {'ms/step':>9} {'tok/s':>10} {'peak HBM GiB':>13} "
+  print(f"{'variant':<12} {'ms/step':>9} {'tok/s':>10} {'peak HBM GiB':>13} "
         f"{'pinned GiB':>11} {'loss0':>8} {'lossN':>8}")
   for v, r in runs.items():
     if "error" in r:
-      print(f"{v:<10} ERROR")
+      print(f"{v:<12} ERROR")
       continue
-    print(f"{v:<10} {r['step_secs_median'] * 1e3:>9.1f} {r['tokens_per_sec']:>10,.0f} "
+    print(f"{v:<12} {r['step_secs_median'] * 1e3:>9.1f} {r['tokens_per_sec']:>10,.0f} "
           f"{r['peak_hbm_bytes'] / 2**30:>13.2f} {r['plan_bytes']['pinned_host'] / 2**30:>11.2f} "
           f"{r['losses'][0]:>8.4f} {r['losses'][-1]:>8.4f}")
   for k, v in checks.items():
