@@ -9,7 +9,8 @@ def registrations() -> dict[str, dict[str, Any]]:
     ``PyCapsule`` wrapping an XLA FFI handler, or (the CUDA handler, which keeps per-instance
     state) a dict ``{"instantiate": PyCapsule, "execute": PyCapsule}``; either goes to
     ``jax.ffi.register_ffi_target(name, handler, platform=...)``. Register ``state_types()``
-    first. Targets: ``"jaxtier_host_update_ffi"``.
+    first. Targets: ``"jaxtier_host_update_ffi"``, ``"jaxtier_stream_fetch_ffi"``,
+    ``"jaxtier_stream_wait_ffi"``, ``"jaxtier_stream_send_ffi"``.
     """
 
 def state_types() -> dict[str, dict[str, dict[str, Any]]]:
@@ -18,7 +19,8 @@ def state_types() -> dict[str, dict[str, dict[str, Any]]]:
     The per-instance state types of the stateful handlers, for
     ``jax.ffi.register_ffi_type(name, registration, platform=...)``, which must run before
     ``registrations()`` are registered (XLA checks the state type when it registers a handler).
-    ``{}`` in a build without CUDA; else ``{"CUDA": {"jaxtier_host_update_state": ...}}``.
+    ``{}`` in a build without CUDA; else ``{"CUDA": {"jaxtier_host_update_state": ...,
+    "jaxtier_stream_state": ...}}``.
     """
 
 def has_cuda() -> bool:

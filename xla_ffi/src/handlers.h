@@ -10,6 +10,12 @@ namespace jaxtier {
 // Target `jaxtier_host_update_ffi` on platform "cpu" (host_update.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCpu);
 
+// Targets `jaxtier_stream_fetch_ffi`, `jaxtier_stream_wait_ffi`, `jaxtier_stream_send_ffi` on
+// platform "cpu" (stream.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamFetchCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamWaitCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamSendCpu);
+
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
 // Target `jaxtier_host_update_ffi` on platform "CUDA" (host_update_kernels.cu): the instantiate
 // stage (creates the per-instance state) and the execute stage.
@@ -21,6 +27,16 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCuda);
 // assigned id into it) and its type info (the deleter).
 XLA_FFI_TypeId* HostUpdateCudaStateTypeId();
 const XLA_FFI_TypeInfo* HostUpdateCudaStateTypeInfo();
+
+// Targets `jaxtier_stream_{fetch,wait,send}_ffi` on platform "CUDA" (stream_kernels.cu): one
+// instantiate stage shared by the three (it creates the per-instance state: the events) and an
+// execute stage each. Their state type is registered as "jaxtier_stream_state".
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamCudaInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamFetchCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamWaitCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamSendCuda);
+XLA_FFI_TypeId* StreamCudaStateTypeId();
+const XLA_FFI_TypeInfo* StreamCudaStateTypeInfo();
 #endif
 
 }  // namespace jaxtier

@@ -1,16 +1,20 @@
 // Python module `_jaxtier_ffi`: hands the XLA FFI handlers to Python as capsules.
 //
-//   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule},
+//   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule,
+//                               "jaxtier_stream_fetch_ffi": capsule, (wait, send alike)},
 //                       "CUDA": {"jaxtier_host_update_ffi": {"instantiate": capsule,
-//                                                            "execute": capsule}}}
+//                                                            "execute": capsule},
+//                                "jaxtier_stream_fetch_ffi": {"instantiate": ..., (alike)}}}
 //                      # "CUDA" only in a build with CUDA
 //   state_types() -> {"CUDA": {"jaxtier_host_update_state": {"type_id": capsule,
-//                                                              "type_info": capsule}}}
+//                                                              "type_info": capsule},
+//                              "jaxtier_stream_state": {...}}}
 //                      # {} without CUDA; register these (jax.ffi.register_ffi_type) BEFORE the
 //                      # handlers: XLA checks a stateful handler's type when it is registered
 //   has_cuda() -> bool
 
 #include <type_traits>
+#include <utility>
 
 #include <nanobind/nanobind.h>
 
@@ -40,6 +44,9 @@ nb::dict Registrations() {
   nb::dict registrations;
   nb::dict cpu;
   cpu["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCpu);
+  cpu["jaxtier_stream_fetch_ffi"] = EncapsulateFfiHandler(StreamFetchCpu);
+  cpu["jaxtier_stream_wait_ffi"] = EncapsulateFfiHandler(StreamWaitCpu);
+  cpu["jaxtier_stream_send_ffi"] = EncapsulateFfiHandler(StreamSendCpu);
   registrations["cpu"] = cpu;
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
   nb::dict host_update_cuda;  // a stateful handler: one capsule per stage
@@ -47,6 +54,17 @@ nb::dict Registrations() {
   host_update_cuda["execute"] = EncapsulateFfiHandler(HostUpdateCuda);
   nb::dict cuda;
   cuda["jaxtier_host_update_ffi"] = host_update_cuda;
+  // The three streaming targets share one instantiate stage (and state type).
+  const std::pair<const char*, XLA_FFI_Handler*> stream_targets[] = {
+      {"jaxtier_stream_fetch_ffi", StreamFetchCuda},
+      {"jaxtier_stream_wait_ffi", StreamWaitCuda},
+      {"jaxtier_stream_send_ffi", StreamSendCuda}};
+  for (const auto& [name, execute] : stream_targets) {
+    nb::dict stages;
+    stages["instantiate"] = EncapsulateFfiHandler(StreamCudaInstantiate);
+    stages["execute"] = EncapsulateFfiHandler(execute);
+    cuda[name] = stages;
+  }
   registrations["CUDA"] = cuda;
 #endif
   return registrations;
@@ -62,6 +80,11 @@ nb::dict StateTypes() {
       const_cast<void*>(reinterpret_cast<const void*>(HostUpdateCudaStateTypeInfo())));
   nb::dict cuda;
   cuda["jaxtier_host_update_state"] = host_update_state;
+  nb::dict stream_state;
+  stream_state["type_id"] = nb::capsule(reinterpret_cast<void*>(StreamCudaStateTypeId()));
+  stream_state["type_info"] = nb::capsule(
+      const_cast<void*>(reinterpret_cast<const void*>(StreamCudaStateTypeInfo())));
+  cuda["jaxtier_stream_state"] = stream_state;
   types["CUDA"] = cuda;
 #endif
   return types;
