@@ -175,6 +175,15 @@ def test_decoder_offloaded_equals_device_50_steps(corpus):
   assert executor in got["plan"] and "optimizer_state" in got["plan"]
 
 
+def test_decoder_streamed_params_equal_device(corpus):
+  # The layer stack's params placed host_stream (fetched layer by layer in the forward and the
+  # backward scans, gradients sent to pinned_host): the loss trace equals the device run's.
+  ref = _run(corpus, steps=20, offload="none", log_every=20)
+  got = _run(corpus, steps=20, offload="stream", log_every=20, clip=False)
+  np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+  assert "host_stream" in got["plan"] and "['layers']" in got["plan"]
+
+
 def test_run_offload_auto_passes_budgets(corpus):
   import jaxtier
   with pytest.raises(jaxtier.AdmissionError, match=r"over the host budget of 1000 B"):

@@ -234,8 +234,19 @@ class OffloadedStep:
     dev, host = self._leaf_groups(moved)
     # 1. Forward, backward, streaming: host leaves are read, not donated (a failure here
     #    leaves them intact).
-    first, feeds, rest, self._scratch = self._compute(dev, host, arg_leaves, self._scratch)
-    # 2. The fused host updates, in place on the donated host leaves and masters.
+    # 2. The fused host updates, in place on the donated host leaves and masters. Dispatched
+    #    only once the compute program has succeeded: an update fed by a failed program would
+    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step.
+    try:
+      first, feeds, rest, self._scratch = self._compute(dev, host, arg_leaves, self._scratch)
+      jax.block_until_ready((first, feeds, rest, self._scratch))
+    except Exception as e:
+      self._scratch = []  # donated to the failed program; fresh buffers next time
+      if hasattr(e, "add_note"):
+        e.add_note("jaxtier: the step failed before its host updates ran: the state's "
+                   "pinned_host leaves are intact and usable; its device leaves were donated "
+                   "to the failed program (as with jax.jit(donate_argnums=...)).")
+      raise
     if self._update is None:
       self._update = self._make_update([x.sharding for x in feeds])
     update_outs, self._masters = self._update(

@@ -278,6 +278,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     demoted = False
     compiled, masters = [], set()
     for comp in comps:
+      if not comp.eqns:  # only read where it lives (streamed, or returned as is): no update
+        continue
       why = comp.why
       comp_masters: set[int] = set()
       if comp.elementwise:
