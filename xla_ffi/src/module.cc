@@ -1,8 +1,12 @@
 // Python module `_jaxtier_ffi`: hands the XLA FFI handlers to Python as capsules.
 //
-//   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule},
+//   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule,
+//                               "jaxtier_dha_gather_ffi": capsule,
+//                               "jaxtier_dha_matmul_ffi": capsule},
 //                       "CUDA": {"jaxtier_host_update_ffi": {"instantiate": capsule,
-//                                                            "execute": capsule}}}
+//                                                            "execute": capsule},
+//                                "jaxtier_dha_gather_ffi": capsule,
+//                                "jaxtier_dha_matmul_ffi": capsule}}
 //                      # "CUDA" only in a build with CUDA
 //   state_types() -> {"CUDA": {"jaxtier_host_update_state": {"type_id": capsule,
 //                                                              "type_info": capsule}}}
@@ -40,6 +44,8 @@ nb::dict Registrations() {
   nb::dict registrations;
   nb::dict cpu;
   cpu["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCpu);
+  cpu["jaxtier_dha_gather_ffi"] = EncapsulateFfiHandler(DhaGatherCpu);
+  cpu["jaxtier_dha_matmul_ffi"] = EncapsulateFfiHandler(DhaMatmulCpu);
   registrations["cpu"] = cpu;
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
   nb::dict host_update_cuda;  // a stateful handler: one capsule per stage
@@ -47,6 +53,8 @@ nb::dict Registrations() {
   host_update_cuda["execute"] = EncapsulateFfiHandler(HostUpdateCuda);
   nb::dict cuda;
   cuda["jaxtier_host_update_ffi"] = host_update_cuda;
+  cuda["jaxtier_dha_gather_ffi"] = EncapsulateFfiHandler(DhaGatherCuda);
+  cuda["jaxtier_dha_matmul_ffi"] = EncapsulateFfiHandler(DhaMatmulCuda);
   registrations["CUDA"] = cuda;
 #endif
   return registrations;
