@@ -373,3 +373,15 @@ def test_gpu_gather_grad(gpu):
 
 def test_hlo_guard_gpu(gpu):
   _check_guard(gpu)
+
+
+def test_vmap_over_ids_and_x():
+  rng = np.random.default_rng(9)
+  table = jnp.asarray(rng.normal(size=(9, 4)), jnp.float32)
+  ids = jnp.asarray([[0, 8], [9, 2], [-1, 1]], jnp.int32)
+  got = jax.jit(jax.vmap(lambda i: dha.gather(table, i)))(ids)
+  np.testing.assert_array_equal(np.asarray(got), _gather_want(table, ids))
+  w = jnp.asarray(rng.normal(size=(2, 6, 5)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(3, 4, 6)), jnp.float32)
+  got = jax.jit(jax.vmap(lambda x: dha.matmul(x, w, index=1)))(x)
+  _assert_matmul_close(got.reshape(12, 5), x.reshape(12, 6), np.asarray(w)[1], jnp.float32)

@@ -53,14 +53,13 @@ def _to_device(x: jax.Array) -> jax.Array:
   return jax.device_put(x, jax.memory.Space.Device)
 
 
-def _like_primal(ct: jax.Array, primal: jax.Array) -> jax.Array:
-  """`ct` (computed on the device) in the memory space of `primal`.
+def _in_space(ct: jax.Array, space: Any) -> jax.Array:
+  """`ct` (computed on the device) in memory space `space` (a `jax.memory.Space`).
 
   JAX types a cotangent with its primal's memory space (`float32<host>[...]` for a pinned_host
   leaf) and `custom_vjp` checks it, so the cotangent of a host leaf is moved to host memory
   (one device-to-host copy of the cotangent, by XLA).
   """
-  space = jc.memory_space_of(primal)
   return ct if space == jax.memory.Space.Device else jax.device_put(ct, space)
 
 
@@ -117,26 +116,25 @@ def gather(table: jax.Array, ids: Any) -> jax.Array:
   if jnp.dtype(ids.dtype) != jnp.dtype(jnp.int32):
     # Keep out-of-range values out of range through the conversion.
     ids = jnp.where((ids >= 0) & (ids < num_rows), ids, -1).astype(jnp.int32)
-  return _gather_fn(num_rows)(table, ids)
+  return _gather_fn(num_rows, jc.memory_space_of(table))(table, ids)
 
 
 @functools.cache
-def _gather_fn(num_rows: int):
-  """The differentiable gather for a table of `num_rows` rows."""
+def _gather_fn(num_rows: int, space: Any):
+  """The differentiable gather for a table of `num_rows` rows in memory space `space`."""
 
   @jax.custom_vjp
   def f(table, ids):
     return _gather_impl(table, ids)
 
   def fwd(table, ids):
-    return _gather_impl(table, ids), (ids, table)
+    return _gather_impl(table, ids), ids
 
-  def bwd(res, g):
-    ids, table = res  # the table only for its memory space (a residual costs no copy)
+  def bwd(ids, g):
     valid = (ids >= 0) & (ids < num_rows)
     safe = jnp.where(valid, ids, num_rows)  # out of range: dropped by the scatter
     dtable = jnp.zeros((num_rows, g.shape[-1]), g.dtype).at[safe].add(g, mode="drop")
-    return _like_primal(dtable, table), None
+    return _in_space(dtable, space), None
 
   f.defvjp(fwd, bwd)
   return f
@@ -340,7 +338,7 @@ def _matmul_fn(index: int, transpose: bool):
       dw = jnp.zeros(w.shape, w.dtype).at[index].set(dlayer)
     else:
       dw = dlayer
-    return dx, _like_primal(dw, w)
+    return dx, _in_space(dw, jc.memory_space_of(w))
 
   f.defvjp(fwd, bwd)
   return f
