@@ -68,6 +68,11 @@ def memory_space(kind: str) -> Any:
   return {"device": jax.memory.Space.Device, "pinned_host": jax.memory.Space.Host}[kind]
 
 
+def memory_space_of(x: Any) -> Any:
+  """`jax.memory.Space` of an array or traced value (its aval's memory space; Device if none)."""
+  return getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device)
+
+
 def common_mesh(trees: Any) -> "Mesh | None":
   """The largest mesh among the `NamedSharding`s of the arrays in `trees` (None if there is none)."""
   best = None

@@ -16,11 +16,20 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamFetchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamWaitCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamSendCpu);
 
+// Targets `jaxtier_dha_gather_ffi` and `jaxtier_dha_matmul_ffi` on platform "cpu" (dha.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaGatherCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaMatmulCpu);
+
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
 // Target `jaxtier_host_update_ffi` on platform "CUDA" (host_update_kernels.cu): the instantiate
 // stage (creates the per-instance state) and the execute stage.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCudaInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCuda);
+
+// Targets `jaxtier_dha_gather_ffi` and `jaxtier_dha_matmul_ffi` on platform "CUDA"
+// (dha_kernels.cu): stateless, the kernels read the host operand in place.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaGatherCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaMatmulCuda);
 
 // The per-instance state type of the CUDA handler, registered with XLA (as
 // "jaxtier_host_update_state", platform "CUDA") before the handler: its type id (XLA writes the

@@ -1,10 +1,14 @@
 // Python module `_jaxtier_ffi`: hands the XLA FFI handlers to Python as capsules.
 //
 //   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule,
-//                               "jaxtier_stream_fetch_ffi": capsule, (wait, send alike)},
+//                               "jaxtier_stream_fetch_ffi": capsule, (wait, send alike),
+//                               "jaxtier_dha_gather_ffi": capsule,
+//                               "jaxtier_dha_matmul_ffi": capsule},
 //                       "CUDA": {"jaxtier_host_update_ffi": {"instantiate": capsule,
 //                                                            "execute": capsule},
-//                                "jaxtier_stream_fetch_ffi": {"instantiate": ..., (alike)}}}
+//                                "jaxtier_stream_fetch_ffi": {"instantiate": ..., (alike)},
+//                                "jaxtier_dha_gather_ffi": capsule,
+//                                "jaxtier_dha_matmul_ffi": capsule}}
 //                      # "CUDA" only in a build with CUDA
 //   state_types() -> {"CUDA": {"jaxtier_host_update_state": {"type_id": capsule,
 //                                                              "type_info": capsule},
@@ -47,6 +51,8 @@ nb::dict Registrations() {
   cpu["jaxtier_stream_fetch_ffi"] = EncapsulateFfiHandler(StreamFetchCpu);
   cpu["jaxtier_stream_wait_ffi"] = EncapsulateFfiHandler(StreamWaitCpu);
   cpu["jaxtier_stream_send_ffi"] = EncapsulateFfiHandler(StreamSendCpu);
+  cpu["jaxtier_dha_gather_ffi"] = EncapsulateFfiHandler(DhaGatherCpu);
+  cpu["jaxtier_dha_matmul_ffi"] = EncapsulateFfiHandler(DhaMatmulCpu);
   registrations["cpu"] = cpu;
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
   nb::dict host_update_cuda;  // a stateful handler: one capsule per stage
@@ -65,6 +71,8 @@ nb::dict Registrations() {
     stages["execute"] = EncapsulateFfiHandler(execute);
     cuda[name] = stages;
   }
+  cuda["jaxtier_dha_gather_ffi"] = EncapsulateFfiHandler(DhaGatherCuda);
+  cuda["jaxtier_dha_matmul_ffi"] = EncapsulateFfiHandler(DhaMatmulCuda);
   registrations["CUDA"] = cuda;
 #endif
   return registrations;

@@ -1,0 +1,502 @@
+// CUDA handlers of the DHA compute family (dha.h, docs/design.md "DHA compute"): GPU kernels
+// that read a host-resident (pinned_host) table or weight in place over PCIe, with no copy to
+// HBM. Every other buffer (ids, x, y) is in device memory. Nothing here asks where the host
+// operand lives: a device-resident one works the same, only faster.
+//
+// gather (jaxtier_dha_gather_ffi): one warp per output row (grid-stride over the ids); the warp
+// copies the row with 16-byte loads when the row length and both base pointers allow it (else
+// 4- or 2-byte ones), four loads in flight per lane before the stores. An id outside [0, V)
+// writes zeros and reads nothing.
+//
+// matmul (jaxtier_dha_matmul_ffi): y[M, O] = x[M, R] @ B, B = w[index] ([R, O]) or w[index]^T
+// (w[index] is [O, R]). A block owns O-columns [o0, o0 + BO), x-rows [m0, m0 + MT) and a range of
+// R-stages (BR reduction rows each; split-R over blockIdx.y). Each stage:
+//   * the block's BR x BO tile of B arrives from host memory in 16-byte loads (128-byte runs
+//     along w's rows), issued one stage ahead into registers so that they are in flight while
+//     the block computes on the previous stage, then stored to shared memory (transposed for
+//     transpose = 1);
+//   * the x tile [MT, BR] comes from device memory (L2) into shared memory as fp32;
+//   * each thread accumulates an RM x 8 tile of y in fp32 registers (fmaf).
+// Every element of w[index] is read from host memory once when M <= 512 (MT = 512 at most);
+// a larger M is cut into chunks of 512 rows, each of which reads w again. With more than one
+// R-split, each split writes fp32 partial sums [S, M, O] to XLA scratch memory and a second
+// kernel adds them in split order (deterministic) and rounds to y's dtype; with one, the kernel
+// writes y directly.
+//
+// Neither handler is marked kCmdBufferCompatible: their behaviour under XLA's command-buffer
+// (CUDA graph) capture with pinned_host operands has not been verified.
+// No nanobind here: module.cc registers the symbols.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "dha.h"
+#include "handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxtier {
+namespace {
+
+ffi::Error CudaError(const char* op, const std::string& what, cudaError_t e) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string(op) + ": " + what + " failed: " +
+                                                   cudaGetErrorName(e) + ": " +
+                                                   cudaGetErrorString(e));
+}
+
+#define JT_DHA_CUDA_RETURN_IF_ERROR(expr, op, what)                        \
+  do {                                                                     \
+    const cudaError_t jt_cuda_error = (expr);                              \
+    if (jt_cuda_error != cudaSuccess) return CudaError(op, what, jt_cuda_error); \
+  } while (0)
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+ffi::Error NumSms(const char* op, int* num_sms) {
+  int device = 0;
+  JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), op, "cudaGetDevice");
+  JT_DHA_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device), op,
+      "cudaDeviceGetAttribute(MultiProcessorCount)");
+  if (*num_sms < 1) *num_sms = 1;
+  return ffi::Error::Success();
+}
+
+// ------------------------------------------------------------------------------------------------
+// gather
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kGatherThreads = 256;
+constexpr int kGatherWarps = kGatherThreads / 32;
+constexpr int kGatherUnroll = 4;
+
+// V: the load unit (uint4: 16 bytes, uint32_t, uint16_t); row_vecs: units per row.
+template <typename V>
+__global__ void __launch_bounds__(kGatherThreads)
+    DhaGatherKernel(const V* __restrict__ table, const int32_t* __restrict__ ids,
+                    V* __restrict__ out, int64_t num_ids, int64_t num_rows, int64_t row_vecs) {
+  const int lane = threadIdx.x % 32;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * kGatherWarps;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kGatherWarps + threadIdx.x / 32;
+       i < num_ids; i += num_warps) {
+    const int32_t id = ids[i];
+    V* dst = out + i * row_vecs;
+    if (id < 0 || id >= num_rows) {
+      for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = V{};
+      continue;
+    }
+    const V* src = table + static_cast<int64_t>(id) * row_vecs;
+    int64_t v = lane;
+    for (; v + (kGatherUnroll - 1) * 32 < row_vecs; v += kGatherUnroll * 32) {
+      V buf[kGatherUnroll];
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) buf[u] = src[v + u * 32];
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) dst[v + u * 32] = buf[u];
+    }
+    for (; v < row_vecs; v += 32) dst[v] = src[v];
+  }
+}
+
+template <typename V>
+ffi::Error LaunchGather(cudaStream_t stream, const void* table, const int32_t* ids, void* out,
+                        const dha::GatherShape& s, int num_sms) {
+  const int64_t blocks =
+      std::min<int64_t>(CeilDiv(s.num_ids, kGatherWarps), int64_t{num_sms} * 16);
+  DhaGatherKernel<V><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
+      static_cast<const V*>(table), ids, static_cast<V*>(out), s.num_ids, s.num_rows,
+      s.row_bytes / static_cast<int64_t>(sizeof(V)));
+  JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), dha::kGatherName, "kernel launch");
+  return ffi::Error::Success();
+}
+
+ffi::Error DhaGatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer table,
+                             ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out) {
+  dha::GatherShape s;
+  JT_RETURN_IF_ERROR(dha::CheckGather(table, ids, *out, &s));
+  if (s.num_ids == 0 || s.row_bytes == 0) return ffi::Error::Success();
+  int num_sms = 1;
+  JT_RETURN_IF_ERROR(NumSms(dha::kGatherName, &num_sms));
+  const void* src = table.untyped_data();
+  void* dst = out->untyped_data();
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+  if (s.row_bytes % 16 == 0 && bases % 16 == 0) {
+    return LaunchGather<uint4>(stream, src, ids.typed_data(), dst, s, num_sms);
+  }
+  if (s.row_bytes % 4 == 0 && bases % 4 == 0) {
+    return LaunchGather<uint32_t>(stream, src, ids.typed_data(), dst, s, num_sms);
+  }
+  return LaunchGather<uint16_t>(stream, src, ids.typed_data(), dst, s, num_sms);
+}
+
+// ------------------------------------------------------------------------------------------------
+// matmul
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kThreads = 256;
+constexpr int kRN = 8;  // y columns per thread
+// Partial sums of the R-splits: at most this many bytes of scratch (fewer splits beyond it).
+constexpr int64_t kMaxPartialBytes = int64_t{256} << 20;
+
+// Storage conversions. S is the raw storage type (uint32_t: f32 bits, uint16_t: bf16 bits).
+template <typename S>
+__device__ __forceinline__ float ToFloat(S v);
+template <>
+__device__ __forceinline__ float ToFloat<uint32_t>(uint32_t v) { return __uint_as_float(v); }
+template <>
+__device__ __forceinline__ float ToFloat<uint16_t>(uint16_t v) {
+  return __uint_as_float(static_cast<uint32_t>(v) << 16);
+}
+
+template <typename S>
+__device__ __forceinline__ S FromFloat(float f);
+template <>
+__device__ __forceinline__ uint32_t FromFloat<uint32_t>(float f) { return __float_as_uint(f); }
+template <>
+__device__ __forceinline__ uint16_t FromFloat<uint16_t>(float f) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));  // round to nearest even
+}
+
+template <typename S>
+union Pack16 {
+  uint4 u;
+  S e[16 / sizeof(S)];
+};
+
+struct MatmulArgs {
+  const void* x;   // [M, R], device memory
+  const void* w;   // layer `index` of w (host memory): [R, O] (transpose 0) or [O, R]
+  void* y;         // [M, O], device memory (written when partial == nullptr)
+  float* partial;  // [S, M, O] fp32 scratch, or nullptr
+  int64_t m, r, o;
+  int64_t stages_per_split;
+  int vec_w;  // 1: w's rows and base allow 16-byte loads
+};
+
+// Tile shape of a kernel instance: kTX x kTY threads, each kRM rows x kRN columns of y.
+template <typename S, int kTX, int kRM>
+struct Tile {
+  static constexpr int kTY = kThreads / kTX;
+  static constexpr int kMT = kRM * kTY;                          // x rows per block
+  static constexpr int kBO = kTX * kRN;                          // y columns per block
+  static constexpr int kBR = 128 / static_cast<int>(sizeof(S));  // reduction rows per stage
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(S));  // elements per 16-byte load
+  static constexpr int kLoads = kBR * kBO / kVec / kThreads;     // 16-byte w loads per thread
+  static constexpr int kXPitch = kMT + 4;                        // floats per x-tile row
+  static constexpr size_t kXBytes = size_t{kBR} * kXPitch * sizeof(float);
+  static constexpr size_t kSmemBytes = kXBytes + size_t{kBR} * kBO * sizeof(S);
+  static_assert(kLoads * kVec * kThreads == kBR * kBO, "w tile must split into 16-byte loads");
+  static_assert((kMT * kBR) % kThreads == 0, "x tile must split evenly over the threads");
+  static_assert(kXBytes % 16 == 0, "the w tile must start 16-byte aligned");
+};
+
+template <typename S, int kTX, int kRM, bool kTrans>
+__global__ void __launch_bounds__(kThreads, 1)
+    DhaMatmulKernel(const MatmulArgs a) {
+  using Tl = Tile<S, kTX, kRM>;
+  constexpr int kMT = Tl::kMT, kBO = Tl::kBO, kBR = Tl::kBR, kVec = Tl::kVec;
+  constexpr int kLoads = Tl::kLoads, kXPitch = Tl::kXPitch;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* xs = reinterpret_cast<float*>(smem);         // [kBR][kXPitch]: x tile, transposed
+  S* bs = reinterpret_cast<S*>(smem + Tl::kXBytes);   // [kBR][kBO]: B tile
+
+  const int tid = threadIdx.x;
+  const int tx = tid % kTX;
+  const int ty = tid / kTX;
+  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * kBO;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.z) * kMT;
+  const int64_t num_stages = (a.r + kBR - 1) / kBR;
+  const int64_t s_begin = static_cast<int64_t>(blockIdx.y) * a.stages_per_split;
+  const int64_t s_end = min(num_stages, s_begin + a.stages_per_split);
+  const S* w = static_cast<const S*>(a.w);
+  const S* x = static_cast<const S*>(a.x);
+  // w's row length and row count: B[r, o] = w[r * o_len + o] or w[o * r_len + r].
+  const int64_t row_len = kTrans ? a.r : a.o;
+  const int64_t num_w_rows = kTrans ? a.o : a.r;
+
+  uint4 wreg[kLoads];
+  float acc[kRM][kRN];
+#pragma unroll
+  for (int i = 0; i < kRM; ++i) {
+#pragma unroll
+    for (int j = 0; j < kRN; ++j) acc[i][j] = 0.0f;
+  }
+
+  // Issues the host loads of stage `stage`'s B tile into wreg (zeros outside w).
+  auto load_w = [&](int64_t stage) {
+    const int64_t r0 = stage * kBR;
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int v = tid + j * kThreads;
+      int64_t row, col;  // w element of the first of the kVec elements (along w's row)
+      if (!kTrans) {
+        row = r0 + v / (kBO / kVec);
+        col = o0 + (v % (kBO / kVec)) * kVec;
+      } else {
+        row = o0 + v / (kBR / kVec);
+        col = r0 + (v % (kBR / kVec)) * kVec;
+      }
+      Pack16<S> p;
+      p.u = make_uint4(0u, 0u, 0u, 0u);
+      if (row < num_w_rows && col < row_len) {
+        const S* src = w + row * row_len + col;
+        if (a.vec_w) {  // row_len % kVec == 0: the whole vector is inside the row
+          p.u = *reinterpret_cast<const uint4*>(src);
+        } else {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k) p.e[k] = col + k < row_len ? src[k] : S(0);
+        }
+      }
+      wreg[j] = p.u;
+    }
+  };
+
+  // Stores wreg into the B tile bs[r][o].
+  auto store_w = [&]() {
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) {
+      const int v = tid + j * kThreads;
+      if (!kTrans) {
+        const int rr = v / (kBO / kVec);
+        const int oo = (v % (kBO / kVec)) * kVec;
+        *reinterpret_cast<uint4*>(bs + rr * kBO + oo) = wreg[j];
+      } else {
+        const int oo = v / (kBR / kVec);
+        const int rr = (v % (kBR / kVec)) * kVec;
+        Pack16<S> p;
+        p.u = wreg[j];
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) bs[(rr + k) * kBO + oo] = p.e[k];
+      }
+    }
+  };
+
+  // The x tile of stage `stage`, as fp32 (zeros outside x).
+  auto load_x = [&](int64_t stage) {
+    const int64_t r0 = stage * kBR;
+#pragma unroll 4
+    for (int e = tid; e < kMT * kBR; e += kThreads) {
+      const int mm = e / kBR;
+      const int rr = e % kBR;
+      const int64_t gm = m0 + mm;
+      const int64_t gr = r0 + rr;
+      float v = 0.0f;
+      if (gm < a.m && gr < a.r) v = ToFloat<S>(x[gm * a.r + gr]);
+      xs[rr * kXPitch + mm] = v;
+    }
+  };
+
+  auto compute = [&]() {
+#pragma unroll 2
+    for (int rr = 0; rr < kBR; ++rr) {
+      float xv[kRM];
+      const float* xp = xs + rr * kXPitch + ty * kRM;
+      if constexpr (kRM % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < kRM; i += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(xp + i);
+          xv[i] = q.x;
+          xv[i + 1] = q.y;
+          xv[i + 2] = q.z;
+          xv[i + 3] = q.w;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kRM; ++i) xv[i] = xp[i];
+      }
+      float wv[kRN];
+      const S* bp = bs + rr * kBO + tx * kRN;
+#pragma unroll
+      for (int h = 0; h < kRN; h += kVec) {
+        Pack16<S> p;
+        p.u = *reinterpret_cast<const uint4*>(bp + h);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) wv[h + k] = ToFloat<S>(p.e[k]);
+      }
+#pragma unroll
+      for (int i = 0; i < kRM; ++i) {
+#pragma unroll
+        for (int j = 0; j < kRN; ++j) acc[i][j] = fmaf(xv[i], wv[j], acc[i][j]);
+      }
+    }
+  };
+
+  if (s_begin < s_end) {
+    load_w(s_begin);
+    for (int64_t s = s_begin; s < s_end; ++s) {
+      __syncthreads();  // the previous stage's compute is done with xs and bs
+      store_w();
+      load_x(s);
+      __syncthreads();
+      if (s + 1 < s_end) load_w(s + 1);  // in flight during this stage's compute
+      compute();
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < kRM; ++i) {
+    const int64_t gm = m0 + ty * kRM + i;
+    if (gm >= a.m) continue;
+#pragma unroll
+    for (int j = 0; j < kRN; ++j) {
+      const int64_t go = o0 + tx * kRN + j;
+      if (go >= a.o) continue;
+      if (a.partial != nullptr) {
+        a.partial[(static_cast<int64_t>(blockIdx.y) * a.m + gm) * a.o + go] = acc[i][j];
+      } else {
+        static_cast<S*>(a.y)[gm * a.o + go] = FromFloat<S>(acc[i][j]);
+      }
+    }
+  }
+}
+
+// y = sum over the splits of partial[s] (in split order), rounded to y's dtype.
+template <typename S>
+__global__ void __launch_bounds__(kThreads)
+    DhaReduceKernel(const float* __restrict__ partial, S* __restrict__ y, int64_t mo,
+                    int64_t splits) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < mo;
+       i += stride) {
+    float sum = 0.0f;
+    for (int64_t s = 0; s < splits; ++s) sum += partial[s * mo + i];
+    y[i] = FromFloat<S>(sum);
+  }
+}
+
+template <typename S, int kTX, int kRM, bool kTrans>
+ffi::Error LaunchMatmul(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                        const dha::MatmulShape& s, const void* x, const void* w, void* y,
+                        int num_sms) {
+  using Tl = Tile<S, kTX, kRM>;
+  const char* op = dha::kMatmulName;
+  const int64_t col_tiles = CeilDiv(s.o, Tl::kBO);
+  const int64_t m_chunks = CeilDiv(s.m, Tl::kMT);
+  const int64_t stages = CeilDiv(s.r, Tl::kBR);
+  if (m_chunks > 65535 || col_tiles > 0x7fffffff) {
+    return dha::Invalid(op, "shape", "input 0 (x)",
+                        "at most 65535 * " + std::to_string(Tl::kMT) + " rows and " +
+                            std::to_string(int64_t{0x7fffffff} * Tl::kBO) + " columns",
+                        "[" + std::to_string(s.m) + ", " + std::to_string(s.r) + "] -> " +
+                            std::to_string(s.o) + " columns");
+  }
+  // Enough blocks to keep every SM's loads in flight: about 4 per SM, by splitting R.
+  const int64_t mo = s.m * s.o;
+  int64_t splits = std::max<int64_t>(1, CeilDiv(int64_t{4} * num_sms, col_tiles * m_chunks));
+  splits = std::min<int64_t>({splits, stages, 65535});
+  if (splits > 1) {
+    splits = std::min<int64_t>(
+        splits, std::max<int64_t>(1, kMaxPartialBytes / (mo * int64_t{sizeof(float)})));
+  }
+  const int64_t stages_per_split = CeilDiv(stages, splits);
+  splits = CeilDiv(stages, stages_per_split);  // no split without a stage
+
+  MatmulArgs args;
+  args.x = x;
+  args.w = w;
+  args.y = y;
+  args.partial = nullptr;
+  args.m = s.m;
+  args.r = s.r;
+  args.o = s.o;
+  args.stages_per_split = stages_per_split;
+  const int64_t row_len = s.transpose ? s.r : s.o;
+  args.vec_w = reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+               (row_len * int64_t{sizeof(S)}) % 16 == 0;
+  if (splits > 1) {
+    const size_t bytes = static_cast<size_t>(splits * mo) * sizeof(float);
+    std::optional<void*> mem = scratch.Allocate(bytes, 256);
+    if (!mem.has_value() || *mem == nullptr) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        std::string(op) + ": could not allocate " + std::to_string(bytes) +
+                            " bytes of device scratch for the partial sums");
+    }
+    args.partial = static_cast<float*>(*mem);
+  }
+  auto kernel = DhaMatmulKernel<S, kTX, kRM, kTrans>;
+  if (Tl::kSmemBytes > 48 * 1024) {
+    JT_DHA_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(Tl::kSmemBytes)),
+        op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  }
+  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(splits),
+                  static_cast<unsigned>(m_chunks));
+  kernel<<<grid, kThreads, Tl::kSmemBytes, stream>>>(args);
+  JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), op, "kernel launch");
+  if (splits > 1) {
+    const int64_t blocks = std::min<int64_t>(CeilDiv(mo, kThreads), int64_t{num_sms} * 8);
+    DhaReduceKernel<S><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        args.partial, static_cast<S*>(y), mo, splits);
+    JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), op, "reduction kernel launch");
+  }
+  return ffi::Error::Success();
+}
+
+// Picks the tile for M (rows of y per block up to 512) and the layout of w.
+template <typename S, bool kTrans>
+ffi::Error DispatchTile(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                        const dha::MatmulShape& s, const void* x, const void* w, void* y,
+                        int num_sms) {
+  if (s.m <= 8) return LaunchMatmul<S, 32, 1, kTrans>(stream, scratch, s, x, w, y, num_sms);
+  if (s.m <= 16) return LaunchMatmul<S, 32, 2, kTrans>(stream, scratch, s, x, w, y, num_sms);
+  if (s.m <= 32) return LaunchMatmul<S, 32, 4, kTrans>(stream, scratch, s, x, w, y, num_sms);
+  if (s.m <= 64) return LaunchMatmul<S, 32, 8, kTrans>(stream, scratch, s, x, w, y, num_sms);
+  if (s.m <= 128) return LaunchMatmul<S, 16, 8, kTrans>(stream, scratch, s, x, w, y, num_sms);
+  if (s.m <= 256) return LaunchMatmul<S, 8, 8, kTrans>(stream, scratch, s, x, w, y, num_sms);
+  return LaunchMatmul<S, 8, 16, kTrans>(stream, scratch, s, x, w, y, num_sms);
+}
+
+ffi::Error DhaMatmulCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                             int64_t index, int32_t transpose) {
+  dha::MatmulShape s;
+  JT_RETURN_IF_ERROR(dha::CheckMatmul(x, w, *y, index, transpose, &s));
+  if (s.m == 0 || s.o == 0) return ffi::Error::Success();
+  const size_t esize = dha::ElementBytes(s.dtype);
+  if (s.r == 0) {
+    JT_DHA_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(y->untyped_data(), 0, static_cast<size_t>(s.m * s.o) * esize, stream),
+        dha::kMatmulName, "cudaMemsetAsync (empty reduction)");
+    return ffi::Error::Success();
+  }
+  int num_sms = 1;
+  JT_RETURN_IF_ERROR(NumSms(dha::kMatmulName, &num_sms));
+  const void* wl = static_cast<const char*>(w.untyped_data()) + s.w_offset * esize;
+  const void* xp = x.untyped_data();
+  void* yp = y->untyped_data();
+  if (s.dtype == ffi::DataType::F32) {
+    return s.transpose ? DispatchTile<uint32_t, true>(stream, scratch, s, xp, wl, yp, num_sms)
+                       : DispatchTile<uint32_t, false>(stream, scratch, s, xp, wl, yp, num_sms);
+  }
+  return s.transpose ? DispatchTile<uint16_t, true>(stream, scratch, s, xp, wl, yp, num_sms)
+                     : DispatchTile<uint16_t, false>(stream, scratch, s, xp, wl, yp, num_sms);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaGatherCuda, DhaGatherCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Arg<ffi::AnyBuffer>()          // table [V, D] (pinned_host)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids [...]
+                                  .Ret<ffi::AnyBuffer>());        // rows [..., D]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaMatmulCuda, DhaMatmulCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::ScratchAllocator>()   // partial sums
+                                  .Arg<ffi::AnyBuffer>()          // x [M, R]
+                                  .Arg<ffi::AnyBuffer>()          // w [K, N] / [L, K, N]
+                                  .Ret<ffi::AnyBuffer>()          // y [M, O]
+                                  .Attr<int64_t>("index")         // layer of a stacked w
+                                  .Attr<int32_t>("transpose"));   // 1: y = x @ w[index]^T
+
+}  // namespace jaxtier
