@@ -24,7 +24,6 @@ STEPS = 5
 TX = optax.adamw(1e-2, weight_decay=0.1)
 POLICY = {r"\.(mu|nu)\[": "host_cpu"}  # AdamW's moments to pinned_host, whatever 'auto' says.
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TIMEOUT_SECS = 50
 
 
@@ -161,7 +160,7 @@ def _run_cluster(out_dir) -> list[dict]:
   """Runs WORKER as processes 0 and 1; returns their result dicts (shards under 'npz')."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             PYTHONPATH=os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]))
+             PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
   port = _free_port()
   procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(port), str(out_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
