@@ -56,20 +56,22 @@ def _check(api: str, host_leaf: Any, mesh: Mesh, index: Any) -> tuple[int, ...]:
 
 def _take(w: Any, index: Any, split_axis: "int | None" = None, start: Any = 0,
           rows: int = 0) -> Any:
-  """`w[index]` (or `w`), then rows [start, start + rows) of `split_axis` (None: all rows).
+  """`w[index]` (or `w`), rows [start, start + rows) of `split_axis` (None: all), on device.
 
-  One `dynamic_slice` of the host array, so that XLA moves only the window off the host.
+  One `dynamic_slice` of the host array, then the move to device memory, then (with `index`)
+  dropping the layer axis: the slice is the only op on host memory, so XLA moves just that
+  window; any other op there (even a reshape) could become host compute (MEASURED.md).
   """
-  lead = 0 if index is None else 1
   if index is None and split_axis is None:
-    return w
+    return jax.device_put(w, jc.memory_space("device"))
+  lead = 0 if index is None else 1
   starts = [0] * w.ndim
   sizes = list(w.shape)
   if index is not None:
     starts[0], sizes[0] = index, 1
   if split_axis is not None:
     starts[lead + split_axis], sizes[lead + split_axis] = start, rows
-  part = jax.lax.dynamic_slice(w, starts, sizes)
+  part = jax.device_put(jax.lax.dynamic_slice(w, starts, sizes), jc.memory_space("device"))
   return part.reshape(part.shape[1:]) if index is not None else part
 
 
@@ -117,7 +119,6 @@ def fetch_replicated(host_leaf: jax.Array, mesh: Mesh, axis_name: str, *, index:
   def per_device(w, i):
     k = jax.lax.axis_index(axis_name)
     part = _take(w, i, split_axis, k * rows, rows)
-    part = jax.device_put(part, jc.memory_space("device"))
     return jax.lax.all_gather(part, axis_name, axis=split_axis, tiled=True)
 
   return _run(per_device, host_leaf, mesh, index)
@@ -136,10 +137,10 @@ def fetch_single_path(host_leaf: jax.Array, mesh: Mesh, *, index: Any = None) ->
   Raises:
     ValueError: the leaf is not in pinned_host, or a static `index` is out of range.
   """
-  shape = _check("jaxtier.multipath.fetch_single_path", host_leaf, mesh, index)
+  _check("jaxtier.multipath.fetch_single_path", host_leaf, mesh, index)
 
   def per_device(w, i):
-    return jax.device_put(_take(w, i), jc.memory_space("device"))
+    return _take(w, i)
 
   return _run(per_device, host_leaf, mesh, index)
 
