@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -166,9 +167,10 @@ def _run_cluster(out_dir) -> list[dict]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=out_dir) for i in range(2)]
   logs = []
+  deadline = time.monotonic() + TIMEOUT_SECS
   try:
     for p in procs:
-      logs.append(p.communicate(timeout=TIMEOUT_SECS))
+      logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
   except subprocess.TimeoutExpired:
     for p in procs:
       p.kill()

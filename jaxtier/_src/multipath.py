@@ -39,7 +39,10 @@ def _check(api: str, host_leaf: Any, mesh: Mesh, index: Any) -> tuple[int, ...]:
   if not isinstance(mesh, Mesh):
     raise TypeError(f"{api}: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
   shape = tuple(np.shape(host_leaf))
-  kind = getattr(getattr(host_leaf, "sharding", None), "memory_kind", None)
+  try:  # a concrete array; a tracer (inside jit) has no sharding to check.
+    kind = getattr(getattr(host_leaf, "sharding", None), "memory_kind", None)
+  except Exception:  # pylint: disable=broad-except
+    kind = None
   if kind not in (None, "pinned_host"):
     raise ValueError(f"{api}: expected a leaf in memory kind 'pinned_host', got {kind!r}; "
                      "place it with jax.device_put(x, NamedSharding(mesh, P(), "
