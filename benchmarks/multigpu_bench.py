@@ -13,6 +13,8 @@ Sections (each figure a median of `--reps` runs after a warm-up; N = GPUs in the
    - single-path on GPU 0 alone (mesh of 1): is each GPU's link as fast when all N copy at once?
    - multi-path (`multipath.fetch_replicated`): each GPU copies 1/N of the layer from host, then
      an all-gather over NVLink (`jax.lax.all_gather` inside `shard_map`);
+   - multi-path from the leaf stored sharded (`multipath.fetch_sharded`): the same traffic, but
+     each GPU's host memory holds only its 1/N (no per-GPU read offset for XLA to handle);
    and the all-gather alone (a device-resident layer sharded N ways) for reference. Reported
    per GPU: seconds per layer, GB/s delivered (layer bytes / time) and GB/s over the host link;
    the ratio single / multi (N would be ideal, NVLink permitting). The whole leaf is also
@@ -239,6 +241,16 @@ def fetch_section(devices):
         nvlink_bytes_received_per_device_per_layer=layer_bytes * (n - 1) // n)
     out["sums_equal"] = out["sums_equal"] and bool(np.isclose(s_multi, s_all, rtol=1e-6))
 
+  with Section("multi-path fetch from a leaf stored sharded (1/N per device in host memory)"):
+    ws = jax.jit(lambda x: x, out_shardings=NamedSharding(
+        mesh, multipath.sharded_host_spec("d", 0, indexed=True), memory_kind="pinned_host"))(w)
+    s_sharded = record("multi-path, sharded", per_layer_fetch(
+        lambda x, i: multipath.fetch_sharded(x, mesh, "d", index=i), FLAGS.layers), ws,
+        layer_bytes // n,
+        nvlink_bytes_received_per_device_per_layer=layer_bytes * (n - 1) // n)
+    out["sums_equal"] = out["sums_equal"] and bool(np.isclose(s_sharded, s_all, rtol=1e-6))
+    del ws
+
   with Section("all-gather alone (device-resident layer sharded N ways)"):
     sharded = jax.jit(lambda: jnp.ones(shape, jnp.bfloat16),
                       out_shardings=NamedSharding(mesh, P(None, "d", None)))()
@@ -267,6 +279,8 @@ def fetch_section(devices):
   v = out["variants"]
   out["speedup_multi_over_single"] = (v["single-path"]["secs_per_layer"] /
                                       v["multi-path"]["secs_per_layer"])
+  out["speedup_sharded_over_single"] = (v["single-path"]["secs_per_layer"] /
+                                        v["multi-path, sharded"]["secs_per_layer"])
   out["speedup_ideal"] = n
   del w, w1
   gc.collect()
@@ -375,7 +389,8 @@ def print_fetch(f):
     print(f"{'all-gather alone':<24}{ag['secs_per_layer'] * 1e3:>10.3f}"
           f"{'':>20}{'':>20}  ({ag['received_gbps_per_device']:.1f} GB/s received per device)")
   if "speedup_multi_over_single" in f:
-    print(f"multi-path / single-path speedup: {f['speedup_multi_over_single']:.2f}x "
+    print(f"speedup over single-path: multi-path {f['speedup_multi_over_single']:.2f}x, "
+          f"from sharded storage {f['speedup_sharded_over_single']:.2f}x "
           f"(ideal {f['speedup_ideal']}x); values equal: {f.get('whole_leaf_equal')}, "
           f"layer sums equal: {f.get('sums_equal')}")
   elif "multi_path" in f:

@@ -36,7 +36,8 @@ def test_fetch_on_eight_devices(dp8):
   r, stdout = dp8
   assert r["env"]["NCCL_NVLS_ENABLE"] == "0" and r["num_devices"] == 8 and "error" not in r
   f = r["fetch"]
-  assert set(f["variants"]) == {"single-path", "single-path, 1 device", "multi-path"}
+  assert set(f["variants"]) == {"single-path", "single-path, 1 device", "multi-path",
+                                "multi-path, sharded"}
   assert f["leaf_memory_kind"] == "pinned_host"
   assert f["whole_leaf_equal"] and f["sums_equal"]
   # Whole leaf [4, 64, 64] split along axis 1: each device reads [4, 8, 64] and gathers once;
@@ -45,10 +46,12 @@ def test_fetch_on_eight_devices(dp8):
   assert [shape for _, shape, _ in f["hlo_multi"]["host_reads"]] == [[4, 8, 64]]
   assert f["hlo_single"]["all_gathers"] == 0
   assert [shape for _, shape, _ in f["hlo_single"]["host_reads"]] == [[4, 64, 64]]
-  multi = f["variants"]["multi-path"]
-  assert multi["host_bytes_per_device_per_layer"] * 8 == f["layer_bytes"] == 64 * 64 * 2
-  assert multi["nvlink_bytes_received_per_device_per_layer"] == f["layer_bytes"] * 7 // 8
-  assert f["speedup_multi_over_single"] > 0 and f["speedup_ideal"] == 8
+  for name in ("multi-path", "multi-path, sharded"):
+    multi = f["variants"][name]
+    assert multi["host_bytes_per_device_per_layer"] * 8 == f["layer_bytes"] == 64 * 64 * 2
+    assert multi["nvlink_bytes_received_per_device_per_layer"] == f["layer_bytes"] * 7 // 8
+  assert f["speedup_multi_over_single"] > 0 and f["speedup_sharded_over_single"] > 0
+  assert f["speedup_ideal"] == 8
   # The table comes last.
   assert "scaling efficiency" in stdout.strip().splitlines()[-1]
 

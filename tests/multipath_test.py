@@ -32,11 +32,15 @@ SCRIPT = textwrap.dedent("""
     for dtype in ("float32", "bfloat16"):
       w = jnp.asarray(rng.normal(size=(3, 64, 16)), dtype)
       wh = host(w)
-      for name, fetch in (("multi", lambda x, i: mp.fetch_replicated(x, mesh, "d", index=i)),
-                          ("single", lambda x, i: mp.fetch_single_path(x, mesh, index=i))):
+      ws = jax.device_put(w, NamedSharding(mesh, mp.sharded_host_spec("d", 0, indexed=True),
+                                           memory_kind="pinned_host"))
+      for name, fetch, x in (
+          ("multi", lambda x, i: mp.fetch_replicated(x, mesh, "d", index=i), wh),
+          ("single", lambda x, i: mp.fetch_single_path(x, mesh, index=i), wh),
+          ("sharded", lambda x, i: mp.fetch_sharded(x, mesh, "d", index=i), ws)):
         f = jax.jit(fetch)
-        got = f(wh, 2)
-        hlo = f.lower(wh, 2).compile().as_text()
+        got = f(x, 2)
+        hlo = f.lower(x, 2).compile().as_text()
         out[f"{name}_{dtype}"] = dict(
             equal=bool(np.array_equal(np.asarray(got, np.float32), np.asarray(w[2], np.float32))),
             kind=got.sharding.memory_kind, spec=str(got.sharding.spec), dtype=str(got.dtype),
@@ -50,14 +54,21 @@ SCRIPT = textwrap.dedent("""
         np.asarray(mp.fetch_replicated(wh, mesh, "d", split_axis=1)), np.asarray(w)))
     out["eager_single"] = bool(np.array_equal(np.asarray(mp.fetch_single_path(wh, mesh)),
                                               np.asarray(w)))
+    ws = jax.device_put(w, NamedSharding(mesh, mp.sharded_host_spec("d", 1),
+                                         memory_kind="pinned_host"))
+    out["eager_sharded"] = bool(np.array_equal(
+        np.asarray(mp.fetch_sharded(ws, mesh, "d", split_axis=1)), np.asarray(w)))
     x = jnp.asarray(rng.normal(size=(5, 24)), jnp.float32)
     def layers(fetch):
       def body(h, i):
         return jnp.tanh(h @ fetch(i)[:, :24]), None
       return jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(2))[0])
     want = layers(lambda i: w[i])(x)
+    ws = jax.device_put(w, NamedSharding(mesh, mp.sharded_host_spec("d", 0, indexed=True),
+                                         memory_kind="pinned_host"))
     for name, fetch in (("multi", lambda i: mp.fetch_replicated(wh, mesh, "d", index=i)),
-                        ("single", lambda i: mp.fetch_single_path(wh, mesh, index=i))):
+                        ("single", lambda i: mp.fetch_single_path(wh, mesh, index=i)),
+                        ("sharded", lambda i: mp.fetch_sharded(ws, mesh, "d", index=i))):
       out[f"scan_{name}"] = float(np.max(np.abs(np.asarray(layers(fetch)(x)) - np.asarray(want))))
     # A 4 x 2 mesh: the read is split over axis 'a' only (1/4 each), the gather runs over 'a'.
     mesh2 = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
@@ -77,7 +88,8 @@ SCRIPT = textwrap.dedent("""
         ("axis", lambda: mp.fetch_replicated(host(jnp.zeros((16, 4))), mesh, "x")),
         ("kind", lambda: mp.fetch_replicated(jax.device_put(jnp.zeros((16, 4)), NamedSharding(
             mesh, P())), mesh, "d")),
-        ("index", lambda: mp.fetch_single_path(host(jnp.zeros((2, 8))), mesh, index=2))):
+        ("index", lambda: mp.fetch_single_path(host(jnp.zeros((2, 8))), mesh, index=2)),
+        ("spec", lambda: mp.fetch_sharded(host(jnp.zeros((16, 4))), mesh, "d"))):
       try:
         call()
         errors[name] = None
@@ -118,9 +130,17 @@ def test_single_path_reads_the_whole_slice_without_collectives(eight, dtype):
   assert [shape for _, shape in r["reads"]] == [[64, 16]], r["reads"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sharded_storage_copies_the_local_eighth_and_gathers_once(eight, dtype):
+  r = eight[f"sharded_{dtype}"]
+  assert r["equal"] and r["kind"] == "device" and r["dtype"] == dtype and r["shape"] == [64, 16]
+  assert r["host_param"] and r["gathers"] == 1
+  assert [shape for _, shape in r["reads"]] == [[8, 16]], r["reads"]
+
+
 def test_eager_split_axis_and_scan_index(eight):
-  assert eight["eager_split1"] and eight["eager_single"]
-  assert eight["scan_multi"] < 1e-6 and eight["scan_single"] < 1e-6, eight
+  assert eight["eager_split1"] and eight["eager_single"] and eight["eager_sharded"]
+  assert max(eight[f"scan_{k}"] for k in ("multi", "single", "sharded")) < 1e-6, eight
 
 
 def test_two_axis_mesh_splits_over_the_named_axis_only(eight):
@@ -136,6 +156,8 @@ def test_errors_name_the_problem(eight):
   assert "axis_name to be one of the mesh axes ('d',), got 'x'" in e["axis"]
   assert "memory kind 'pinned_host', got 'device'" in e["kind"]
   assert "expected 0 <= index < 2" in e["index"]
+  assert "expected the leaf sharded as P('d',), got P()" in e["spec"] or (
+      "expected the leaf sharded as PartitionSpec('d',)" in e["spec"]), e["spec"]
 
 
 def test_on_every_gpu(gpu):
@@ -144,10 +166,13 @@ def test_on_every_gpu(gpu):
   n = len(devices)
   w = jnp.asarray(np.random.default_rng(0).normal(size=(3, 64 * n, 128)), jnp.bfloat16)
   wh = jax.device_put(w, NamedSharding(mesh, P(), memory_kind="pinned_host"))
-  for fetch in (lambda x, i: mp.fetch_replicated(x, mesh, "d", index=i),
-                lambda x, i: mp.fetch_single_path(x, mesh, index=i)):
+  ws = jax.device_put(w, NamedSharding(mesh, mp.sharded_host_spec("d", 0, indexed=True),
+                                       memory_kind="pinned_host"))
+  for fetch, x in ((lambda x, i: mp.fetch_replicated(x, mesh, "d", index=i), wh),
+                   (lambda x, i: mp.fetch_single_path(x, mesh, index=i), wh),
+                   (lambda x, i: mp.fetch_sharded(x, mesh, "d", index=i), ws)):
     f = jax.jit(fetch)
-    got = f(wh, 1)
+    got = f(x, 1)
     assert got.sharding.memory_kind == "device"
     for s in got.addressable_shards:
       np.testing.assert_array_equal(np.asarray(s.data, np.float32), np.asarray(w[1], np.float32))

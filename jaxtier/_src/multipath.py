@@ -16,7 +16,10 @@ Per device and fetch, for a slice of B bytes and N devices along `axis_name`:
 | `fetch_single_path` | B | 0 |
 | `fetch_replicated` | B / N | B * (N - 1) / N |
 
-Both run inside `shard_map` over the whole mesh, so they can be called inside a jitted step (a
+`fetch_sharded` moves the same bytes as `fetch_replicated` from a leaf stored sharded over
+`axis_name` in pinned_host (1/N of it per device, no per-device read offset).
+
+All run inside `shard_map` over the whole mesh, so they can be called inside a jitted step (a
 `lax.scan` over layers passes the layer `index`) or eagerly. `host_read_shapes` reads the
 compiled HLO back to check what each device actually reads from host memory.
 """
@@ -102,6 +105,11 @@ def fetch_replicated(host_leaf: jax.Array, mesh: Mesh, axis_name: str, *, index:
   Raises:
     ValueError: the leaf is not in pinned_host, `axis_name` is not a mesh axis, the split
       axis does not divide by N, or a static `index` is out of range.
+
+  Note: the read's offset depends on the device (partition id). On 8 CPU devices the compiled
+  program reads exactly the 1/N window; whether a GPU build also moves only that window over
+  PCIe (and not the whole slice) is what benchmarks/multigpu_bench.py checks on two GPUs
+  (`fetch_sharded` avoids the question).
   """
   api = "jaxtier.multipath.fetch_replicated"
   shape = _check(api, host_leaf, mesh, index)
@@ -148,16 +156,79 @@ def fetch_single_path(host_leaf: jax.Array, mesh: Mesh, *, index: Any = None) ->
   return _run(per_device, host_leaf, mesh, index)
 
 
-def _run(per_device: Any, host_leaf: Any, mesh: Mesh, index: Any) -> jax.Array:
-  # Replicated in and out: every device runs `per_device` on its own host copy. The output
+def sharded_host_spec(axis_name: str, split_axis: int = 0, indexed: bool = False) -> P:
+  """The spec of a leaf stored for `fetch_sharded`: `axis_name` on the split axis.
+
+  Args:
+    axis_name: mesh axis the leaf is split over.
+    split_axis: axis of the fetched slice that is split (of the layer, when `indexed`).
+    indexed: the leaf stacks layers on axis 0 and is fetched one layer at a time.
+
+  Returns:
+    e.g. P(None, 'd') for split_axis=0 of stacked layers: place the leaf with
+    `NamedSharding(mesh, spec, memory_kind='pinned_host')`.
+  """
+  return P(*([None] * (split_axis + int(indexed)) + [axis_name]))
+
+
+def fetch_sharded(host_leaf: jax.Array, mesh: Mesh, axis_name: str, *, index: Any = None,
+                  split_axis: int = 0) -> jax.Array:
+  """Multi-path fetch of a leaf stored sharded in pinned_host: copy the local shard, gather.
+
+  The same traffic as `fetch_replicated` (B / N bytes per device over its host link, an
+  all-gather over `axis_name`), from a leaf that each device holds only 1/N of in host memory
+  (N times less pinned memory). Each device copies its whole local shard (or one layer of it):
+  the host read has no per-device offset, only the layer index.
+
+  Args:
+    host_leaf: array [d0, d1, ...] in memory kind 'pinned_host', sharded as
+      `NamedSharding(mesh, sharded_host_spec(axis_name, split_axis, index is not None),
+      memory_kind='pinned_host')`.
+    mesh, axis_name, index, split_axis: as `fetch_replicated`.
+
+  Returns:
+    As `fetch_replicated`: the whole slice in memory kind 'device', replicated over `mesh`.
+
+  Raises:
+    ValueError: as `fetch_replicated`, or a concrete leaf not sharded as above.
+  """
+  api = "jaxtier.multipath.fetch_sharded"
+  shape = _check(api, host_leaf, mesh, index)
+  if axis_name not in mesh.shape:
+    raise ValueError(f"{api}: expected axis_name to be one of the mesh axes "
+                     f"{tuple(mesh.axis_names)}, got {axis_name!r}")
+  n = mesh.shape[axis_name]
+  if not 0 <= split_axis < len(shape) or shape[split_axis] % n:
+    raise ValueError(f"{api}: expected dimension {split_axis} of the slice {list(shape)} to "
+                     f"divide by the {n} devices of mesh axis {axis_name!r}")
+  spec = sharded_host_spec(axis_name, split_axis, index is not None)
+  try:
+    got = host_leaf.sharding.spec
+  except Exception:  # pylint: disable=broad-except  (a tracer, or a sharding without a spec)
+    got = None
+  if got is not None and tuple(got) + (None,) * (len(spec) - len(got)) != tuple(spec):
+    raise ValueError(f"{api}: expected the leaf sharded as {spec}, got {got}; place it with "
+                     f"NamedSharding(mesh, {spec}, memory_kind='pinned_host')")
+
+  def per_device(w, i):
+    return jax.lax.all_gather(_take(w, i), axis_name, axis=split_axis, tiled=True)
+
+  return _run(per_device, host_leaf, mesh, index, spec)
+
+
+def _run(per_device: Any, host_leaf: Any, mesh: Mesh, index: Any,
+         leaf_spec: P = P()) -> jax.Array:
+  # The leaf replicated (or as `leaf_spec`) in, the result replicated out: every device runs
+  # `per_device` on its own host copy (or shard). The output
   # is the same on every device by construction (an all-gather, or the same slice read);
   # check_vma=False because jax 0.10's all_gather result is typed as varying. Under jit
   # always: eager shard_map refuses a device_put to a memory space (jax 0.10); inside a caller's
   # jit this jit is inlined.
   args = (host_leaf,) if index is None else (host_leaf, jax.numpy.asarray(index, "int32"))
   body = (lambda w: per_device(w, None)) if index is None else per_device
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=tuple(P() for _ in args),
-                               out_specs=P(), check_vma=False))(*args)
+  in_specs = (leaf_spec,) + (P(),) * (len(args) - 1)
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                               check_vma=False))(*args)
 
 
 _SHAPE = re.compile(r"^([a-z0-9]+)\[([0-9,]*)\]")
