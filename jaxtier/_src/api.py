@@ -100,7 +100,8 @@ class OffloadedStep:
     plan, compiled = planner.make_plan(
         inv, platform=platform, policy=self._options.policy,
         device_budget=self._options.device_budget, host_budget=self._options.host_budget,
-        pinnable_bytes=planner.pinnable_bytes(platform), hardware=profile.load())
+        pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
+        hardware=profile.load())
     self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
     self._masters, self._master_sources = [], ()
     self._build(state, args)
@@ -318,6 +319,18 @@ def _same_placement(x: Any, s: Any) -> bool:
       sh.is_equivalent_to(s, x.ndim))
 
 
+def _num_local_devices(state: Any) -> int:
+  """Devices of the state's mesh that this process addresses (1 without a mesh).
+
+  Each keeps its shards of the host leaves in this host's memory; plans count bytes per device.
+  """
+  mesh = jc.common_mesh(state)
+  if mesh is None:
+    return 1
+  here = jax.process_index()
+  return max(1, sum(d.process_index == here for d in mesh.devices.flat))
+
+
 def _signature(state: Any, args: Sequence[Any]) -> Any:
   def sig(tree):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -385,5 +398,6 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   result, _ = planner.make_plan(
       inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
       host_budget=options.host_budget,
-      pinnable_bytes=planner.pinnable_bytes(platform) if platform == here else None)
+      pinnable_bytes=(planner.pinnable_bytes(platform, _num_local_devices(state))
+                      if platform == here else None))
   return result

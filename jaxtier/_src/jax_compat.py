@@ -88,7 +88,9 @@ def named_sharding(x: Any, memory_kind: str, mesh: "Mesh | None" = None) -> Name
 
   Only `NamedSharding` carries the memory kind into JAX's types. Another sharding (what `jnp`
   arrays get by default, e.g. an optimizer's step count) becomes replicated over `mesh` (the
-  state's mesh, from `common_mesh`) or, without one, a one-device mesh on x's device.
+  state's mesh, from `common_mesh`) or, without one, a one-device mesh on x's device (a numpy
+  array: this process's first device; `jax.devices()[0]` belongs to process 0 under
+  `jax.distributed`, where another process's data put there would silently leave it).
   """
   sharding = getattr(x, "sharding", None)
   if isinstance(sharding, NamedSharding):
@@ -97,7 +99,7 @@ def named_sharding(x: Any, memory_kind: str, mesh: "Mesh | None" = None) -> Name
     if sharding is not None and len(sharding.device_set) == 1:
       device = next(iter(sharding.device_set))
     else:
-      device = jax.devices()[0]
+      device = jax.local_devices()[0]
     mesh = Mesh([device], ("_jaxtier",))
   return NamedSharding(mesh, PartitionSpec(), memory_kind=memory_kind)
 

@@ -251,7 +251,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       `{regex: placement}` mapping matched against leaf paths (None/no match: auto).
     device_budget: bytes of device memory the state may take per device (None: no limit).
     host_budget: bytes of pinned host memory the plan may pin per device (None: no limit).
-    pinnable_bytes: what the host can pin at most (None: do not check).
+    pinnable_bytes: what the host can pin at most per device (None: do not check); see
+      `pinnable_bytes()`.
     hardware: rates for the `host_split` share (None: `profile.DEFAULT_PROFILE`).
 
   Returns:
@@ -377,12 +378,14 @@ def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
   for limit, what, fix in (
       (plan.host_budget, "the host budget", "raise host_budget, or keep more leaves on the "
        "device (policy)"),
-      (pinnable_bytes, "what this host can pin now", "free host memory, or keep more leaves on "
-       "the device (policy)")):
+      (pinnable_bytes, "each local device's share of what this host can pin now", "free host "
+       "memory, keep more leaves on the device (policy), or shard replicated host leaves over "
+       "the mesh")):
     if limit is not None and plan.pinned_bytes > limit:
       raise AdmissionError(
           f"jaxtier: plan refused before allocating anything: it needs "
-          f"{format_bytes(plan.pinned_bytes)} ({plan.pinned_bytes} bytes) of pinned host memory, "
+          f"{format_bytes(plan.pinned_bytes)} ({plan.pinned_bytes} bytes) of pinned host memory "
+          f"per device, "
           f"over {what} of {format_bytes(limit)} ({limit} bytes). Largest host leaves: "
           f"{_largest(host, host_bytes)}. Fix: {fix}.")
   if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
@@ -396,20 +399,41 @@ def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
         "'host_xla'}).")
 
 
-def pinnable_bytes(platform: str) -> "int | None":
-  """Bytes this process can still pin: MemAvailable, capped on GPU by XLA's pinned pool.
+def pinnable_bytes(platform: str, num_local_devices: int = 1) -> "int | None":
+  """Bytes each of this process's devices can still pin: its share of MemAvailable.
 
-  XLA's GPU client draws pinned host buffers from a pool capped at
-  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 GiB by default; ../shared/MEASURED.md). Returns None
-  where /proc/meminfo is unavailable.
+  Plans count bytes per device, and every device of this process keeps its shards of the host
+  leaves in this host's memory: a replicated host leaf on 8 local GPUs is pinned 8 times, an
+  FSDP-sharded one once in 8 pieces. So the host's MemAvailable is split evenly over
+  `num_local_devices` (the state's mesh devices that this process addresses). On GPU, each
+  device's share is also capped by XLA's pinned pool, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 GiB
+  by default; ../shared/MEASURED.md); XLA's GPU client makes one such pool per device for
+  pinned_host buffers (read in XLA's allocator setup, not measured with several GPUs). Other
+  processes on the same host (one process per GPU) are not seen: each assumes the host's free
+  memory is its own.
+
+  Args:
+    platform: 'cpu' or 'gpu'.
+    num_local_devices: devices of this process sharing the host's memory (>= 1).
+
+  Returns:
+    Bytes per device, or None where /proc/meminfo is unavailable.
   """
+  available = _mem_available_bytes()
+  if available is None:
+    return None
+  share = available // max(1, num_local_devices)
+  if platform == "gpu":
+    cap = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * 2**30
+    return int(min(share, cap))
+  return share
+
+
+def _mem_available_bytes() -> "int | None":
+  """The host's MemAvailable from /proc/meminfo, bytes (None where it cannot be read)."""
   try:
     with open("/proc/meminfo") as f:
       info = dict(line.split(":", 1) for line in f)
-    available = int(info["MemAvailable"].split()[0]) * 1024
+    return int(info["MemAvailable"].split()[0]) * 1024
   except (OSError, KeyError, ValueError):
     return None
-  if platform == "gpu":
-    cap = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * 2**30
-    return int(min(available, cap))
-  return available
