@@ -41,6 +41,19 @@ def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def scan_counts(eqn: Any) -> tuple[int, int]:
+  """(number of consts, number of carries) of a `scan` equation.
+
+  jax <= 0.10 keeps them as params `num_consts` / `num_carry`; jax 0.11 keeps the flat tree
+  structures `ft_in` (consts, carry, xs) and `ft_out` (carry, ys) instead.
+  """
+  params = eqn.params
+  if "num_consts" in params:
+    return int(params["num_consts"]), int(params["num_carry"])
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
 def inner_jaxpr(eqn: Any) -> "ClosedJaxpr | Jaxpr | None":
   """The body of a call-like equation whose outputs are a pure function of its inputs.
 
@@ -176,7 +189,7 @@ def _forward_scan_passthrough(eqn: Any, invals: list[Any], outs: list[Any]) -> l
   direction).
   """
   body = eqn.params["jaxpr"].jaxpr
-  nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+  nc, nk = scan_counts(eqn)
   pos = {v: i for i, v in enumerate(body.invars)}
   outs = list(outs)
   for k, ov in enumerate(body.outvars):

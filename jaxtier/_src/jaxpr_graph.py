@@ -103,7 +103,7 @@ class Component:
 
 def scan_xs_positions(eqn: Any) -> range:
   """Positions in a `scan` equation's invars that are its `xs` (sliced per iteration)."""
-  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  start = sum(jc.scan_counts(eqn))
   return range(start, len(eqn.invars))
 
 

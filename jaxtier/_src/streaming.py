@@ -153,7 +153,7 @@ def schedule(jaxpr: Any, streamed: Sequence[int], host_eqns: "set[int]") -> Stre
     if not pos:
       continue
     seed = svars[eqn.invars[pos[0]]]
-    nk = eqn.params["num_carry"]
+    _, nk = jc.scan_counts(eqn)
     sent = []
     for j, ov in enumerate(eqn.outvars[nk:], start=nk):
       if (isinstance(ov, jc.DropVar) or ov in outs or not uses.get(ov)
@@ -204,7 +204,7 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
   from jaxtier._src.primitives import stream  # pylint: disable=g-import-not-at-top
 
   p = eqn.params
-  nc, nk, length, reverse = p["num_consts"], p["num_carry"], p["length"], p["reverse"]
+  (nc, nk), length, reverse = jc.scan_counts(eqn), p["length"], p["reverse"]
   body = p["jaxpr"]
   run_body = read_body or eval_closed
   consts, carry = list(invals[:nc]), list(invals[nc:nc + nk])
