@@ -79,7 +79,7 @@ def test_gradient_of_streamed_param_goes_to_a_host_buffer():
   state = step.place(_state(tx), x, y)
   (scratch,) = step._stream.scratch
   assert scratch.shape == (4, 32, 32)
-  w0 = np.asarray(state["W"])
+  w0 = np.array(state["W"])  # a copy: a view of the host buffer would block its donation
   state, _ = step(state, x, y)
   (g,) = step._scratch
   assert g.sharding.memory_kind == "pinned_host"
@@ -149,7 +149,7 @@ def test_interrupted_step_leaves_streamed_params_intact():
   step = jaxtier.offload(step_fn, policy=STREAM_W)
   state = step.place(_state(tx), x, y, jnp.asarray(False))
   state, _ = step(state, x, y, jnp.asarray(False))
-  before = jax.tree.map(np.asarray, state)
+  before = jax.tree.map(np.array, state)  # copies (views would block donation)
   with pytest.raises(Exception, match="interrupted"):
     jax.block_until_ready(step(state, x, y, jnp.asarray(True)))
   assert not state["W"].is_deleted()
