@@ -190,6 +190,16 @@ TORCH_CHILD = textwrap.dedent(r"""
   times = times[1:]
   out["triad_gbps_best"] = 12 * triad_n / min(times) / 1e9
   out["triad_gbps_median"] = 12 * triad_n / float(np.median(times)) / 1e9
+  # The out-of-place store reads each destination line first (write-allocate): DRAM moves
+  # 16 B per element, not 12.
+  out["triad_rfo_gbps_best"] = 16 * triad_n / min(times) / 1e9
+  # In place, as an optimizer updates its state: b += 3 c reads b and c and writes b back
+  # (12 B per element, no write-allocate).
+  times = []
+  for _ in range(reps + 5):
+    t0 = time.perf_counter(); b.add_(c, alpha=3.0); times.append(time.perf_counter() - t0)
+  times = times[1:]
+  out["rmw_gbps_best"] = 12 * triad_n / min(times) / 1e9
   del a, b, c
   # AdamW on CPU tensors of the benchmark's size: fp32 params and grads (torch's fused CPU AdamW
   # needs grads of the params' dtype), fp32 moments.
@@ -413,9 +423,21 @@ def c1_case(best_executor, best_fraction, reps):
                        max_abs_err_optax=err_optax, ok=bool(close))
   pb = np.asarray(got[3]).view(np.uint16).astype(np.int32)
   wb = np.asarray(want[3]).view(np.uint16).astype(np.int32)
-  check["param_bf16"] = dict(bitwise_equal_fraction=float(np.mean(pb == wb)),
-                             max_bf16_ulp=int(np.max(np.abs(pb - wb))))
-  ok = ok and check["param_bf16"]["max_bf16_ulp"] <= 1
+  # The new bf16 param against the bf16 rounding of the float64 master: within 1 bf16 ulp, or
+  # (near zero, where ulps are tiny) within fp32 rounding of the largest value. optax's own
+  # bf16 param is reported beside it, not used as the reference (its fp32 master is itself
+  # rounded differently: XLA contracts multiply-adds).
+  exact_b = np.asarray(jnp.asarray(exact[0], jnp.float32).astype(jnp.bfloat16))
+  eb = exact_b.view(np.uint16).astype(np.int32)
+  mine = np.asarray(got[3]).astype(np.float32)
+  near = np.abs(mine - exact[0]) <= 2.0 ** -24 * float(np.max(np.abs(exact[0]))) + np.abs(
+      exact[0]) * 2.0 ** -8
+  check["param_bf16"] = dict(bitwise_equal_fraction_vs_optax=float(np.mean(pb == wb)),
+                             max_bf16_ulp_vs_optax=int(np.max(np.abs(pb - wb))),
+                             bitwise_equal_fraction_vs_exact=float(np.mean(pb == eb)),
+                             within_1ulp_or_fp32_abs_fraction=float(np.mean(
+                                 (np.abs(pb - eb) <= 1) | near)))
+  ok = ok and check["param_bf16"]["within_1ulp_or_fp32_abs_fraction"] == 1.0
   secs, all_secs = median_secs(run, reps)
   b.free()
   return dict(num_params=b.num_params, executor=best_executor, dha_fraction=best_fraction,
@@ -425,7 +447,8 @@ def c1_case(best_executor, best_fraction, reps):
               equality_ok=bool(ok),
               equality_rule=("per fp32 result: max |jaxtier - float64| <= max(2 max |optax - "
                              "float64|, 2^-24 max |float64|); bf16 param within 1 bf16 ULP of "
-                             "optax's"))
+                             "the float64 master rounded to bf16, or within 2^-24 max|master| + "
+                             "|master| 2^-8 (one bf16 rounding) of it"))
 
 
 def versions():
@@ -463,7 +486,7 @@ def print_table():
           f"(target < {c1['target_secs']} s: {'yes' if c1['meets_target'] else 'NO'}); "
           f"vs optax.adamw on {c1['sample_elements']} elements: "
           f"{'ok' if c1['equality_ok'] else 'MISMATCH'} (bitwise equal: " + ", ".join(
-              f"{k} {v['bitwise_equal_fraction']:.3f}"
+              f"{k} {v.get('bitwise_equal_fraction', v.get('bitwise_equal_fraction_vs_exact')):.3f}"
               for k, v in c1["equality_vs_optax"].items()) + ")")
 
 
@@ -512,7 +535,13 @@ def main(argv):
                           duplex_note=f"min(h2d + d2h, {MEASURED_DUPLEX_GBPS} measured duplex)")
     log(f"   h2d {h2d:.1f} GB/s, d2h {d2h:.1f} GB/s")
 
-  triad = RESULT["host_baselines"]["triad_gbps_best"]
+  hb = RESULT["host_baselines"]
+  # DRAM bandwidth counted honestly: the triad with its write-allocate reads (16 B/element) or
+  # the in-place read-modify-write stream (12 B/element), whichever is higher. The plain
+  # 12 B/element triad figure is kept in the JSON for comparison.
+  triad = max(hb.get("triad_rfo_gbps_best", 0.0), hb.get("rmw_gbps_best", 0.0)) or hb[
+      "triad_gbps_best"]
+  RESULT["dram_gbps_used"] = triad
   dram_bound = triad * 1e9 / DRAM_BYTES_PER_PARAM
   link_bound = duplex * 1e9 / LINK_BYTES_PER_PARAM
   sb, sb_f = split_bound(triad, duplex)
@@ -532,7 +561,7 @@ def main(argv):
   with Section("jaxtier host_cpu"):
     secs, all_secs = median_secs(bench.jaxtier_step(hu.HOST_CPU, 0.5), FLAGS.reps)
     rates[(hu.HOST_CPU, 0.5)] = figure("jaxtier host_cpu", secs, all_secs, P, dram_bound,
-                                       "host triad / 28 B per param")
+                                       "host DRAM (triad with write-allocate, or in-place stream) / 28 B per param")
 
   with Section("jaxtier split (3 fractions)"):
     r_dha, r_cpu = rates[(hu.HOST_DHA, 0.5)], rates[(hu.HOST_CPU, 0.5)]
@@ -555,7 +584,7 @@ def main(argv):
   if "adamw_step_secs_median" in host:
     secs = host["adamw_step_secs_median"]
     figure(f"torch {host['mode']} CPU AdamW", secs, host["adamw_step_secs"], P, dram_bound,
-           "host triad / 28 B per param", threads=host.get("threads"),
+           "host DRAM (triad with write-allocate, or in-place stream) / 28 B per param", threads=host.get("threads"),
            fused_error=host.get("fused_error"))
 
   with Section("free the state"):
