@@ -384,7 +384,11 @@ def _num_sms() -> int:
     return 0
   if not gpus:
     return 0
-  return int(getattr(gpus[0], "core_count", 0) or 132)  # 132: H100 / H200 SXM
+  try:  # a PJRT device attribute of CUDA devices; only the split's size depends on it
+    count = int(getattr(gpus[0], "core_count", 0) or 0)
+  except Exception:  # pylint: disable=broad-except
+    count = 0
+  return count if count > 0 else 132  # 132: H100 / H200 SXM
 
 
 def matmul_partial_shape(m: int, r: int, o: int, dtype: Any, num_sms: int) -> tuple[int, ...]:
