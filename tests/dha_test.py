@@ -77,25 +77,45 @@ def test_gather_converts_other_integer_ids_keeping_out_of_range():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gather_grad_matches_jnp(dtype):
-  host, dev = _shardings(_cpu())
+  # The gradient sums the cotangent rows of repeated ids with a scatter-add, whose order of
+  # additions (and, in bf16, whose accumulation) is the backend's. So the jnp reference runs on
+  # the same backend as the call (the CPU, also on a GPU machine, where the default device is
+  # the GPU: its scatter-add summed id 3's three rows in another order, 1 f32 ulp off, and in
+  # bf16 rounded otherwise). Both are then checked against float64 numpy within the rounding
+  # of the three additions.
+  cpu = _cpu()
+  host, dev = _shardings(cpu)
   rng = np.random.default_rng(1)
-  table = jnp.asarray(rng.normal(size=(12, 5)), dtype)
   ids = np.asarray([[3, 3, 0, -1], [11, 12, 3, 7]], np.int32)  # repeats and out-of-range
-  ct = jnp.asarray(rng.normal(size=(2, 4, 5)), dtype)
+  with jax.default_device(cpu):
+    table = jnp.asarray(rng.normal(size=(12, 5)), dtype)
+    ct = jnp.asarray(rng.normal(size=(2, 4, 5)), dtype)
 
-  def loss(t, i):
-    return jnp.sum((dha.gather(t, i) * ct).astype(jnp.float32))
+    def loss(t, i):
+      return jnp.sum((dha.gather(t, i) * ct).astype(jnp.float32))
 
-  def loss_jnp(t, i):
-    valid = (i >= 0) & (i < t.shape[0])
-    rows = jnp.take(t, jnp.clip(i, 0, t.shape[0] - 1), axis=0)
-    return jnp.sum((jnp.where(valid[..., None], rows, 0) * ct).astype(jnp.float32))
+    def loss_jnp(t, i):
+      valid = (i >= 0) & (i < t.shape[0])
+      rows = jnp.take(t, jnp.clip(i, 0, t.shape[0] - 1), axis=0)
+      return jnp.sum((jnp.where(valid[..., None], rows, 0) * ct).astype(jnp.float32))
 
-  got = jax.jit(jax.grad(loss), in_shardings=(host, dev))(jax.device_put(table, host), ids)
-  want = jax.grad(loss_jnp)(table, jnp.asarray(ids))
+    got = jax.jit(jax.grad(loss), in_shardings=(host, dev))(jax.device_put(table, host), ids)
+    want = jax.grad(loss_jnp)(table, jnp.asarray(ids))
   assert got.sharding.memory_kind == "pinned_host"  # typed like its primal
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  assert np.all(np.asarray(got, np.float32)[[1, 2, 4, 5, 6, 8, 9, 10]] == 0)
+  assert next(iter(want.devices())).platform == "cpu"
+  got32 = np.asarray(got, np.float32)
+  np.testing.assert_array_equal(got32, np.asarray(want, np.float32))
+  # float64: row v gets the sum of ct's rows at the valid ids equal to v.
+  valid = (ids >= 0) & (ids < 12)
+  ct64 = _f64(ct).reshape(-1, 5)
+  exact = np.zeros((12, 5))
+  size = np.zeros((12, 5))
+  np.add.at(exact, ids.reshape(-1)[valid.reshape(-1)], ct64[valid.reshape(-1)])
+  np.add.at(size, ids.reshape(-1)[valid.reshape(-1)], np.abs(ct64[valid.reshape(-1)]))
+  eps = 2.0 ** -24 if dtype == jnp.float32 else 2.0 ** -9  # half an ulp, relative
+  assert np.all(np.abs(got32 - exact) <= 3 * eps * size), np.abs(got32 - exact) / size
+  assert np.all(got32[[1, 2, 4, 5, 6, 8, 9, 10]] == 0)
+  assert np.all(got32[[0, 3, 7, 11]] != 0)
 
 
 # ---- matmul -----------------------------------------------------------------------------------
@@ -291,14 +311,58 @@ def test_handler_checks_shapes():
   # Bypassing the Python checks: the handler itself names the op and the operand.
   from jaxtier._src import ffi
   ffi.ensure_registered()
-  call = jax.ffi.ffi_call(dha.MATMUL_TARGET, jax.ShapeDtypeStruct((2, 3), jnp.float32))
+  def call(x, w, index=0, partial=(0,)):
+    f = jax.ffi.ffi_call(dha.MATMUL_TARGET, (jax.ShapeDtypeStruct((2, 3), jnp.float32),
+                                             jax.ShapeDtypeStruct(partial, jnp.float32)))
+    return jax.jit(lambda x, w: f(x, w, index=np.int64(index), transpose=np.int32(0))[0])(
+        x, w).block_until_ready()
+
   with pytest.raises(Exception,
                      match=r"Invalid shape for input 0 \(x\) to jaxtier_dha_matmul"):
-    jax.jit(lambda x, w: call(x, w, index=np.int64(0), transpose=np.int32(0)))(
-        jnp.ones((2, 5)), jnp.ones((4, 3))).block_until_ready()
+    call(jnp.ones((2, 5)), jnp.ones((4, 3)))
   with pytest.raises(Exception, match="Invalid value for attribute index to jaxtier_dha_matmul"):
-    jax.jit(lambda x, w: call(x, w, index=np.int64(3), transpose=np.int32(0)))(
-        jnp.ones((2, 4)), jnp.ones((2, 4, 3))).block_until_ready()
+    call(jnp.ones((2, 4)), jnp.ones((2, 4, 3)), index=3)
+  with pytest.raises(Exception, match=r"Invalid shape for result 1 \(partial sums\) to "
+                     r"jaxtier_dha_matmul. Expected \[S, 2, 3\] with S >= 2"):
+    call(jnp.ones((2, 4)), jnp.ones((4, 3)), partial=(4, 3, 2))
+  np.testing.assert_allclose(np.asarray(call(jnp.ones((2, 4)), jnp.ones((4, 3)),
+                                             partial=(2, 2, 3))), np.full((2, 3), 4.0))
+
+
+def test_partial_sums_shape_follows_the_kernel_tiles():
+  # 132 SMs (H200): the kernel aims at 4 * 132 = 528 blocks.
+  # m = 1 (tile MT 8, BO 256), bf16 (BR 64): 1030 columns -> 5 tiles; R = 1000 -> 16 stages.
+  # ceil(528 / 5) = 106 splits, capped at the 16 stages.
+  assert dha.matmul_partial_shape(1, 1000, 1030, jnp.bfloat16, 132) == (16, 1, 1030)
+  # float32 (BR 32): 32 stages.
+  assert dha.matmul_partial_shape(1, 1000, 1030, jnp.float32, 132) == (32, 1, 1030)
+  # m = 600 (MT 512, BO 64): 2 chunks x 9 tiles = 18 blocks; ceil(528 / 18) = 30 splits of the
+  # 32 stages -> 2 stages per split -> 16 splits.
+  assert dha.matmul_partial_shape(600, 1024, 513, jnp.float32, 132) == (16, 600, 513)
+  # One stage (R <= BR), enough column tiles, no GPU, or nothing to compute: no split.
+  assert dha.matmul_partial_shape(8, 50, 1024, jnp.bfloat16, 132) == (0,)
+  assert dha.matmul_partial_shape(4096, 8192, 8192, jnp.bfloat16, 132) == (0,)
+  assert dha.matmul_partial_shape(1, 1000, 1030, jnp.bfloat16, 0) == (0,)
+  assert dha.matmul_partial_shape(0, 1000, 1030, jnp.bfloat16, 132) == (0,)
+  # The 256 MiB cap (binds only for GPUs far larger than an H200): [512, 4096] fp32 is 8 MiB,
+  # so 32 of the 1024 stages' splits.
+  assert dha.matmul_partial_shape(512, 65536, 4096, jnp.bfloat16, 100000) == (32, 512, 4096)
+
+
+def test_cpu_handler_ignores_gpu_sized_partial_sums(monkeypatch):
+  # On a machine with a GPU the partial sums are sized for it even when the call runs on the
+  # CPU: the CPU handler must accept them (and give the same values).
+  monkeypatch.setattr(dha, "_num_sms", lambda: 132)
+  host, dev = _shardings(_cpu())
+  rng = np.random.default_rng(11)
+  w = jnp.asarray(rng.normal(size=(2, 300, 40)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(3, 300)), jnp.float32)
+  assert dha.matmul_partial_shape(3, 300, 40, jnp.float32, 132)[0] > 1
+  f = jax.jit(lambda x, w: dha.matmul(x, w, index=1), in_shardings=(dev, host))
+  hlo = f.lower(x, jax.device_put(w, host)).compile().as_text()
+  assert "f32[10,3,40]" in hlo, hlo  # the second result: 10 splits of the 10 stages
+  got = f(x, jax.device_put(w, host))
+  _assert_matmul_close(got, x, np.asarray(w)[1], jnp.float32)
 
 
 # ---- GPU: the same on the device, the host operand read in place over PCIe ---------------------
@@ -332,6 +396,30 @@ def test_gpu_matmul(gpu, dtype, transpose, k, n, m):
   _assert_matmul_close(got, x, layer.T if transpose else layer, dtype)
 
 
+@pytest.mark.parametrize("num_sms", [0, 1, 8, 132])
+def test_gpu_matmul_any_split_count(gpu, monkeypatch, num_sms):
+  # The kernel splits the reduction as the partial sums' shape says: not at all (0: no GPU
+  # seen), into 2 / none (1 SM), 11 / 6 ranges (8 SMs), one range per stage (132: the H200).
+  # Each is within the fp32-accumulation bound and bitwise repeatable (fixed-order sums).
+  monkeypatch.setattr(dha, "_num_sms", lambda: num_sms)
+  host, dev = _shardings(gpu)
+  rng = np.random.default_rng(12)
+  for dtype, transpose in ((jnp.float32, False), (jnp.bfloat16, True)):
+    w = jax.device_put(jnp.asarray(rng.normal(size=(3, 1000, 700)), dtype), host)
+    r = 700 if transpose else 1000
+    x = jax.device_put(jnp.asarray(rng.normal(size=(5, r)), dtype), dev)
+    op = dha.matmul_t if transpose else dha.matmul
+    f = jax.jit(lambda x, w, op=op: op(x, w, index=2), in_shardings=(dev, host))
+    shape = dha.matmul_partial_shape(5, r, 1700 - r, dtype, num_sms)
+    splits = {0: (0, 0), 1: (2, 0), 8: (11, 6), 132: (32, 11)}[num_sms][int(transpose)]
+    assert shape == ((splits, 5, 1700 - r) if splits else (0,)), shape
+    assert f"f32[{','.join(map(str, shape))}]" in f.lower(x, w).compile().as_text()
+    got, again = f(x, w), f(x, w)
+    layer = np.asarray(w, np.float32)[2]
+    _assert_matmul_close(got, x, layer.T if transpose else layer, dtype)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(again, np.float32))
+
+
 def test_gpu_matmul_large_layer_unstacked(gpu):
   host, dev = _shardings(gpu)
   rng = np.random.default_rng(7)
@@ -353,9 +441,17 @@ def test_gpu_matmul_grads_match_jnp(gpu, dtype):
       jax.device_put(x, dev), jax.device_put(w, host))
   rx, rw = jax.jit(jax.grad(loss_jnp, argnums=(0, 1)))(
       jax.device_put(x.astype(jnp.float32), gpu), jax.device_put(w.astype(jnp.float32), gpu))
-  tol = dict(rtol=1e-4, atol=1e-5) if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)
-  np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(rx), **tol)
-  np.testing.assert_allclose(np.asarray(gw, np.float32), np.asarray(rw), **tol)
+  for got, want in ((gx, rx), (gw, rw)):
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    if dtype == jnp.float32:
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    else:
+      # In bf16, y and its cotangent g are rounded to bf16 (2^-9 relative) before dw = x^T g
+      # sums 40 of them: an element that cancels keeps the error of the terms, so the absolute
+      # tolerance follows the gradient's scale (max |dw| ~ 17 here; measured error ~ 2^-8 of it).
+      scale = np.abs(want).max()
+      np.testing.assert_allclose(got, want, rtol=2e-2, atol=2.0 ** -6 * scale)
+      assert np.linalg.norm(got - want) <= 2.0 ** -7 * np.linalg.norm(want)
   assert gw.sharding.memory_kind == "pinned_host"
 
 

@@ -79,8 +79,9 @@ SCRIPT = textwrap.dedent("""
     out["mesh2"] = dict(equal=bool(np.array_equal(np.asarray(f(wh)), np.asarray(w))),
                         reads=[list(s) for _, _, s, _ in mp.host_read_shapes(hlo)],
                         gathers=mp.count_all_gathers(hlo),
-                        groups=[l.split("replica_groups=")[1].split("}}")[0] + "}}"
-                                for l in hlo.splitlines() if "all-gather(" in l])
+                        groups=mp.all_gather_groups(hlo),
+                        groups_text=[l.split("replica_groups=")[1][:80]
+                                     for l in hlo.splitlines() if "all-gather" in l])
     # Errors.
     errors = {}
     for name, call in (
@@ -146,8 +147,34 @@ def test_eager_split_axis_and_scan_index(eight):
 def test_two_axis_mesh_splits_over_the_named_axis_only(eight):
   r = eight["mesh2"]
   assert r["equal"] and r["gathers"] == 1 and r["reads"] == [[16, 16]], r
-  # Gather groups: the 4 devices of one 'b' column each ({0,2,4,6} and {1,3,5,7}).
-  assert r["groups"] == ["{{0,2,4,6},{1,3,5,7}}"], r["groups"]
+  # Gather groups: the 4 devices of one 'b' column each ({0,2,4,6} and {1,3,5,7}), in mesh
+  # order along 'a' (the gather's concatenation order). XLA prints them in one of three forms
+  # (jax 0.11: `mesh['a'=4,'b'=2] {'a'}`); all_gather_groups expands any of them.
+  assert len(r["groups"]) == 1, r
+  assert sorted(r["groups"][0]) == [[0, 2, 4, 6], [1, 3, 5, 7]], (r["groups"], r["groups_text"])
+
+
+@pytest.mark.parametrize("text, want", [
+    ("{{0,2,4,6},{1,3,5,7}}", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("[2,4]<=[4,2]T(1,0)", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("[2,4]<=[8]", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("mesh['a'=4,'b'=2] {'a'}", [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("mesh['a'=4,'b'=2] {'b'}", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    ("mesh[a=4,b=2] {b,a}", [[0, 2, 4, 6, 1, 3, 5, 7]]),
+    ("mesh['a'=4,'b'=2] {'a':(2)2}", [[0, 2], [1, 3], [4, 6], [5, 7]]),
+    ("mesh['a'=2,'b'=2], device_ids=(3,2,1,0) {'a'}", [[3, 1], [2, 0]]),
+    ("{}", []),
+])
+def test_all_gather_groups_reads_every_replica_groups_form(text, want):
+  line = (f"  %ag = f32[64,16]{{1,0}} all-gather(f32[16,16]{{1,0}} %p), channel_id=1, "
+          f"replica_groups={text}, dimensions={{0}}, use_global_device_ids=true")
+  assert mp.all_gather_groups(line) == [want]
+  assert mp.all_gather_groups(line.replace("all-gather(", "all-gather-start(")) == [want]
+
+
+def test_all_gather_groups_rejects_an_unknown_form():
+  with pytest.raises(ValueError, match="unknown replica_groups form"):
+    mp.all_gather_groups("  %ag = f32[8] all-gather(f32[1] %p), replica_groups=<<0,1>>")
 
 
 def test_errors_name_the_problem(eight):

@@ -401,3 +401,13 @@ def test_step_failing_at_run_time_leaves_host_leaves_intact():
       assert not x.is_deleted(), path
       assert x.sharding.memory_kind == "pinned_host"
       np.testing.assert_array_equal(np.asarray(x), before[path])
+  # JAX also keeps the failed call's error in the device's runtime token, which it waits on at
+  # interpreter exit (on the H200, jax 0.11.2 printed it there as an exception in an atexit
+  # callback). A later call with a callback on that device replaces the token.
+  device = next(iter(flat[0][1].devices()))
+
+  def calm(flag):
+    jax.debug.callback(boom, flag)
+    return flag
+  jax.block_until_ready(jax.jit(calm)(jax.device_put(jnp.asarray(False), device)))
+  jax.effects_barrier()

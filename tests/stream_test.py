@@ -39,8 +39,9 @@ def _layer(h, w):
   return jnp.tanh(h @ w)
 
 
-def _streamed_forward(W, x, keep=None):
-  """The double-buffered loop: slice l + 1 is fetched before layer l computes."""
+def _streamed_forward(W, x, keep=None, fetched=None):
+  """The double-buffered loop: slice l + 1 is fetched before layer l computes. `keep` collects
+  each layer's input, `fetched` each slice as the layer uses it."""
   num_layers = W.shape[0]
   (buf,), _ = stream.fetch([W], 0)
   h = x
@@ -50,16 +51,19 @@ def _streamed_forward(W, x, keep=None):
       (buf,), (w,) = stream.fetch([W], l + 1, after=[w])
     if keep is not None:
       keep.append(h)
+    if fetched is not None:
+      fetched.append(w)
     h = _layer(h, w)
   return h
 
 
-def _streamed_forward_backward(W, G, x):
+def _streamed_forward_backward(W, G, x, fetched=None):
   """Forward, then backward with the slices fetched again in reverse (double-buffered), each
-  layer's weight gradient sent into slice l of the host buffer G, one final d2h wait."""
+  layer's weight gradient sent into slice l of the host buffer G, one final d2h wait.
+  `fetched` collects the slices as used: layers 0 .. L-1, then L-1 .. 0."""
   num_layers = W.shape[0]
   hs = []
-  h = _streamed_forward(W, x, keep=hs)
+  h = _streamed_forward(W, x, keep=hs, fetched=fetched)
   dh = jnp.ones_like(h)  # d sum(h) / d h
   (buf,), (dh,) = stream.fetch([W], num_layers - 1, after=[dh])
   dws = []
@@ -67,6 +71,8 @@ def _streamed_forward_backward(W, G, x):
     w, = stream.wait([buf], after=[dh])
     if l > 0:
       (buf,), (w,) = stream.fetch([W], l - 1, after=[w])
+    if fetched is not None:
+      fetched.append(w)
     _, vjp = jax.vjp(_layer, hs[l], w)
     dh, dw = vjp(dh)
     G, = stream.send([G], [dw], l)
@@ -434,12 +440,35 @@ def test_gpu_forward_and_sent_grads_equal_device(gpu):
     assert lowering.hlo_violations(text, target=target) == [], target
   # G is written only by the sends, in place: XLA adds no copy into host memory.
   assert _host_writes(text) == []
+  # The fetches are copies: each slice the loop used has exactly the bytes of its layer.
+  def with_slices(W, G, x):
+    fetched = []
+    h, G = _streamed_forward_backward(W, G, x, fetched=fetched)
+    return h, G, fetched
+  _, _, fetched = jax.jit(with_slices, donate_argnums=1, out_shardings=(
+      _sharding("device", gpu), _sharding("pinned_host", gpu), _sharding("device", gpu)))(
+          _put(W, "pinned_host", gpu), _put(jnp.zeros_like(W), "pinned_host", gpu),
+          _put(x, "device", gpu))
+  W_bits = np.asarray(W).view(np.uint16)
+  layers = list(range(W.shape[0])) + list(reversed(range(W.shape[0])))
+  assert len(fetched) == len(layers)
+  for l, w in zip(layers, fetched):
+    assert w.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(w).view(np.uint16), W_bits[l], err_msg=f"layer {l}")
+  # The loop's result against the same layers on device-resident weights. Not bitwise: the two
+  # programs are fused differently and cuBLAS picks its bf16 gemm algorithm per program (on the
+  # H200 ~2% of h were 1 bf16 ulp apart, at most 2^-8); after 8 tanh layers of 1024 the gap
+  # stays at a few bf16 ulps of values in [-1, 1].
   xd = _put(x, "device", gpu)
   Wd = _put(W, "device", gpu)
   ref_h = jax.jit(_materialized_forward)(Wd, xd)
   ref_g = jax.jit(_plain_grad)(Wd, xd)
-  np.testing.assert_array_equal(np.asarray(h.astype(jnp.float32)),
-                                np.asarray(ref_h.astype(jnp.float32)))
+  hf, rh = np.asarray(h.astype(jnp.float32)), np.asarray(ref_h.astype(jnp.float32))
+  np.testing.assert_allclose(hf, rh, rtol=2 ** -7, atol=2 ** -6,
+                             err_msg=f"max abs diff {np.abs(hf - rh).max()}")
+  if not np.array_equal(hf, rh):
+    print(f"h differs from the device program's in {np.mean(hf != rh):.2%} of elements, "
+          f"max {np.abs(hf - rh).max()}")
   g, rg = np.asarray(G.astype(jnp.float32)), np.asarray(ref_g.astype(jnp.float32))
   # Same per-layer primitives in both programs; should XLA fuse the two differently on the GPU,
   # the difference stays at bf16 rounding (the message reports it).

@@ -291,3 +291,103 @@ def count_all_gathers(hlo_text: str) -> int:
   """All-gathers in a compiled HLO module (sync `all-gather(` or async `all-gather-start(`)."""
   return len(re.findall(r"\ball-gather(?:-start)?\(", hlo_text))
 
+
+
+def all_gather_groups(hlo_text: str) -> list[list[list[int]]]:
+  """The device groups of each all-gather in a compiled HLO module, in program order.
+
+  XLA prints `replica_groups=` in one of three forms, depending on its version:
+    explicit  `{{0,2,4,6},{1,3,5,7}}`
+    iota      `[2,4]<=[4,2]T(1,0)`: iota(N) reshaped to [4, 2], transposed by (1, 0), read as
+              2 groups of 4;
+    mesh axes `mesh['a'=4,'b'=2] {'a'}` (jax 0.11): the devices of a mesh (iota unless a
+              `, device_ids=(...)` list follows the axes) grouped over the named axes, the
+              other axes fixed; a sub-axis `'a':(pre)size` takes `size` of axis a's positions,
+              `pre` apart.
+  Each is expanded to its list of groups; a group lists device ids in gather order.
+
+  Args:
+    hlo_text: `jax.stages.Compiled.as_text()` of a jitted program.
+
+  Returns:
+    One entry per `all-gather(` / `all-gather-start(` instruction: its groups ([] for `{}`:
+    all devices in one group).
+
+  Raises:
+    ValueError: a replica_groups form this parser does not know (with the text).
+  """
+  out = []
+  for line in hlo_text.splitlines():
+    if not re.search(r"\ball-gather(?:-start)?\(", line):
+      continue
+    at = line.find("replica_groups=")
+    if at < 0:
+      raise ValueError(f"all_gather_groups: expected replica_groups= in {line.strip()[:300]}")
+    out.append(_parse_replica_groups(line[at + len("replica_groups="):]))
+  return out
+
+
+_IOTA_GROUPS = re.compile(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*)\))?\s*\{([^}]*)\}")
+
+
+def _ints(text: str) -> list[int]:
+  return [int(t) for t in re.findall(r"\d+", text)]
+
+
+def _parse_replica_groups(text: str) -> list[list[int]]:
+  """Groups from the text right after `replica_groups=` (see `all_gather_groups`)."""
+  if text.startswith("{"):
+    depth = 0
+    for end, ch in enumerate(text):
+      depth += {"{": 1, "}": -1}.get(ch, 0)
+      if depth == 0:
+        break
+    inner = text[1:end]
+    return [_ints(g) for g in re.findall(r"\{([^{}]*)\}", inner)]
+  m = _IOTA_GROUPS.match(text)
+  if m:
+    num_groups, size = int(m.group(1)), int(m.group(2))
+    dims = _ints(m.group(3))
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+      ids = ids.transpose(_ints(m.group(4)))
+    return ids.reshape(num_groups, size).tolist()
+  m = _MESH_GROUPS.match(text)
+  if m:
+    names, sizes = [], []
+    for axis in m.group(1).split(","):
+      name, size = axis.rsplit("=", 1)
+      names.append(name.strip().strip("'\""))
+      sizes.append(int(size))
+    n = int(np.prod(sizes))
+    ids = np.asarray(_ints(m.group(2)) if m.group(2) else np.arange(n)).reshape(sizes)
+    # Each mesh axis becomes one or three dimensions: [size], or [pre, sub, size / (pre * sub)]
+    # for a sub-axis; the grouped ones go last, in the order listed.
+    dims: list[int] = []
+    grouped: list[int] = []
+    first: dict[str, int] = {}
+    refs = [r.strip() for r in m.group(3).split(",") if r.strip()]
+    subs: dict[str, tuple[int, int]] = {}
+    for ref in refs:
+      sm = re.fullmatch(r"['\"]?([^'\":]+)['\"]?(?::\((\d+)\)(\d+))?", ref)
+      if sm is None or sm.group(1) not in names:
+        raise ValueError(f"all_gather_groups: unknown axis {ref!r} in {text[:300]}")
+      if sm.group(2):
+        if sm.group(1) in subs:
+          raise ValueError(f"all_gather_groups: two sub-axes of one axis in {text[:300]}")
+        subs[sm.group(1)] = (int(sm.group(2)), int(sm.group(3)))
+    for name, size in zip(names, sizes):
+      first[name] = len(dims)
+      if name in subs:
+        pre, sub = subs[name]
+        dims += [pre, sub, size // (pre * sub)]
+      else:
+        dims.append(size)
+    for ref in refs:
+      name = re.fullmatch(r"['\"]?([^'\":]+)['\"]?.*", ref).group(1)
+      grouped.append(first[name] + (1 if name in subs else 0))
+    rest = [d for d in range(len(dims)) if d not in grouped]
+    size = int(np.prod([dims[d] for d in grouped]))
+    return ids.reshape(dims).transpose(rest + grouped).reshape(-1, size).tolist()
+  raise ValueError(f"all_gather_groups: unknown replica_groups form {text[:300]}")

@@ -66,10 +66,15 @@ void FromFloat(ffi::DataType dt, const float* src, int64_t n, void* dst) {
   }
 }
 
+// `partial` (the CUDA kernel's split-reduction scratch) is checked and left untouched: this
+// loop does not split the reduction.
 ffi::Error DhaMatmulCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                            int64_t index, int32_t transpose) {
+                            ffi::Result<ffi::AnyBuffer> partial, int64_t index,
+                            int32_t transpose) {
   dha::MatmulShape s;
   JT_RETURN_IF_ERROR(dha::CheckMatmul(x, w, *y, index, transpose, &s));
+  int64_t splits = 1;
+  JT_RETURN_IF_ERROR(dha::CheckMatmulPartial(*partial, s, &splits));
   if (s.m == 0 || s.o == 0) return ffi::Error::Success();
   const int64_t esize = dha::ElementBytes(s.dtype);
   const char* wbase = static_cast<const char*>(w.untyped_data()) + s.w_offset * esize;
@@ -118,6 +123,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaMatmulCpu, DhaMatmulCpuImpl,
                                   .Arg<ffi::AnyBuffer>()          // x [M, R]
                                   .Arg<ffi::AnyBuffer>()          // w [K, N] or [L, K, N]
                                   .Ret<ffi::AnyBuffer>()          // y [M, O]
+                                  .Ret<ffi::AnyBuffer>()          // partial sums (unused)
                                   .Attr<int64_t>("index")         // layer of a stacked w
                                   .Attr<int32_t>("transpose"));   // 1: y = x @ w[index]^T
 

@@ -96,7 +96,7 @@ inline xla::ffi::Error CheckGather(const xla::ffi::AnyBuffer& table,
 
 // ---------------------------------------------------------------------------------------------
 // matmul: operands x [M, R] and w ([K, N] or stacked [L, K, N]), one dtype (f32 or bf16);
-// result y [M, O] of that dtype; attributes `index` (int64: the layer of a stacked w; 0 for a
+// results y [M, O] of that dtype and the fp32 partial sums (CheckMatmulPartial); attributes `index` (int64: the layer of a stacked w; 0 for a
 // 2-D w) and `transpose` (int32 0/1).
 //   transpose = 0:  R = K, O = N, y = x @ w[index]      (B[r, o] = w[index][r, o])
 //   transpose = 1:  R = N, O = K, y = x @ w[index]^T    (B[r, o] = w[index][o, r])
@@ -165,6 +165,30 @@ inline xla::ffi::Error CheckMatmul(const xla::ffi::AnyBuffer& x, const xla::ffi:
   shape->w_offset = index * k * n;
   shape->transpose = transpose != 0;
   shape->dtype = dt;
+  return xla::ffi::Error::Success();
+}
+
+// matmul's second result: fp32 partial sums of the split reduction, [S, M, O] with S >= 2
+// (the CUDA kernel splits R into S ranges and adds the partials in split order), or no elements
+// (no split: the kernel writes y directly). XLA allocates it like any result; the Python side
+// sizes it (dha.matmul_partial_shape) and drops it. Sets *splits to S, or 1.
+inline xla::ffi::Error CheckMatmulPartial(const xla::ffi::AnyBuffer& partial,
+                                          const MatmulShape& s, int64_t* splits) {
+  using host_update::internal::DtypeName;
+  if (partial.element_type() != xla::ffi::DataType::F32) {
+    return Invalid(kMatmulName, "dtype", "result 1 (partial sums)", "float32",
+                   DtypeName(partial.element_type()));
+  }
+  *splits = 1;
+  if (partial.element_count() == 0) return xla::ffi::Error::Success();
+  const auto pd = partial.dimensions();
+  if (pd.size() != 3 || pd[0] < 2 || pd[1] != s.m || pd[2] != s.o) {
+    return Invalid(kMatmulName, "shape", "result 1 (partial sums)",
+                   "[S, " + std::to_string(s.m) + ", " + std::to_string(s.o) +
+                       "] with S >= 2, or no elements",
+                   DimsString(pd));
+  }
+  *splits = pd[0];
   return xla::ffi::Error::Success();
 }
 

@@ -19,9 +19,12 @@
 //   * each thread accumulates an RM x 8 tile of y in fp32 registers (fmaf).
 // Every element of w[index] is read from host memory once when M <= 512 (MT = 512 at most);
 // a larger M is cut into chunks of 512 rows, each of which reads w again. With more than one
-// R-split, each split writes fp32 partial sums [S, M, O] to XLA scratch memory and a second
-// kernel adds them in split order (deterministic) and rounds to y's dtype; with one, the kernel
-// writes y directly.
+// R-split, each split writes fp32 partial sums to the call's second result [S, M, O] (allocated
+// by XLA like any result; Python chooses S from the shapes and the SM count,
+// dha.matmul_partial_shape, and drops the result) and a second kernel adds them in split order
+// (deterministic) and rounds to y's dtype; with none (a result without elements), the kernel
+// writes y directly. (XLA's FFI ScratchAllocator is not used: on jax 0.11.2 / CUDA it failed
+// every allocation, even of 100 KB.)
 //
 // Neither handler is marked kCmdBufferCompatible: their behaviour under XLA's command-buffer
 // (CUDA graph) capture with pinned_host operands has not been verified.
@@ -32,7 +35,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <optional>
 #include <string>
 
 #include "dha.h"
@@ -141,8 +143,7 @@ ffi::Error DhaGatherCudaImpl(cudaStream_t stream, ffi::AnyBuffer table,
 
 constexpr int kThreads = 256;
 constexpr int kRN = 8;  // y columns per thread
-// Partial sums of the R-splits: at most this many bytes of scratch (fewer splits beyond it).
-constexpr int64_t kMaxPartialBytes = int64_t{256} << 20;
+constexpr int64_t kMaxGridY = 65535;  // gridDim.y: the split index
 
 // Storage conversions. S is the raw storage type (uint32_t: f32 bits, uint16_t: bf16 bits).
 template <typename S>
@@ -173,7 +174,7 @@ struct MatmulArgs {
   const void* x;   // [M, R], device memory
   const void* w;   // layer `index` of w (host memory): [R, O] (transpose 0) or [O, R]
   void* y;         // [M, O], device memory (written when partial == nullptr)
-  float* partial;  // [S, M, O] fp32 scratch, or nullptr
+  float* partial;  // [S, M, O] fp32 partial sums (the call's result 1), or nullptr
   int64_t m, r, o;
   int64_t stages_per_split;
   int vec_w;  // 1: w's rows and base allow 16-byte loads
@@ -371,10 +372,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// `partial`: the [max_splits, M, O] fp32 result, or nullptr with max_splits == 1.
 template <typename S, int kTX, int kRM, bool kTrans>
-ffi::Error LaunchMatmul(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                        const dha::MatmulShape& s, const void* x, const void* w, void* y,
-                        int num_sms) {
+ffi::Error LaunchMatmul(cudaStream_t stream, const dha::MatmulShape& s, const void* x,
+                        const void* w, void* y, float* partial, int64_t max_splits) {
   using Tl = Tile<S, kTX, kRM>;
   const char* op = dha::kMatmulName;
   const int64_t col_tiles = CeilDiv(s.o, Tl::kBO);
@@ -387,16 +388,17 @@ ffi::Error LaunchMatmul(cudaStream_t stream, ffi::ScratchAllocator& scratch,
                         "[" + std::to_string(s.m) + ", " + std::to_string(s.r) + "] -> " +
                             std::to_string(s.o) + " columns");
   }
-  // Enough blocks to keep every SM's loads in flight: about 4 per SM, by splitting R.
-  const int64_t mo = s.m * s.o;
-  int64_t splits = std::max<int64_t>(1, CeilDiv(int64_t{4} * num_sms, col_tiles * m_chunks));
-  splits = std::min<int64_t>({splits, stages, 65535});
-  if (splits > 1) {
-    splits = std::min<int64_t>(
-        splits, std::max<int64_t>(1, kMaxPartialBytes / (mo * int64_t{sizeof(float)})));
+  // The split of R over blockIdx.y: as many ranges of stages as the partial sums have rows
+  // (Python sized them for about 4 blocks per SM), never more than there are stages.
+  if (max_splits > kMaxGridY) {
+    return dha::Invalid(op, "shape", "result 1 (partial sums)",
+                        "at most " + std::to_string(kMaxGridY) + " splits",
+                        std::to_string(max_splits));
   }
+  const int64_t mo = s.m * s.o;
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(max_splits, stages));
   const int64_t stages_per_split = CeilDiv(stages, splits);
-  splits = CeilDiv(stages, stages_per_split);  // no split without a stage
+  splits = CeilDiv(stages, stages_per_split);  // no split without a stage; <= max_splits
 
   MatmulArgs args;
   args.x = x;
@@ -410,16 +412,7 @@ ffi::Error LaunchMatmul(cudaStream_t stream, ffi::ScratchAllocator& scratch,
   const int64_t row_len = s.transpose ? s.r : s.o;
   args.vec_w = reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
                (row_len * int64_t{sizeof(S)}) % 16 == 0;
-  if (splits > 1) {
-    const size_t bytes = static_cast<size_t>(splits * mo) * sizeof(float);
-    std::optional<void*> mem = scratch.Allocate(bytes, 256);
-    if (!mem.has_value() || *mem == nullptr) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        std::string(op) + ": could not allocate " + std::to_string(bytes) +
-                            " bytes of device scratch for the partial sums");
-    }
-    args.partial = static_cast<float*>(*mem);
-  }
+  if (splits > 1) args.partial = partial;  // rows [0, splits) of it
   auto kernel = DhaMatmulKernel<S, kTX, kRM, kTrans>;
   if (Tl::kSmemBytes > 48 * 1024) {
     JT_DHA_CUDA_RETURN_IF_ERROR(
@@ -432,6 +425,8 @@ ffi::Error LaunchMatmul(cudaStream_t stream, ffi::ScratchAllocator& scratch,
   kernel<<<grid, kThreads, Tl::kSmemBytes, stream>>>(args);
   JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), op, "kernel launch");
   if (splits > 1) {
+    int num_sms = 1;
+    JT_RETURN_IF_ERROR(NumSms(op, &num_sms));
     const int64_t blocks = std::min<int64_t>(CeilDiv(mo, kThreads), int64_t{num_sms} * 8);
     DhaReduceKernel<S><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         args.partial, static_cast<S*>(y), mo, splits);
@@ -441,24 +436,26 @@ ffi::Error LaunchMatmul(cudaStream_t stream, ffi::ScratchAllocator& scratch,
 }
 
 // Picks the tile for M (rows of y per block up to 512) and the layout of w.
+// Keep this table in step with dha.py's _MATMUL_TILES (it sizes the partial sums from it).
 template <typename S, bool kTrans>
-ffi::Error DispatchTile(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                        const dha::MatmulShape& s, const void* x, const void* w, void* y,
-                        int num_sms) {
-  if (s.m <= 8) return LaunchMatmul<S, 32, 1, kTrans>(stream, scratch, s, x, w, y, num_sms);
-  if (s.m <= 16) return LaunchMatmul<S, 32, 2, kTrans>(stream, scratch, s, x, w, y, num_sms);
-  if (s.m <= 32) return LaunchMatmul<S, 32, 4, kTrans>(stream, scratch, s, x, w, y, num_sms);
-  if (s.m <= 64) return LaunchMatmul<S, 32, 8, kTrans>(stream, scratch, s, x, w, y, num_sms);
-  if (s.m <= 128) return LaunchMatmul<S, 16, 8, kTrans>(stream, scratch, s, x, w, y, num_sms);
-  if (s.m <= 256) return LaunchMatmul<S, 8, 8, kTrans>(stream, scratch, s, x, w, y, num_sms);
-  return LaunchMatmul<S, 8, 16, kTrans>(stream, scratch, s, x, w, y, num_sms);
+ffi::Error DispatchTile(cudaStream_t stream, const dha::MatmulShape& s, const void* x,
+                        const void* w, void* y, float* p, int64_t splits) {
+  if (s.m <= 8) return LaunchMatmul<S, 32, 1, kTrans>(stream, s, x, w, y, p, splits);
+  if (s.m <= 16) return LaunchMatmul<S, 32, 2, kTrans>(stream, s, x, w, y, p, splits);
+  if (s.m <= 32) return LaunchMatmul<S, 32, 4, kTrans>(stream, s, x, w, y, p, splits);
+  if (s.m <= 64) return LaunchMatmul<S, 32, 8, kTrans>(stream, s, x, w, y, p, splits);
+  if (s.m <= 128) return LaunchMatmul<S, 16, 8, kTrans>(stream, s, x, w, y, p, splits);
+  if (s.m <= 256) return LaunchMatmul<S, 8, 8, kTrans>(stream, s, x, w, y, p, splits);
+  return LaunchMatmul<S, 8, 16, kTrans>(stream, s, x, w, y, p, splits);
 }
 
-ffi::Error DhaMatmulCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                             ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+ffi::Error DhaMatmulCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> partial,
                              int64_t index, int32_t transpose) {
   dha::MatmulShape s;
   JT_RETURN_IF_ERROR(dha::CheckMatmul(x, w, *y, index, transpose, &s));
+  int64_t splits = 1;
+  JT_RETURN_IF_ERROR(dha::CheckMatmulPartial(*partial, s, &splits));
   if (s.m == 0 || s.o == 0) return ffi::Error::Success();
   const size_t esize = dha::ElementBytes(s.dtype);
   if (s.r == 0) {
@@ -467,17 +464,16 @@ ffi::Error DhaMatmulCudaImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
         dha::kMatmulName, "cudaMemsetAsync (empty reduction)");
     return ffi::Error::Success();
   }
-  int num_sms = 1;
-  JT_RETURN_IF_ERROR(NumSms(dha::kMatmulName, &num_sms));
   const void* wl = static_cast<const char*>(w.untyped_data()) + s.w_offset * esize;
   const void* xp = x.untyped_data();
   void* yp = y->untyped_data();
+  float* pp = splits > 1 ? static_cast<float*>(partial->untyped_data()) : nullptr;
   if (s.dtype == ffi::DataType::F32) {
-    return s.transpose ? DispatchTile<uint32_t, true>(stream, scratch, s, xp, wl, yp, num_sms)
-                       : DispatchTile<uint32_t, false>(stream, scratch, s, xp, wl, yp, num_sms);
+    return s.transpose ? DispatchTile<uint32_t, true>(stream, s, xp, wl, yp, pp, splits)
+                       : DispatchTile<uint32_t, false>(stream, s, xp, wl, yp, pp, splits);
   }
-  return s.transpose ? DispatchTile<uint16_t, true>(stream, scratch, s, xp, wl, yp, num_sms)
-                     : DispatchTile<uint16_t, false>(stream, scratch, s, xp, wl, yp, num_sms);
+  return s.transpose ? DispatchTile<uint16_t, true>(stream, s, xp, wl, yp, pp, splits)
+                     : DispatchTile<uint16_t, false>(stream, s, xp, wl, yp, pp, splits);
 }
 
 }  // namespace
@@ -492,10 +488,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaGatherCuda, DhaGatherCudaImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaMatmulCuda, DhaMatmulCudaImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
-                                  .Ctx<ffi::ScratchAllocator>()   // partial sums
                                   .Arg<ffi::AnyBuffer>()          // x [M, R]
                                   .Arg<ffi::AnyBuffer>()          // w [K, N] / [L, K, N]
                                   .Ret<ffi::AnyBuffer>()          // y [M, O]
+                                  .Ret<ffi::AnyBuffer>()          // partial sums [S, M, O] f32
                                   .Attr<int64_t>("index")         // layer of a stacked w
                                   .Attr<int32_t>("transpose"));   // 1: y = x @ w[index]^T
 

@@ -345,16 +345,87 @@ def _matmul_fn(index: int, transpose: bool):
 
 
 def _matmul_impl(x: jax.Array, w: jax.Array, index: int, transpose: bool) -> jax.Array:
-  """One custom call: x [M, R] times layer `index` of w (transposed if asked) -> [M, O]."""
+  """One custom call: x [M, R] times layer `index` of w (transposed if asked) -> [M, O].
+
+  The call has a second result, the fp32 partial sums of the CUDA kernel's split reduction
+  ([S, M, O], or [0] for no split; `matmul_partial_shape`): XLA allocates it like any result
+  and it is dropped here. The CPU handler ignores it.
+  """
   out_cols = w.shape[-2] if transpose else w.shape[-1]
   if ffi_disabled():
     return _matmul_reference(x, w, index, transpose)
   from jaxtier._src import ffi  # Imported late: loads the extension after jax.
 
   ffi.ensure_registered()
-  out = jax.ShapeDtypeStruct((x.shape[0], out_cols), x.dtype)
-  call = jax.ffi.ffi_call(MATMUL_TARGET, out, vmap_method="sequential")
-  return call(x, w, index=np.int64(index), transpose=np.int32(int(transpose)))
+  m, r = x.shape
+  out = jax.ShapeDtypeStruct((m, out_cols), x.dtype)
+  partial = jax.ShapeDtypeStruct(
+      matmul_partial_shape(m, r, out_cols, x.dtype, _num_sms()), jnp.float32)
+  call = jax.ffi.ffi_call(MATMUL_TARGET, (out, partial), vmap_method="sequential")
+  y, _ = call(x, w, index=np.int64(index), transpose=np.int32(int(transpose)))
+  return y
+
+
+# The CUDA kernel's tiles by M (dha_kernels.cu, `DispatchTile`): (largest M, x rows per block MT,
+# y columns per block BO); the last one serves every larger M, in chunks of 512 rows.
+_MATMUL_TILES = ((8, 8, 256), (16, 16, 256), (32, 32, 256), (64, 64, 256), (128, 128, 128),
+                 (256, 256, 64), (None, 512, 64))
+_BLOCKS_PER_SM = 4  # blocks in flight per SM that the split reduction aims at
+MAX_PARTIAL_BYTES = 256 << 20  # cap on the partial sums (fewer splits beyond it)
+_MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y, the split index
+
+
+@functools.cache
+def _num_sms() -> int:
+  """Streaming multiprocessors of this process's first GPU; 0 without a GPU backend."""
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    return 0
+  if not gpus:
+    return 0
+  try:  # a PJRT device attribute of CUDA devices; only the split's size depends on it
+    count = int(getattr(gpus[0], "core_count", 0) or 0)
+  except Exception:  # pylint: disable=broad-except
+    count = 0
+  return count if count > 0 else 132  # 132: H100 / H200 SXM
+
+
+def matmul_partial_shape(m: int, r: int, o: int, dtype: Any, num_sms: int) -> tuple[int, ...]:
+  """Shape of the fp32 partial-sums result of one `jaxtier_dha_matmul_ffi` call.
+
+  The CUDA kernel gives each block of 256 threads MT rows of x and BO columns of y
+  (`_MATMUL_TILES`); when those blocks are fewer than `_BLOCKS_PER_SM * num_sms` (small M or
+  O), it splits the reduction over R into S ranges of stages (BR = 128 bytes / itemsize rows
+  each), each block of split s writes its fp32 sums to partial[s], and a second kernel adds
+  the S partials in split order (deterministic for a given S) and rounds once. The kernel takes
+  S from this result's shape, so this function is the one place where the split is chosen:
+  the same rule as the kernel's launch code used to apply, capped at `MAX_PARTIAL_BYTES`.
+
+  Args:
+    m, r, o: x is [m, r], y is [m, o].
+    dtype: x's dtype (float32 or bfloat16).
+    num_sms: SMs of the GPU that runs the call; 0 (no GPU: the CPU handler) means no split.
+
+  Returns:
+    (S, m, o) with S >= 2, or (0,) when the kernel runs unsplit (it then writes y directly).
+  """
+  if num_sms <= 0 or m == 0 or o == 0 or r == 0:
+    return (0,)
+  mt, bo = next((mt, bo) for top, mt, bo in _MATMUL_TILES if top is None or m <= top)
+  br = 128 // jnp.dtype(dtype).itemsize
+  col_tiles = -(-o // bo)
+  m_chunks = -(-m // mt)
+  stages = -(-r // br)
+  splits = max(1, -(-(_BLOCKS_PER_SM * num_sms) // (col_tiles * m_chunks)))
+  splits = min(splits, stages, _MAX_GRID_Y)
+  if splits > 1:
+    splits = min(splits, max(1, MAX_PARTIAL_BYTES // (m * o * 4)))
+  if splits <= 1:
+    return (0,)
+  per_split = -(-stages // splits)
+  splits = -(-stages // per_split)  # no split without a stage
+  return (splits, m, o) if splits > 1 else (0,)
 
 
 def _matmul_reference(x: jax.Array, w: jax.Array, index: int, transpose: bool) -> jax.Array:
