@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
       s1, l1 = make(), []
       for _ in range(10):
         s1, m = ref(s1, (xb, yb)); l1.append(float(m["loss"]))
-      off = jaxtier.offload(step)
+      off = jaxtier.offload(step, policy="optimizer_state_on_host")
       s2, l2 = off.place(make(), (xb, yb)), []
       for _ in range(10):
         s2, m = off(s2, (xb, yb)); l2.append(float(m["loss"]))

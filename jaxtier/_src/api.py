@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier._src import cost_model
 from jaxtier._src import inventory as inv_lib
 from jaxtier._src import jax_compat as jc
 from jaxtier._src import lowering
@@ -26,6 +27,8 @@ class _Missing:
 
 
 MISSING: Any = _Missing()
+# Re-plans after the compiled step's peak device memory came out over the budget.
+MAX_REPLANS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,8 +36,9 @@ class OffloadOptions:
   """Options of `jaxtier.offload` (validated when made).
 
   Attributes:
-    device_budget: device memory the state may take, bytes per device (int, or a string such
-      as '80GB'/'16GiB'); None: no limit.
+    device_budget: device memory the step may use at its peak (state, gradients, activations),
+      bytes per device (int, or a string such as '80GB'/'16GiB'); None: no limit (on a GPU,
+      the planner then plans against what the device has).
     host_budget: pinned host memory the plan may pin, bytes per device; None: no limit beyond
       what the host can pin.
     policy: 'auto', 'none', a callable `(path, LeafInfo) -> placement | None`, or a
@@ -91,14 +95,87 @@ class OffloadedStep:
     inv = inv_lib.take_inventory(self._fn, state, args)
     platform = jc.platform_of(jax.tree_util.tree_leaves(state)[0]) if jax.tree_util.tree_leaves(
         state) else jax.default_backend()
-    plan, compiled = planner.make_plan(
-        inv, platform=platform, policy=self._options.policy,
-        device_budget=self._options.device_budget, host_budget=self._options.host_budget,
-        pinnable_bytes=planner.pinnable_bytes(platform), hardware=profile.load())
+    hardware = profile.load(platform=platform)
+    costs = _step_costs(inv, state, args, platform, self._options.policy)
+    budget = self._options.device_budget
+    previous = None
+    for attempt in range(MAX_REPLANS + 1):
+      try:
+        plan, compiled = planner.make_plan(
+            inv, platform=platform, policy=self._options.policy, device_budget=budget,
+            host_budget=self._options.host_budget,
+            pinnable_bytes=planner.pinnable_bytes(platform), hardware=hardware, step_costs=costs)
+      except planner.PlanError as e:
+        if previous is None:
+          raise
+        log.warning("jaxtier: re-planning against %s failed (%s); keeping the previous plan",
+                    planner.format_bytes(budget), str(e).split(". ")[0])
+        self._install(inv, *previous, sig, state, args)
+        break
+      if attempt:  # planned against a smaller budget than the user's: show theirs
+        plan = dataclasses.replace(plan, device_budget=self._options.device_budget, notes=(
+            *plan.notes, f"re-planned ({attempt}) against {planner.format_bytes(budget)}: the "
+            "compiled step's peak was over the budget"))
+      self._install(inv, plan, compiled, sig, state, args)
+      smaller = self._verify(state, args, attempt)
+      if smaller is None:
+        break
+      previous, budget = (self.plan, compiled), smaller
+    log.debug("jaxtier plan:\n%s", self.plan)
+
+  def _install(self, inv: Any, plan: "planner.Plan", compiled: list[Any], sig: Any, state: Any,
+               args: Sequence[Any]) -> None:
     self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
     self._masters, self._master_sources = [], ()
     self._jitted = self._build(state, args)
-    log.debug("jaxtier plan:\n%s", plan)
+
+  def _verify(self, state: Any, args: Sequence[Any], attempt: int) -> "int | None":
+    """Compiles the planned step and compares the compiler's peak with the budget planned for.
+
+    Records the compiler's figure in the plan. Returns a smaller device budget to re-plan with
+    when the compiler's peak exceeds it and the solver may still move leaves (at most
+    MAX_REPLANS times), else None.
+    """
+    plan = self.plan
+    if plan.predicted_peak_hbm_bytes is None:
+      return None
+    leaves = jax.tree_util.tree_leaves(state)
+    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    try:  # Shapes only: the state may not be placed yet (`place` plans before it moves).
+      lowered = self._jitted.lower(
+          [spec(x) for x in leaves],
+          [jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.float32)
+           for i in lowering.master_indices(self._compiled)],
+          [spec(x) for x in jax.tree_util.tree_leaves(args)])
+      ok, fig = cost_model.verify(plan, lowered)
+    except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
+      log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)
+      return None
+    if fig is None:
+      return None
+    self.plan = dataclasses.replace(plan, compiler_peak_hbm_bytes=fig.peak_bytes)
+    budget = plan.planned_device_budget
+    log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
+             plan.predicted_peak_hbm_bytes, fig.peak_bytes,
+             "" if budget is None else f", budget {budget} bytes")
+    if ok:
+      return None
+    # Re-planning helps only where the solver believed its plan fit (else it already offloaded
+    # all it could) and may move leaves.
+    solvable = (self._options.policy not in ("none", planner.OPTIMIZER_STATE_ON_HOST)
+                and budget is not None and plan.predicted_peak_hbm_bytes <= budget)
+    if attempt >= MAX_REPLANS or not solvable:
+      log.warning("jaxtier: the compiled step's peak device memory (%s) exceeds the device "
+                  "budget (%s)%s", planner.format_bytes(fig.peak_bytes),
+                  planner.format_bytes(budget), "" if not solvable else
+                  f" after {attempt} re-plans; keeping this plan")
+      return None
+    over = fig.peak_bytes - budget
+    log.warning("jaxtier: the compiled step needs %s of device memory, %s over the budget of "
+                "%s (predicted %s); re-planning with %s less", planner.format_bytes(
+                    fig.peak_bytes), planner.format_bytes(over), planner.format_bytes(budget),
+                planner.format_bytes(plan.predicted_peak_hbm_bytes), planner.format_bytes(over))
+    return max(1, budget - over)
 
   def _shardings(self, state: Any) -> list[Any]:
     leaves = jax.tree_util.tree_leaves(state)
@@ -256,13 +333,18 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
   Args:
     fun: `train_step(state, *args) -> (new_state, metrics)`; `state` is a pytree of arrays and
       `new_state` has its structure.
-    device_budget: device memory the state may take, bytes per device or a size string
-      ('80GB', '16GiB'); None: no limit.
+    device_budget: device memory the step may use at its peak (state and transient buffers),
+      bytes per device or a size string ('80GB', '16GiB'); None: no limit (on a GPU, what the
+      device has). The compiled step's peak (`memory_analysis()`) is checked against it and
+      the step re-planned (up to twice) when it is over.
     host_budget: pinned host memory the plan may pin, bytes per device or a size string; None:
       limited only by what the host can pin.
-    policy: 'auto' (optimizer state to pinned_host, updated there), 'none' (all on device), a
-      callable `(path, LeafInfo) -> placement | None`, or a `{regex: placement}` dict matched
-      against leaf paths. Placements: 'device', 'host_dha', 'host_cpu', 'host_xla'.
+    policy: 'auto' (the planner's solver: the fastest predicted placement within the budgets;
+      everything on the device when it fits), 'optimizer_state_on_host' (every optimizer-state
+      leaf to pinned_host, updated there), 'none' (all on device), a callable
+      `(path, LeafInfo) -> placement | None`, or a `{regex: placement}` dict matched against
+      leaf paths (leaves it leaves to None/no match are planned as 'auto'). Placements:
+      'device', 'host_dha', 'host_cpu', 'host_split', 'host_xla'.
     donate_argnums: arguments donated to the step; must include 0.
 
   Returns:
@@ -285,13 +367,20 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
 
 
 def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
-         host_budget: Any = None, policy: Any = "auto",
-         platform: "str | None" = None) -> planner.Plan:
+         host_budget: Any = None, policy: Any = "auto", platform: "str | None" = None,
+         streamable: Any = frozenset(), dha_readable: Any = frozenset(),
+         activations: "cost_model.ActivationModel | None" = None) -> planner.Plan:
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
 
   `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s (to plan a model that is not
   allocated). `platform` ('cpu' or 'gpu'; default: JAX's default backend) picks the executors
-  the plan names; pinnable host memory is checked only for the machine's own platform.
+  the plan names; for a platform this machine does not have, the stored or default hardware
+  profile gives the rates and the pinnable host memory, and the plan's notes say so.
+
+  The plan carries the cost model's predictions: `predicted_step_secs`, `critical_path`,
+  `predicted_peak_hbm_bytes`, `resource_secs`. `streamable` / `dha_readable` (state leaf
+  indices) allow `host_stream` / `host_dha` placements of parameters; `activations` (a
+  `cost_model.ActivationModel`) lets the plan choose the activation policy.
 
   Raises:
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
@@ -302,8 +391,29 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   platform = platform or here
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
+  hardware = profile.load(platform=platform)
+  if platform == here:
+    pinnable = planner.pinnable_bytes(platform)
+  else:  # planning for an absent GPU: what its profile says the host could pin
+    pinnable = hardware.pinnable_bytes
   result, _ = planner.make_plan(
       inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
-      host_budget=options.host_budget,
-      pinnable_bytes=planner.pinnable_bytes(platform) if platform == here else None)
+      host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,
+      step_costs=_step_costs(inv, state, args, platform, options.policy),
+      streamable=streamable, dha_readable=dha_readable, activations=activations)
+  if platform != here:
+    result = dataclasses.replace(result, notes=result.notes + (
+        f"planned for {platform} on a machine without one ({here}): "
+        + ("the default hardware profile" if hardware.is_default else "a stored profile")
+        + f"; pinnable host memory from the profile ({planner.format_bytes(pinnable)})",))
   return result
+
+
+def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platform: str,
+                policy: Any) -> "cost_model.StepCosts":
+  """FLOPs and transient bytes of the device-only step (compiled only when the solver runs)."""
+  leaves = jax.tree_util.tree_leaves(state)
+  solves = not (isinstance(policy, str) and policy in ("none", planner.OPTIMIZER_STATE_ON_HOST))
+  return cost_model.measure_step(
+      inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
+      state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves)

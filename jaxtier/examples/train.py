@@ -223,9 +223,13 @@ def placement_table(state) -> str:
   return "\n".join(lines)
 
 
-def _offload_step(train_step, *, device_budget, host_budget):
+OFFLOAD_MODES = ("none", "auto", "optimizer_state_on_host")
+
+
+def _offload_step(train_step, *, device_budget, host_budget, policy="auto"):
   import jaxtier  # pylint: disable=g-import-not-at-top
-  return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget)
+  return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget,
+                         policy=policy)
 
 
 def _budget(value):
@@ -262,8 +266,10 @@ def run(
     batch_size: sequences per step; ``None``: the config's default.
     seq_len: tokens per sequence (the batch holds ``seq_len + 1``); ``None``:
       ``config.max_seq_len``.
-    offload: ``"none"`` (``jax.jit``, all state on the device) or ``"auto"``
-      (``jaxtier.offload`` plans where each leaf lives).
+    offload: ``"none"`` (``jax.jit``, all state on the device), ``"auto"``
+      (``jaxtier.offload`` plans where each leaf lives: everything on the device when it fits)
+      or ``"optimizer_state_on_host"`` (``jaxtier.offload`` with that policy: every
+      optimizer-state leaf in pinned_host, updated there).
     data: ``None``/``""`` for the standard-library corpus, a ``--data`` string
       (comma-separated text files or one uint16 token file), or a 1-D array of
       token ids.
@@ -274,7 +280,7 @@ def run(
     log_every: print the loss and sync every this many steps; ``None``: the
       config's default.
     device_budget: device bytes jaxtier may use per device, e.g. ``"80GB"``;
-      ``None`` means no limit. Only with ``offload="auto"``.
+      ``None`` means no limit. Only with ``jaxtier.offload``.
     host_budget: pinned host bytes jaxtier may use, as ``device_budget``.
     remat_policy: ``None`` keeps the config's ``remat_policy``; ``"none"``
       turns rematerialisation off; any other value is a
@@ -296,8 +302,8 @@ def run(
   Raises:
     ValueError: for an unknown config or offload mode, bad sizes, or bad data.
   """
-  if offload not in ("none", "auto"):
-    raise ValueError(f"run: expected offload in ('none', 'auto'), got {offload!r}.")
+  if offload not in OFFLOAD_MODES:
+    raise ValueError(f"run: expected offload in {OFFLOAD_MODES}, got {offload!r}.")
   defaults = RUN_DEFAULTS.get(config_name, _FALLBACK_DEFAULTS)
   if config is None:
     config = _lookup_config(config_name)
@@ -342,8 +348,8 @@ def run(
   first_batch = jnp.asarray(next(batch_iter))
   plan = None
   plan_bytes = {"device": state_bytes, "pinned_host": 0}
-  if offload == "auto":
-    step = _offload_step(train_step, device_budget=_budget(device_budget),
+  if offload != "none":
+    step = _offload_step(train_step, policy=offload, device_budget=_budget(device_budget),
                          host_budget=_budget(host_budget))
     state = step.place(state, first_batch)
     plan = str(step.plan)
@@ -425,9 +431,11 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", None,
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None,
                                 "Tokens per sequence; default config.max_seq_len.",
                                 lower_bound=1)
-_OFFLOAD = flags.DEFINE_enum("offload", "auto", ["none", "auto"],
+_OFFLOAD = flags.DEFINE_enum("offload", "auto", list(OFFLOAD_MODES),
                              "none: jax.jit, all state on device; auto: "
-                             "jaxtier.offload plans the placement.")
+                             "jaxtier.offload plans the placement (all on device when it "
+                             "fits the device budget); optimizer_state_on_host: every "
+                             "optimizer-state leaf in pinned_host, updated there.")
 _DATA = flags.DEFINE_string("data", "", "Comma-separated text files, or one "
                             "uint16 token file (*.bin, *.u16); default: the "
                             "Python standard library's .py files.")
