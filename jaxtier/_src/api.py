@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -394,8 +395,10 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   hardware = profile.load(platform=platform)
   if platform == here:
     pinnable = planner.pinnable_bytes(platform)
-  else:  # planning for an absent GPU: what its profile says the host could pin
-    pinnable = hardware.pinnable_bytes
+  else:  # planning for an absent GPU: what its profile says the host could pin, or XLA's
+    # pinned-pool cap when the caller sets it (to plan for a host where it is raised).
+    cap = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    pinnable = int(float(cap) * 2**30) if cap else hardware.pinnable_bytes
   result, _ = planner.make_plan(
       inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
       host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,

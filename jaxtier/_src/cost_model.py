@@ -168,6 +168,8 @@ def jaxpr_costs(jaxpr: Any, multiplier: float = 1.0) -> tuple[float, float]:
       flops, ew = flops + best[0], ew + best[1]
       continue
     inner = jc.inner_jaxpr(eqn)
+    if inner is None and name in ("remat2", "checkpoint", "remat"):
+      inner = eqn.params.get("jaxpr")  # jax.checkpoint's primitive ('remat2' in jax 0.10)
     if inner is not None:
       f, b = jaxpr_costs(inner, multiplier)
       flops, ew = flops + f, ew + b
@@ -396,31 +398,57 @@ def stream_stage(*, compute_secs: float, num_layers: int, fetch_bytes: float,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ActivationModel:
-  """Saved activations of a model's layers under each policy, per device (totals over layers).
+class ActivationOption:
+  """One activation policy of a model, per device, totals over its layers.
 
   Attributes:
-    keep_bytes: device bytes of the residuals saved for the backward pass with no
-      rematerialisation.
-    remat_bytes: device bytes saved when each layer is rematerialised (its input only).
-    forward_flops: FLOP of one forward pass of the layers (what rematerialisation repeats).
-    traced: the policy the traced step uses ('keep', 'remat' or 'offload'): the transient bytes
-      and FLOPs measured from the step include it.
-    checkpoint_policy: {policy: the `jax.checkpoint_policies` name that implements it}.
+    held_bytes: device bytes of the residuals the backward pass reads that stay on the device.
+    recompute_flops: FLOP the backward pass spends recomputing what was not saved.
+    offload_bytes: residual bytes sent to pinned_host in the forward pass and fetched back in
+      the backward pass.
+    checkpoint_policy: the `jax.checkpoint_policies` name that implements it.
   """
 
-  keep_bytes: int
-  remat_bytes: int
-  forward_flops: float
-  traced: str = KEEP
-  checkpoint_policy: Mapping[str, str] = dataclasses.field(default_factory=lambda: {
-      KEEP: "everything_saveable", REMAT: "nothing_saveable",
-      OFFLOAD: "offload_dot_with_no_batch_dims"})
+  held_bytes: int
+  recompute_flops: float = 0.0
+  offload_bytes: int = 0
+  checkpoint_policy: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActivationModel:
+  """A model's activation policies, and the one its traced step uses.
+
+  Attributes:
+    options: {policy name: ActivationOption}, e.g. 'keep', 'remat', 'offload'.
+    traced: the policy the traced step uses: the transient bytes and FLOPs measured from the
+      step include it, and the other options are costed against it.
+  """
+
+  options: Mapping[str, ActivationOption]
+  traced: str
 
   def __post_init__(self):
-    if self.traced not in ACTIVATION_POLICIES:
-      raise ValueError(f"ActivationModel: expected traced in {ACTIVATION_POLICIES}, got "
+    if self.traced not in self.options:
+      raise ValueError(f"ActivationModel: expected traced in {sorted(self.options)}, got "
                        f"{self.traced!r}")
+
+  @classmethod
+  def simple(cls, *, keep_bytes: int, remat_bytes: int, forward_flops: float,
+             traced: str = KEEP) -> "ActivationModel":
+    """keep (K bytes held), remat (R held, one forward of F FLOP recomputed) and offload (R
+    held, K - R bytes each way over the link, nothing recomputed)."""
+    return cls(traced=traced, options={
+        KEEP: ActivationOption(held_bytes=keep_bytes, checkpoint_policy="everything_saveable"),
+        REMAT: ActivationOption(held_bytes=remat_bytes, recompute_flops=forward_flops,
+                                checkpoint_policy="nothing_saveable"),
+        OFFLOAD: ActivationOption(held_bytes=remat_bytes,
+                                  offload_bytes=max(0, keep_bytes - remat_bytes),
+                                  checkpoint_policy="save_and_offload_only_these_names")})
+
+  @property
+  def checkpoint_policy(self) -> dict[str, str]:
+    return {k: o.checkpoint_policy for k, o in self.options.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -428,11 +456,11 @@ class ActivationChoice:
   """One activation policy's effect relative to the traced step.
 
   Attributes:
-    policy: 'keep', 'remat' or 'offload'.
+    policy: its name.
     device_delta_bytes: change of the step's peak device bytes against the traced policy.
     extra_flops: FLOP added (positive) or saved (negative) against the traced policy.
     offload_bytes: activation bytes sent to the host in the forward pass and fetched back in
-      the backward pass (offload only).
+      the backward pass.
   """
 
   policy: str
@@ -442,22 +470,17 @@ class ActivationChoice:
 
 
 def activation_choices(model: ActivationModel) -> dict[str, ActivationChoice]:
-  """keep / remat / offload against the traced policy.
+  """Each policy of `model` against the traced one.
 
-  Device bytes held: keep K, remat R (layer inputs), offload R (the residuals that are not
-  layer inputs, K - R, go to pinned_host: offloaded in the forward pass, fetched back in the
-  backward pass). Compute: remat repeats one forward pass (F FLOP); offload does not.
-    device_delta = held(policy) - held(traced)
-    extra_flops = F * ([policy is remat] - [traced is remat])
-    offload_bytes = K - R for offload, else 0.
+    device_delta = held(policy) - held(traced)             bytes
+    extra_flops = recompute(policy) - recompute(traced)    FLOP
+    offload_bytes = offload(policy)                        bytes each way per step
   """
-  held = {KEEP: model.keep_bytes, REMAT: model.remat_bytes, OFFLOAD: model.remat_bytes}
-  flops = {KEEP: 0.0, REMAT: model.forward_flops, OFFLOAD: 0.0}
-  return {p: ActivationChoice(
-      policy=p, device_delta_bytes=int(held[p] - held[model.traced]),
-      extra_flops=flops[p] - flops[model.traced],
-      offload_bytes=int(max(0, model.keep_bytes - model.remat_bytes)) if p == OFFLOAD else 0)
-          for p in ACTIVATION_POLICIES}
+  t = model.options[model.traced]
+  return {name: ActivationChoice(
+      policy=name, device_delta_bytes=int(o.held_bytes - t.held_bytes),
+      extra_flops=float(o.recompute_flops - t.recompute_flops),
+      offload_bytes=int(o.offload_bytes)) for name, o in model.options.items()}
 
 
 # ---- the prediction -----------------------------------------------------------------------------

@@ -543,12 +543,13 @@ def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int 
   parts = []
   if budget is not None and pred.peak_hbm_bytes > budget:
     parts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} exceeds the "
-                 f"device budget of {format_bytes(budget)} even with every candidate leaf on "
-                 "the host (the rest is the step's transient memory: activations, gradients)")
+                 f"device budget of {format_bytes(budget)}")
   if host_limit is not None and pred.pinned_bytes > host_limit:
     parts.append(f"pinned bytes {format_bytes(pred.pinned_bytes)} exceed the host limit of "
                  f"{format_bytes(host_limit)}")
-  msg = "DOES NOT FIT: " + "; ".join(parts or ["over a budget"])
+  msg = ("DOES NOT FIT: no placement the planner can make fits the budgets; this is the "
+         "rule-based plan (every optimizer-state leaf on the host): " + "; ".join(
+             parts or ["over a budget"]))
   log.warning("jaxtier: %s", msg)
   return msg
 
@@ -585,7 +586,9 @@ def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
       (plan.host_budget, "the host budget", "raise host_budget, or keep more leaves on the "
        "device (policy)"),
       (pinnable_bytes, "what this host can pin now", "free host memory, or keep more leaves on "
-       "the device (policy)")):
+       "the device (policy)" + ("; on a GPU, XLA's pinned pool is capped by "
+                                "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
+                                "if the host has the memory" if plan.platform == "gpu" else ""))):
     if limit is not None and plan.pinned_bytes > limit:
       raise AdmissionError(
           f"jaxtier: plan refused before allocating anything: it needs "

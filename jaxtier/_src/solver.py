@@ -232,8 +232,9 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cm.Activatio
   for stage in stages:
     share = sum(p.compute_secs for p in stage) / total_layer if total_layer > 0 else 0.0
     opts = []
+    free = {p.index for p in stage if len(p.options) > 1}
     for assign in _stage_options(stage):
-      if not allow_host_params and any(v != DEVICE for v in assign.values()):
+      if not allow_host_params and any(assign[i] != DEVICE for i in free):
         continue
       weight = 0
       forced: set[int] = set()
@@ -338,8 +339,9 @@ def solve(problem: Problem) -> Solution:
   """Minimises the predicted step time under the device and host budgets.
 
   Returns:
-    The fastest `Solution` that fits; when none fits, the one with the smallest predicted peak
-    device memory (then the fewest pinned bytes), with `fits=False`.
+    The fastest `Solution` that fits; when none fits, the rule-based plan (every movable
+    optimizer-state item on the host, parameters on the device, the traced activation policy)
+    with `fits=False`.
   """
   updates = problem.updates
   fixed_host = frozenset(u for u, it in enumerate(updates) if it.fixed and it.fixed != DEVICE)
@@ -353,42 +355,36 @@ def solve(problem: Problem) -> Solution:
   if problem.activations is not None:
     acts = list(cm.activation_choices(problem.activations).values())
   best: "Solution | None" = None
-  fallback: "Solution | None" = None
   for act in acts:
     for k in levels:
       host = fixed_host | frozenset(movable[:k])
       for allow in (False, True):
         sol = _evaluate(problem, host, act, allow)
-        if sol is None:
+        if sol is None or not sol.fits:
           continue
-        key_fit = (sol.prediction.step_secs, sol.prediction.pinned_bytes)
-        if sol.fits and (best is None or key_fit < (best.prediction.step_secs,
-                                                     best.prediction.pinned_bytes)):
+        key = (sol.prediction.step_secs, sol.prediction.pinned_bytes)
+        if best is None or key < (best.prediction.step_secs, best.prediction.pinned_bytes):
           best = sol
-        key_min = (sol.prediction.peak_hbm_bytes, sol.prediction.pinned_bytes)
-        if fallback is None or key_min < (fallback.prediction.peak_hbm_bytes,
-                                          fallback.prediction.pinned_bytes):
-          fallback = sol
   if best is not None:
     return best
-  if fallback is None:  # no option is even defined (capacity < 0 everywhere): all on host
-    fallback = _max_offload(problem, acts)
-  return dataclasses.replace(fallback, fits=False)
+  return rule_based(problem)
 
 
-def _max_offload(problem: Problem, acts) -> Solution:
-  """Every movable item on the host, the smallest activation footprint, no budget applied."""
-  act = min(acts, key=lambda a: a.device_delta_bytes if a else 0)
+def rule_based(problem: Problem) -> Solution:
+  """Every movable optimizer-state item on the host (fastest executor), parameters on the
+  device, the traced activation policy: the plan of policy 'optimizer_state_on_host'."""
+  act = None
+  if problem.activations is not None:
+    act = cm.activation_choices(problem.activations)[problem.activations.traced]
   unlimited = dataclasses.replace(problem, device_budget=None, host_budget=None)
-  params = tuple(dataclasses.replace(p, options=(p.options[-1],)) if len(p.options) > 1 else p
-                 for p in problem.params)
-  host = frozenset(range(len(problem.updates))) - frozenset(
-      u for u, it in enumerate(problem.updates) if it.fixed == DEVICE)
-  sol = _evaluate(dataclasses.replace(unlimited, params=params), host, act, True)
-  assert sol is not None  # no budget: always defined
+  host = frozenset(u for u, it in enumerate(problem.updates) if it.fixed != DEVICE)
+  sol = _evaluate(unlimited, host, act, False)
   budget = problem.device_budget
-  return dataclasses.replace(sol, device_free_bytes=None if budget is None else int(
-      budget - sol.prediction.peak_hbm_bytes))
+  pred = sol.prediction
+  fits = (budget is None or pred.peak_hbm_bytes <= budget) and (
+      problem.host_budget is None or pred.pinned_bytes <= problem.host_budget)
+  return dataclasses.replace(sol, fits=fits, device_free_bytes=None if budget is None else int(
+      budget - pred.peak_hbm_bytes))
 
 
 # ---- building the problem from a traced step ----------------------------------------------------
