@@ -497,6 +497,8 @@ def _apply(sol: "solver.Solution", problem: "solver.Problem", inv: Inventory,
   fit = ("no device budget" if budget is None else
          f"predicted peak {format_bytes(pred.peak_hbm_bytes)} of the "
          f"{format_bytes(budget)} device budget")
+  if not sol.fits:
+    fit = "no plan fits the budgets; the rule-based plan keeps it here: see the notes"
   for u, item in enumerate(problem.updates):
     if item.fixed:
       continue
@@ -508,6 +510,12 @@ def _apply(sol: "solver.Solution", problem: "solver.Problem", inv: Inventory,
         executor_leaves.discard(i)
         reasons[i] = (f"optimizer state: fits on the device ({fit}); on the host its update "
                       f"would add {item.best()[1].secs * 1e3:.3g} ms per step")
+      elif not sol.fits:
+        placement[i] = where
+        executor_leaves.add(i)
+        reasons[i] = (f"optimizer state: no plan fits the budgets, so on the host as the "
+                      f"rule-based plan has it; updated by {where} "
+                      f"({cost.secs * 1e3:.3g} ms per step after the backward pass)")
       else:
         placement[i] = where
         executor_leaves.add(i)

@@ -298,8 +298,18 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cm.Activatio
 def _knapsack(stage_opts, capacity: int, secs_of) -> "list | None":
   """Min total seconds over stages, one option each, total weight <= capacity (bytes).
 
-  Weights are rounded up to buckets of capacity / NUM_BUCKETS bytes (never under-counted).
+  Weights are discretised into buckets of capacity / NUM_BUCKETS bytes: first rounded to the
+  nearest bucket (an exact fit stays feasible); if the choice's exact bytes exceed the
+  capacity, again rounded up (never under-counted).
   """
+  for rounding in (round, math.ceil):
+    chosen = _knapsack_rounded(stage_opts, capacity, secs_of, rounding)
+    if chosen is not None and sum(opt[0] for opt in chosen) <= capacity:
+      return chosen
+  return None
+
+
+def _knapsack_rounded(stage_opts, capacity: int, secs_of, rounding) -> "list | None":
   unit = max(1.0, capacity / NUM_BUCKETS)
   nb = int(math.floor(capacity / unit))
   inf = math.inf
@@ -310,7 +320,7 @@ def _knapsack(stage_opts, capacity: int, secs_of) -> "list | None":
     new = np.full(nb + 1, inf)
     arg = np.full(nb + 1, -1, np.int64)
     for k, opt in enumerate(opts):
-      w = int(math.ceil(opt[0] / unit)) if opt[0] > 0 else 0
+      w = int(rounding(opt[0] / unit)) if opt[0] > 0 else 0
       if w > nb:
         continue
       cand = np.full(nb + 1, inf)
@@ -330,7 +340,7 @@ def _knapsack(stage_opts, capacity: int, secs_of) -> "list | None":
     k = int(choice[s][end])
     opt = stage_opts[s][k]
     out.append(opt)
-    w = int(math.ceil(opt[0] / unit)) if opt[0] > 0 else 0
+    w = int(rounding(opt[0] / unit)) if opt[0] > 0 else 0
     end -= w
   return out[::-1]
 
