@@ -402,7 +402,7 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   result, _ = planner.make_plan(
       inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
       host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,
-      step_costs=_step_costs(inv, state, args, platform, options.policy),
+      step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
       streamable=streamable, dha_readable=dha_readable, activations=activations)
   if platform != here:
     result = dataclasses.replace(result, notes=result.notes + (
@@ -413,10 +413,12 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
 
 
 def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platform: str,
-                policy: Any) -> "cost_model.StepCosts":
-  """FLOPs and transient bytes of the device-only step (compiled only when the solver runs)."""
+                policy: Any, always: bool = False) -> "cost_model.StepCosts":
+  """FLOPs and transient bytes of the device-only step (compiled when the solver runs, or
+  `always`: `jaxtier.plan` predicts for every policy)."""
   leaves = jax.tree_util.tree_leaves(state)
-  solves = not (isinstance(policy, str) and policy in ("none", planner.OPTIMIZER_STATE_ON_HOST))
+  solves = always or not (isinstance(policy, str)
+                          and policy in ("none", planner.OPTIMIZER_STATE_ON_HOST))
   return cost_model.measure_step(
       inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
       state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves)

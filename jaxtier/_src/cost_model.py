@@ -612,6 +612,9 @@ def safe_div(a: float, b: float) -> float:
   return a / b if b else (math.inf if a else 0.0)
 
 
+_COMPILED_FIGURES: dict[Any, "MemoryFigures | None"] = {}
+
+
 def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *,
                  platform: str, state_device_bytes: int, compile_step: bool = True) -> StepCosts:
   """`StepCosts` of the device-only step (every state leaf on the device), per device.
@@ -644,6 +647,7 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
     return StepCosts(transient_bytes=0, transient_source="estimate: the gradients only "
                      "(device-only step not compiled)", **base)
   here = jax.default_backend()
+  key = None
   try:
     def spec(x, kind):
       sharding = jc.named_sharding(x, kind, mesh) if mesh is not None else None
@@ -651,9 +655,18 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
     avals = [spec(x, "device") for x in state] + [
         spec(x, getattr(getattr(x, "sharding", None), "memory_kind", None) or "device")
         for x in args]
-    fn = jex.core.jaxpr_as_fun(closed_jaxpr)
-    compiled = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals).compile()
-    fig = memory_figures(compiled)
+    # The same step planned again (jaxtier.plan, then offload) is compiled once.
+    key = (str(closed_jaxpr), tuple(map(str, avals)), tuple(
+        str(getattr(a, "sharding", None)) for a in avals))
+    if key in _COMPILED_FIGURES:
+      fig = _COMPILED_FIGURES[key]
+    else:
+      fn = jex.core.jaxpr_as_fun(closed_jaxpr)
+      compiled = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals).compile()
+      fig = memory_figures(compiled)
+      if len(_COMPILED_FIGURES) > 16:
+        _COMPILED_FIGURES.clear()
+      _COMPILED_FIGURES[key] = fig
   except Exception as e:  # pylint: disable=broad-except  (an estimate: never fail the plan)
     return StepCosts(transient_bytes=0, transient_source=f"estimate: the gradients only "
                      f"(compiling the device-only step failed: {type(e).__name__})", **base)
