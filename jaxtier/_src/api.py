@@ -232,7 +232,8 @@ class OffloadedStep:
       self._ensure_plan(state, example_args)
     inv_lib.check_leaves("OffloadedStep.place", state)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    placed = [jax.device_put(x, s) for x, s in zip(leaves, self._shardings(state))]
+    placed = [_put(x, s, lp) for x, s, lp in zip(leaves, self._shardings(state),
+                                                  self.plan.leaves)]
     self._refresh_masters(leaves, placed)
     return jax.tree_util.tree_unflatten(treedef, placed)
 
@@ -292,6 +293,30 @@ class OffloadedStep:
     return self._jitted.lower(leaves, self._masters or [
         jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
         for i in lowering.master_indices(self._compiled)], jax.tree_util.tree_leaves(args))
+
+
+def _put(x: Any, sharding: Any, leaf: "planner.LeafPlan") -> Any:
+  """`jax.device_put(x, sharding)`; an allocation failure is raised naming the leaf and sizes.
+
+  Raises:
+    jaxtier.AdmissionError: the memory kind's allocator could not hold the leaf (for pinned_host
+      on a GPU: XLA's pinned pool, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, or the host's
+      page-locking limits for one allocation of this size).
+  """
+  try:
+    return jax.device_put(x, sharding)
+  except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError has no stable home)
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+      raise
+    hint = ("XLA's pinned host pool is capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by "
+            "default) and allocates each leaf in one piece: raise the cap if the host has the "
+            "memory, or keep the leaf on the device (policy)" if leaf.memory_kind == "pinned_host"
+            else "lower device_budget so that the plan moves more state to the host")
+    raise planner.AdmissionError(
+        f"OffloadedStep.place: could not allocate leaf {leaf.path} ({leaf.dtype}"
+        f"{list(leaf.shape)}, {planner.format_bytes(leaf.nbytes)} = {leaf.nbytes} bytes per "
+        f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.") from e
 
 
 def _arrays(api: str, state: Any) -> Any:
