@@ -369,9 +369,9 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
 
   act_policy = None
   if solve:
-    sol = solver.solve(problem_for(placement))
-    _apply(sol, problem_for(placement), inv, placement, reasons, executor_leaves, user_fixed,
-           solver_budget)
+    problem = problem_for(placement)
+    sol = solver.solve(problem)
+    _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, solver_budget)
     compiled, masters = _cut(inv, placement, reasons, executor_leaves, hardware)
     if not sol.fits:
       notes.append(_not_fitting(sol, solver_budget, host_limit))
