@@ -141,13 +141,17 @@ class OffloadedStep:
     if plan.predicted_peak_hbm_bytes is None:
       return None
     leaves = jax.tree_util.tree_leaves(state)
-    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    try:  # Shapes only: the state may not be placed yet (`place` plans before it moves).
+    state_sh = self._shardings(state)
+    # Shapes with the shardings the call will see (the state may not be placed yet: `place`
+    # plans before it moves): then the first call reuses this compilation.
+    spec = lambda x, sh: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+    try:
       lowered = self._jitted.lower(
-          [spec(x) for x in leaves],
-          [jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.float32)
+          [spec(x, sh) for x, sh in zip(leaves, state_sh)],
+          [jax.ShapeDtypeStruct(np.shape(leaves[i]), jnp.float32,
+                                sharding=state_sh[i].with_memory_kind("pinned_host"))
            for i in lowering.master_indices(self._compiled)],
-          [spec(x) for x in jax.tree_util.tree_leaves(args)])
+          [spec(x, getattr(x, "sharding", None)) for x in jax.tree_util.tree_leaves(args)])
       ok, fig = cost_model.verify(plan, lowered)
     except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
       log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)
