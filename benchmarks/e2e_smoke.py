@@ -48,6 +48,9 @@ def child(variant: str) -> None:
   import jaxtier  # noqa: F401  pylint: disable=g-import-not-at-top
   from jaxtier.examples import llama, train  # pylint: disable=g-import-not-at-top
   dtype, offload = variant.split(":")
+  # 'auto' here names the run with AdamW moments in pinned_host: since the cost-model planner,
+  # policy 'auto' keeps a state that fits on the device, so ask for the rule by name.
+  offload = "optimizer_state_on_host" if offload == "auto" else offload
   config = llama.CONFIGS[_CONFIG.value]
   if dtype == "bf16":
     config = dataclasses.replace(config, param_dtype=jnp.bfloat16)

@@ -316,7 +316,7 @@ def e2e_run(devices, sharding_mode):
   tokens = data_lib.load_corpus(None)
   batches = data_lib.batches(tokens, batch_size, FLAGS.seq_len, seed=0)
   put = lambda b: jax.device_put(jnp.asarray(b), NamedSharding(mesh, P("d")))
-  step = jaxtier.offload(train_step)
+  step = jaxtier.offload(train_step, policy="optimizer_state_on_host")
   batch = put(next(batches))
   t0 = time.perf_counter()
   state = step.place(state, batch)
@@ -398,7 +398,7 @@ def print_fetch(f):
 
 
 def print_e2e(e):
-  print(f"\ne2e {e['config']} decoder, jaxtier.offload(auto), {e['sharding']}, "
+  print(f"\ne2e {e['config']} decoder, jaxtier.offload(optimizer_state_on_host), {e['sharding']}, "
         f"per device batch {e['batch_per_device']} x {e['seq_len']}")
   print(f"{'devices':<10}{'ms/step':>10}{'tokens/s':>14}{'pinned/dev MiB':>16}{'last loss':>11}")
   for key in ("n", "one"):

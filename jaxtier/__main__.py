@@ -4,11 +4,13 @@ Commands:
   train   train the example Flax NNX decoder on real text (flags: see `--helpfull`;
           `--offload=auto` places state through `jaxtier.offload`).
   plan    print the plan `jaxtier.offload` would make for an example config, without
-          allocating it (`--config`, `--batch_size`, `--seq_len`, `--device_budget`,
-          `--host_budget`, `--json`, `--platform`).
-  calibrate  measure this machine's host-update rates (the CPU executor today; the GPU
-          rates keep MEASURED.md's H200 defaults) and store the profile as JSON in the user's
-          cache directory (`--json` prints it).
+          allocating it: per leaf its placement and why, the predicted step time, critical
+          path and peak HBM (`--config`, `--batch_size`, `--seq_len`, `--device_budget`,
+          `--host_budget`, `--offload` (the policy), `--remat_policy`, `--json`,
+          `--platform`, `--plot=plan.png`, `--stream`).
+  calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
+          matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
+          the profile as JSON in the user's cache directory (`--json` prints it).
 """
 
 from __future__ import annotations
@@ -23,44 +25,132 @@ import jaxtier  # (imports jax first)
 from jaxtier.examples import train as train_lib
 
 COMMANDS = ("train", "plan", "calibrate")
-_JSON = flags.DEFINE_bool("json", False, "plan: print the plan as JSON.")
+_JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools).")
 _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
                               "plan: plan for this platform's executors (default: this machine's).")
+_PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host bytes per leaf "
+                            "group into this image file (e.g. plan.png).")
+_STREAM = flags.DEFINE_bool("stream", False, "plan: let the planner stream parameters from "
+                            "pinned_host (host_stream), for what-if plans.")
 
 
 def plan_main() -> None:
   """Prints the plan for the example decoder config of `--config`, allocating nothing."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
   config = llama.CONFIGS[flags.FLAGS.config]
+  if flags.FLAGS.remat_policy:
+    config = dataclasses.replace(config, remat_policy=None if flags.FLAGS.remat_policy == "none"
+                                 else flags.FLAGS.remat_policy)
   defaults = train_lib.RUN_DEFAULTS.get(flags.FLAGS.config)
   batch = flags.FLAGS.batch_size or (defaults.batch_size if defaults else 8)
   seq_len = flags.FLAGS.seq_len or config.max_seq_len
   _, state, step = train_lib.make_train_state(config, 1e-3, abstract=True)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   platform = _PLATFORM.value or jax.default_backend()
+  policy = flags.FLAGS.offload if flags.FLAGS.offload != "none" else "none"
+  streamable = frozenset()
+  if _STREAM.value:
+    streamable = frozenset(i for i, leaf in enumerate(jax.tree_util.tree_leaves(state))
+                           if len(leaf.shape) >= 2 and jnp.issubdtype(leaf.dtype, jnp.floating))
   refused = None
   try:
     plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
-                        host_budget=flags.FLAGS.host_budget or None, platform=platform)
+                        host_budget=flags.FLAGS.host_budget or None, platform=platform,
+                        policy=policy, streamable=streamable,
+                        activations=llama.activation_model(config, batch, seq_len))
   except jaxtier.PlanError as e:
     if e.plan is None:
       raise app.UsageError(str(e)) from e
     plan, refused = e.plan, str(e)
+  if _PLOT.value:
+    path = plot_plan(plan, _PLOT.value, title=f"jaxtier plan: {flags.FLAGS.config} on "
+                     f"{platform}, batch {batch} x seq {seq_len}")
   if _JSON.value:
     print(plan.to_json())
     return
   if platform == "gpu" and jax.default_backend() != "gpu":
-    print("note: no GPU here; planning for a GPU with the stored or default hardware profile "
-          "(pinnable host memory not checked)")
+    from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
+    prof = profile.load(platform=platform, warn=False)
+    print(f"note: no GPU here; planning for a GPU with the "
+          f"{'default (H200) hardware profile' if prof.is_default else 'stored hardware profile'}"
+          f" ({prof.source}); pinnable host memory from that profile")
   print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
-        f"seq {seq_len}")
+        f"seq {seq_len}, remat_policy {config.remat_policy}")
   print(plan)
+  if _PLOT.value:
+    print(f"plot: {path}")
   if refused:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
     sys.exit(1)
+
+
+def leaf_group(path: str, role: str) -> str:
+  """A leaf's group for summaries: its role and first three named path components."""
+  import re  # pylint: disable=g-import-not-at-top
+  names = [a or b for a, b in re.findall(r"\['([^']+)'\]|\.([A-Za-z_]\w*)", path)]
+  names = [n for n in names if n != "value"]
+  return f"{role}: {'/'.join(names[:3]) or path}"
+
+
+def plot_plan(plan, path: str, *, title: str = "jaxtier plan") -> str:
+  """Draws device and pinned host bytes per leaf group of `plan` into the image `path`.
+
+  Two panels of horizontal bars: HBM (device state per group, with the predicted peak and the
+  budget planned against as lines) and pinned host memory (host leaves and fp32 masters).
+
+  Returns:
+    The path written.
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  groups: dict[str, list[float]] = {}
+  for leaf in plan.leaves:
+    g = groups.setdefault(leaf_group(leaf.path, leaf.role), [0.0, 0.0])
+    if leaf.memory_kind == "device":
+      g[0] += leaf.nbytes
+    else:
+      g[1] += leaf.nbytes
+    g[1] += leaf.master_nbytes
+  names = sorted(groups, key=lambda k: -(groups[k][0] + groups[k][1]))
+  if plan.predicted_peak_hbm_bytes:
+    transient = "transient: gradients, activations, workspace (predicted)"
+    groups[transient] = [max(0, plan.predicted_peak_hbm_bytes - plan.device_bytes), 0.0]
+    names.insert(0, transient)
+  gib = 2.0**30
+  fig, axes = plt.subplots(1, 2, figsize=(13, 1.2 + 0.35 * max(4, len(names))), sharey=True)
+  ys = range(len(names))
+  axes[0].barh(ys, [groups[n][0] / gib for n in names], color="tab:blue")
+  axes[0].set_title("device (HBM), GiB per device")
+  if plan.predicted_peak_hbm_bytes:
+    axes[0].axvline(plan.predicted_peak_hbm_bytes / gib, color="tab:red", ls="--",
+                    label=f"predicted peak {plan.predicted_peak_hbm_bytes / gib:.1f}")
+  budget = plan.planned_device_budget or plan.device_budget
+  if budget:
+    axes[0].axvline(budget / gib, color="black", ls=":", label=f"budget {budget / gib:.1f}")
+  axes[1].barh(ys, [groups[n][1] / gib for n in names], color="tab:orange")
+  axes[1].set_title(f"pinned host, GiB per device (total {plan.pinned_bytes / gib:.1f})")
+  if plan.host_budget:
+    axes[1].axvline(plan.host_budget / gib, color="black", ls=":",
+                    label=f"budget {plan.host_budget / gib:.1f}")
+  axes[0].set_yticks(list(ys))
+  axes[0].set_yticklabels(names, fontsize=8)
+  axes[0].invert_yaxis()
+  for ax in axes:
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=8, loc="lower right")
+  step = (f"predicted step {plan.predicted_step_secs * 1e3:.0f} ms, critical path "
+          f"{plan.critical_path}" if plan.predicted_step_secs is not None else "")
+  fig.suptitle(f"{title}\n{step}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
 
 
 def main(argv: list[str]) -> None:
@@ -86,16 +176,20 @@ def calibrate_main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
 
   from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
-  prof = profile.calibrate()
+  prof = jaxtier.calibrate()
   path = profile.save(prof)
   if _JSON.value:
     print(json.dumps(dataclasses.asdict(prof), indent=1))
     return
   if jax.default_backend() != "gpu":
-    print("warning: no GPU here: link, zero-copy and DHA rates are the H200 defaults "
-          "(../shared/MEASURED.md); only the host CPU executor was measured")
-  for field in dataclasses.fields(prof):
-    print(f"{field.name:<28} {getattr(prof, field.name):.4g}")
+    print("warning: no GPU here: the link, zero-copy, matmul and HBM figures are the H200 "
+          "defaults (../shared/MEASURED.md); only the host side was measured")
+  default = profile.DEFAULT_PROFILE.rates()
+  for name, value in prof.rates().items():
+    mark = "" if value != default[name] else "  (default)"
+    print(f"{name:<28} {value:.4g}{mark}")
+  print(f"{'device_kind':<28} {prof.device_kind}")
+  print(f"{'versions':<28} {prof.versions}")
   print(f"split share of the DHA kernel: {profile.split_fraction(prof):.3f}")
   print(f"saved to {path}")
 

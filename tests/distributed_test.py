@@ -107,7 +107,7 @@ WORKER = textwrap.dedent("""
     gathered = multihost_utils.process_allgather(state["params"], tiled=True)
     for k, v in gathered.items():
       shards[f"gathered:{k}"] = np.asarray(v)
-    hlo = step.lower(state, batch).compile().as_text()
+    hlo = step.lower_update(state, batch).compile().as_text()
 
     # Admission counts both local devices' shards against this host's free memory.
     from jaxtier._src import planner
@@ -127,7 +127,7 @@ WORKER = textwrap.dedent("""
     local_run = dict(error=None)
     try:
       lp, lx, ly = T.host_data(seed=1 + pid)
-      local = jaxtier.offload(T.train_step)
+      local = jaxtier.offload(T.train_step, policy="optimizer_state_on_host")
       ls = local.place({"params": lp, "opt": jax.tree.map(np.asarray, T.TX.init(lp))}, (lx, ly))
       local_run["losses"] = []
       for _ in range(3):

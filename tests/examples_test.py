@@ -167,7 +167,7 @@ def test_run_is_deterministic(corpus):
 def test_decoder_offloaded_equals_device_50_steps(corpus):
   # The bar: same seed, 50 steps, fp32: loss traces equal within 1e-5 relative.
   ref = _run(corpus, steps=50, offload="none", log_every=50)
-  got = _run(corpus, steps=50, offload="auto", log_every=50)
+  got = _run(corpus, steps=50, offload="optimizer_state_on_host", log_every=50)
   np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
   assert np.mean(ref["losses"][-5:]) < np.mean(ref["losses"][:5]) - 0.5
   # Every AdamW moment lives in pinned_host and is updated there; params stay on device.
@@ -187,7 +187,7 @@ def test_decoder_streamed_params_equal_device(corpus):
 def test_run_offload_auto_passes_budgets(corpus):
   import jaxtier
   with pytest.raises(jaxtier.AdmissionError, match=r"over the host budget of 1000 B"):
-    _run(corpus, steps=1, offload="auto", host_budget="1000")
+    _run(corpus, steps=1, offload="optimizer_state_on_host", host_budget="1000")
 
 
 def test_run_rejects_bad_arguments(corpus):
@@ -205,7 +205,8 @@ def test_bf16_params_get_masters_under_remat_and_scan():
   cfg = dataclasses.replace(MICRO, param_dtype=jnp.bfloat16,
                             remat_policy="dots_with_no_batch_dims_saveable")
   _, state, step = train.make_train_state(cfg, 1e-3, abstract=True)
-  plan = jaxtier.plan(step, state, jax.ShapeDtypeStruct((2, 9), jnp.int32))
+  plan = jaxtier.plan(step, state, jax.ShapeDtypeStruct((2, 9), jnp.int32),
+                      policy="optimizer_state_on_host")
   params = [l for l in plan.leaves if l.path.startswith("[0]")]
   assert params and all(l.master_nbytes == l.nbytes * 2 for l in params), [
       (l.path, l.master_nbytes) for l in params if l.master_nbytes != l.nbytes * 2]

@@ -128,7 +128,7 @@ def test_reference_equals_handler_on_adamw_program():
     return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
   g = jax.tree.map(lambda p: p * 0.01 + 0.1, params)
   want, _ = jax.jit(step)(jax.tree.map(jnp.copy, state), g)
-  off = jaxtier.offload(step)
+  off = jaxtier.offload(step, policy="optimizer_state_on_host")
   placed = off.place(jax.tree.map(jnp.copy, state), g)
   assert off.plan.num_host_updates == 1
   got, _ = off(placed, g)
@@ -163,7 +163,7 @@ def _offloaded_mlp(device=None):
     u, o = tx.update(g, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
   batch = jnp.ones((16, 64)) if device is None else jax.device_put(jnp.ones((16, 64)), device)
-  off = jaxtier.offload(step)
+  off = jaxtier.offload(step, policy="optimizer_state_on_host")
   return off, off.place(state, batch), batch
 
 
@@ -217,7 +217,7 @@ def test_adamw_on_gpu_matches_optax_device(gpu):
   batch = jax.device_put(jnp.asarray(rng.normal(size=(64, 1024)), jnp.float32), gpu)
   ref = jax.jit(step, donate_argnums=0)
   s_ref = {"params": jax.tree.map(jnp.copy, params), "opt": tx.init(params)}
-  off = jaxtier.offload(step)
+  off = jaxtier.offload(step, policy="optimizer_state_on_host")
   s_off = off.place({"params": jax.tree.map(jnp.copy, params), "opt": tx.init(params)}, batch)
   assert set(off.plan.placements().values()) == {"device", "host_dha"}
   # One step: the same fp32 arithmetic (XLA may contract a*b+c into an FMA, the kernel does

@@ -14,6 +14,9 @@ from conftest import optax_train_step
 # The executor of host-resident updates: host CPU threads on the CPU backend, the DHA kernel on
 # a GPU (these tests run on both; the H200 benchmark script runs them there).
 HOST_EXEC = "host_dha" if jax.default_backend() == "gpu" else "host_cpu"
+# The rule-based plan (every optimizer-state leaf to pinned_host): what these tests of the host
+# update need. Policy 'auto' keeps a state that fits on the device (planner_test.py tests it).
+ON_HOST = "optimizer_state_on_host"
 
 
 def _mlp_state(tx, dtype=jnp.float32, seed=0):
@@ -66,7 +69,7 @@ def test_adamw_offloaded_equals_device_50_steps():
 
 
 def test_plan_places_optimizer_state_in_pinned_host():  # case C4: pinned only
-  step = jaxtier.offload(_step_fn(TX))
+  step = jaxtier.offload(_step_fn(TX), policy=ON_HOST)
   state = step.place(_mlp_state(TX), _batch())
   placements = step.plan.placements()
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -89,7 +92,7 @@ def test_plan_places_optimizer_state_in_pinned_host():  # case C4: pinned only
 def test_bf16_params_get_fp32_masters():
   tx = optax.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32)
   step_fn = _step_fn(tx)
-  step = jaxtier.offload(step_fn)
+  step = jaxtier.offload(step_fn, policy=ON_HOST)
   state = step.place(_mlp_state(tx, jnp.bfloat16), _batch())
   masters = {l.path: l.master_nbytes for l in step.plan.leaves if l.master_nbytes}
   assert masters == {"['params']['b']": 16, "['params']['w1']": 16 * 32 * 4,
@@ -214,7 +217,7 @@ def test_bad_budget_is_refused(kw):
 def test_admission_refuses_before_allocating_state_intact():  # case C5
   state = _mlp_state(TX)
   before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
-  step = jaxtier.offload(_step_fn(TX), host_budget=1000)
+  step = jaxtier.offload(_step_fn(TX), host_budget=1000, policy=ON_HOST)
   with pytest.raises(jaxtier.AdmissionError) as err:
     step.place(state, _batch())
   msg = str(err.value)
@@ -251,7 +254,7 @@ def test_step_must_return_state_and_metrics():
 
 def test_jaxtier_plan_does_not_place():
   state = _mlp_state(TX)
-  p = jaxtier.plan(_step_fn(TX), state, _batch())
+  p = jaxtier.plan(_step_fn(TX), state, _batch(), policy=ON_HOST)
   assert p.num_host_updates == 3
   assert all(x.sharding.memory_kind == "device" for x in jax.tree.leaves(state))
   assert p.bytes_by_memory_kind()["pinned_host"] == 2 * (16 * 32 + 32 * 4 + 4) * 4
@@ -274,7 +277,7 @@ def test_tree_wide_jitted_update_is_still_fused_per_leaf():
   tx = optax.GradientTransformation(init, update)
   step_fn = _step_fn(tx)
   _, ref = _train(jax.jit(step_fn, donate_argnums=0), _mlp_state(tx), 10)
-  step = jaxtier.offload(step_fn)
+  step = jaxtier.offload(step_fn, policy=ON_HOST)
   state = step.place(_mlp_state(tx), _batch())
   assert step.plan.num_host_updates == 3
   assert {l.placement for l in step.plan.leaves if l.path.startswith("['opt']")} == {HOST_EXEC}
@@ -287,12 +290,12 @@ def test_replan_after_placement_with_new_batch_shape():
   step_fn = _step_fn(TX)
   ref_state, _ = _train(jax.jit(step_fn, donate_argnums=0), _mlp_state(TX), 2)
   ref_state, ref_m = jax.jit(step_fn, donate_argnums=0)(ref_state, tuple(b[:32] for b in _batch(2)))
-  step = jaxtier.offload(step_fn)
+  step = jaxtier.offload(step_fn, policy=ON_HOST)
   state, _ = _train(step, step.place(_mlp_state(TX), _batch()), 2)
   state, m = step(state, tuple(b[:32] for b in _batch(2)))
   np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5)
   # A second wrapper accepts the placed state too.
-  other = jaxtier.offload(step_fn)
+  other = jaxtier.offload(step_fn, policy=ON_HOST)
   state, _ = other(state, _batch())
   assert state["opt"][0].mu["w1"].sharding.memory_kind == "pinned_host"
 
@@ -307,7 +310,8 @@ def test_bias_broadcast_against_activations_is_a_param_without_metrics():
     g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state["params"])
     u, o = tx.update(g, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
-  plan = jaxtier.plan(step, {"params": params, "opt": tx.init(params)}, jnp.ones((4, 16)))
+  plan = jaxtier.plan(step, {"params": params, "opt": tx.init(params)}, jnp.ones((4, 16)),
+                      policy=ON_HOST)
   roles = {l.path: (l.role, l.placement) for l in plan.leaves}
   assert roles["['params']['b']"] == ("param", "device")
   assert roles["['opt'][0].mu['b']"] == ("optimizer_state", HOST_EXEC)
@@ -329,7 +333,7 @@ def test_same_array_twice_in_state_and_key_leaves():
             "init": state["init"], "mu": mu, "key": k}, {}
   fresh = lambda: {"params": params, "init": params["w"], "mu": jnp.zeros((16, 4)), "key": key}
   want, _ = jax.jit(step)(fresh(), jnp.ones((2, 16)))
-  off = jaxtier.offload(step)
+  off = jaxtier.offload(step, policy=ON_HOST)
   got, _ = off(off.place(fresh(), jnp.ones((2, 16))), jnp.ones((2, 16)))
   assert {l.path: l.dtype for l in off.plan.leaves}["['key']"] == "key<fry>"
   np.testing.assert_allclose(np.asarray(got["params"]["w"]), np.asarray(want["params"]["w"]),
@@ -350,8 +354,11 @@ def test_gpu_plan_keeps_the_chosen_executor_per_fused_call():
   assert p["['opt'][0].nu['w1']"].placement == "host_cpu"
   assert p["['opt'][0].mu['w1']"].placement == "host_cpu"
   assert "shares a fused call with (host_cpu)" in p["['opt'][0].mu['w1']"].reason
+  rule = jaxtier.plan(_step_fn(TX), state, _batch(), platform="gpu", policy=ON_HOST)
+  assert {l.placement for l in rule.leaves if l.role == "optimizer_state"} == {"host_dha"}
+  # 'auto' with no budget: the state fits the (default) H200 budget, so it stays on the device.
   auto = jaxtier.plan(_step_fn(TX), state, _batch(), platform="gpu")
-  assert {l.placement for l in auto.leaves if l.role == "optimizer_state"} == {"host_dha"}
+  assert {l.placement for l in auto.leaves} == {"device"}
 
 
 def test_failed_step_leaves_state_usable():
@@ -386,7 +393,7 @@ def test_step_failing_at_run_time_leaves_host_leaves_intact():
     jax.debug.callback(boom, fail)
     return _step_fn(TX)(state, batch)
 
-  step = jaxtier.offload(step_fn)
+  step = jaxtier.offload(step_fn, policy="optimizer_state_on_host")
   state = step.place(_mlp_state(TX), _batch(), jnp.asarray(False))
   state, _ = step(state, _batch(), jnp.asarray(False))  # one good step: moments are nonzero
   host = {l.path for l in step.plan.leaves if l.memory_kind == "pinned_host"}

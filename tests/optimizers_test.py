@@ -1,8 +1,8 @@
 """Any elementwise optax optimizer runs through the fused host update and trains like `jax.jit`.
 
 For each optimizer of the table: 50 steps of a small MLP, offloaded (`jaxtier.offload`, policy
-'auto') against plain device training (`jax.jit(step, donate_argnums=0)`) from the same seed.
-Losses agree to 1e-5 relative, final params and optimizer state to fp32 tolerance, and the plan
+'optimizer_state_on_host') against plain device training (`jax.jit(step, donate_argnums=0)`)
+from the same seed. Losses agree to 1e-5 relative, final params and optimizer state to fp32 tolerance, and the plan
 puts every moment leaf on the host executor (`host_cpu` on CPU, `host_dha` on GPU). Optimizers
 whose update is not one elementwise pass (Adafactor's factored moments, a Shampoo-like
 preconditioner, MultiSteps' `cond` over the whole tree) train the same through XLA's
@@ -23,6 +23,8 @@ import jaxtier
 from conftest import optax_train_step
 
 HOST_EXEC = "host_dha" if jax.default_backend() == "gpu" else "host_cpu"
+# Every optimizer-state leaf on the host ('auto' keeps a state that fits on the device).
+ON_HOST = "optimizer_state_on_host"
 STEPS = 50
 SHAPES = {"dense1": {"kernel": (12, 24), "bias": (24,)},
           "dense2": {"kernel": (24, 16), "bias": (16,)},
@@ -205,7 +207,7 @@ def test_offloaded_equals_device_training(name, device_runs):
   make, expect = OPTIMIZERS[name]
   tx = make()
   ref_state, ref = device_runs(name)
-  step = jaxtier.offload(_step_fn(tx))
+  step = jaxtier.offload(_step_fn(tx), policy=ON_HOST)
   state = step.place(_state(tx), _batch(0))
   plan = {leaf.path: leaf for leaf in step.plan.leaves}
   moments = [leaf for leaf in step.plan.leaves
@@ -257,7 +259,7 @@ def test_clip_by_global_norm_scaling_is_fused_as_a_scalar():
   # gradient by it is elementwise: the program reads the raw gradient once and the norm as a
   # scalar operand, and the moments are updated on the host.
   tx = OPTIMIZERS["clip_by_global_norm_adamw"][0]()
-  step = jaxtier.offload(_step_fn(tx))
+  step = jaxtier.offload(_step_fn(tx), policy=ON_HOST)
   step.place(_state(tx), _batch(0))
   assert all(l.placement == HOST_EXEC for l in step.plan.leaves
              if ".mu[" in l.path or ".nu[" in l.path)
@@ -269,7 +271,7 @@ def test_clip_by_global_norm_scaling_is_fused_as_a_scalar():
 
 def test_adam_reads_the_gradient_once():
   tx = optax.adam(1e-2)
-  step = jaxtier.offload(_step_fn(tx))
+  step = jaxtier.offload(_step_fn(tx), policy=ON_HOST)
   step.place(_state(tx), _batch(0))
   for prims, arrays, _ in _host_update_inputs(step):
     assert "integer_pow" in prims and len(arrays) == 1, (prims, arrays)
@@ -288,7 +290,7 @@ def test_bf16_params_with_fp32_masters(name):
   tx = OPTIMIZERS[name][0]()
   params = _params(jnp.bfloat16)
   masters = jax.tree.map(lambda p: p.astype(jnp.float32), params)  # as `place` derives them
-  step = jaxtier.offload(_step_fn(tx))
+  step = jaxtier.offload(_step_fn(tx), policy=ON_HOST)
   state = step.place({"params": params, "opt": tx.init(masters)}, _batch(0))
   assert "host_xla" not in [leaf.placement for leaf in step.plan.leaves]
   for leaf in step.plan.leaves:
@@ -326,7 +328,7 @@ def test_bf16_params_with_fp32_masters(name):
 def test_fallback_is_logged_with_leaf_and_reason(caplog):
   tx = OPTIMIZERS["shampoo_like"][0]()
   with caplog.at_level(logging.INFO, logger="jaxtier"):
-    jaxtier.plan(_step_fn(tx), _state(tx), _batch(0))
+    jaxtier.plan(_step_fn(tx), _state(tx), _batch(0), policy=ON_HOST)
   lines = [r.getMessage() for r in caplog.records if r.name == "jaxtier"]
   for path in ("['opt']['dense1']['kernel']", "['opt']['out']['kernel']"):
     assert any(path in line and "host_xla" in line and "not elementwise" in line

@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
       s1, l1 = make(), []
       for _ in range(10):
         s1, m = ref(s1, (xb, yb)); l1.append(float(m["loss"]))
-      off = jaxtier.offload(step)
+      off = jaxtier.offload(step, policy="optimizer_state_on_host")
       s2, l2 = off.place(make(), (xb, yb)), []
       for _ in range(10):
         s2, m = off(s2, (xb, yb)); l2.append(float(m["loss"]))
@@ -75,3 +75,87 @@ def test_data_parallel_and_fsdp_meshes(tmp_path):
   # FSDP: each device holds 1/8 of the moment in its pinned host memory; budgets count that.
   assert out["fsdp"]["mu_spec"] in ("P('d',)", "PartitionSpec('d',)")
   assert out["fsdp"]["mu_plan_bytes"] == 64 * 32 * 4 // 8
+
+
+PLAN_SCRIPT = textwrap.dedent("""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np, optax, jaxtier
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    devices = np.array(jax.devices())
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    def loss(p, x, y):
+      return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+    def step(state, batch):
+      x, y = batch
+      l, g = jax.value_and_grad(loss)(state["params"], x, y)
+      u, o = tx.update(g, state["opt"], state["params"])
+      return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": l}
+    meshes = {
+        "dp": (Mesh(devices, ("d",)), P(), P(), P("d")),
+        "fsdp": (Mesh(devices, ("d",)), P("d"), P("d"), P("d")),
+        # tensor parallel: w1 column-split, w2 row-split over 'model'; batch over 'data'.
+        "tp": (Mesh(devices.reshape(2, 4), ("data", "model")), P(None, "model"),
+               P("model", None), P("data")),
+    }
+    out = {}
+    for name, (mesh, s1, s2, sb) in meshes.items():
+      k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+      params = {"w1": jax.device_put(jax.random.normal(k1, (256, 512)) * .05, NamedSharding(mesh, s1)),
+                "w2": jax.device_put(jax.random.normal(k2, (512, 8)) * .05, NamedSharding(mesh, s2))}
+      make = lambda: {"params": jax.tree.map(jnp.copy, params), "opt": tx.init(params)}
+      xb = jax.device_put(jax.random.normal(k3, (16, 256)), NamedSharding(mesh, sb))
+      yb = jax.device_put(jnp.sin(xb[:, :8]), NamedSharding(mesh, sb))
+      full = jaxtier.plan(step, make(), (xb, yb))
+      nbytes = {l.path: l.nbytes for l in full.leaves}
+      moments_w1 = nbytes["['opt'][0].mu['w1']"] + nbytes["['opt'][0].nu['w1']"]
+      # Moving them frees moments_w1 but adds a buffer for the new w1 (moments_w1 / 4).
+      budget = int(full.predicted_peak_hbm_bytes - 0.5 * moments_w1)
+      off = jaxtier.offload(step, device_budget=budget)
+      s2_, l2 = off.place(make(), (xb, yb)), []
+      ref, s1_, l1 = jax.jit(step, donate_argnums=0), make(), []
+      for _ in range(5):
+        s1_, m = ref(s1_, (xb, yb)); l1.append(float(m["loss"]))
+        s2_, m = off(s2_, (xb, yb)); l2.append(float(m["loss"]))
+      mu = s2_["opt"][0].mu["w1"]
+      out[name] = dict(
+          nbytes=nbytes, full_device=sorted({l.placement for l in full.leaves}),
+          full_peak=full.predicted_peak_hbm_bytes, budget=budget,
+          peak=off.plan.predicted_peak_hbm_bytes, compiler_peak=off.plan.compiler_peak_hbm_bytes,
+          placements=off.plan.placements(), mu_kind=mu.sharding.memory_kind,
+          mu_spec=str(mu.sharding.spec), w1_spec=str(s2_["params"]["w1"].sharding.spec),
+          ref=l1, got=l2)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_planner_budgets_per_device_on_dp_fsdp_tp_meshes(tmp_path):
+  # Bytes per device are per shard; a per-device budget below the all-device peak moves the
+  # biggest moments (per shard) to pinned_host, keeping their sharding spec; training matches.
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], capture_output=True, text=True,
+                     env=env, cwd=tmp_path, timeout=600)
+  line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
+  assert p.returncode == 0 and line, p.stderr[-3000:]
+  out = json.loads(line[0][len("RESULT"):])
+  w1 = 256 * 512 * 4
+  expect = {"dp": (w1, "P()", "PartitionSpec()"),
+            "fsdp": (w1 // 8, "P('d',)", "PartitionSpec('d',)"),
+            "tp": (w1 // 4, "P(None, 'model')", "PartitionSpec(None, 'model')")}
+  for name, r in out.items():
+    per_device, *specs = expect[name]
+    assert r["nbytes"]["['params']['w1']"] == per_device, name
+    assert r["nbytes"]["['opt'][0].mu['w1']"] == per_device, name
+    assert r["full_device"] == ["device"], name  # no budget on CPU: everything on the device
+    assert r["peak"] <= r["budget"] < r["full_peak"], (name, r["peak"], r["budget"])
+    assert r["placements"]["['opt'][0].mu['w1']"] == "host_cpu", name
+    assert r["placements"]["['opt'][0].nu['w1']"] == "host_cpu", name
+    assert r["placements"]["['params']['w1']"] == "device", name
+    assert r["mu_kind"] == "pinned_host" and r["mu_spec"] in specs, (name, r["mu_spec"])
+    assert r["w1_spec"] in specs, (name, r["w1_spec"])
+    assert r["compiler_peak"] is not None, name
+    assert max(abs(a - b) / abs(b) for a, b in zip(r["got"], r["ref"])) < 1e-5, name
+  # The per-device peak shrinks with the shards: FSDP and TP hold less than DP.
+  assert out["fsdp"]["full_peak"] < out["dp"]["full_peak"]
+  assert out["tp"]["full_peak"] < out["dp"]["full_peak"]

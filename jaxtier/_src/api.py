@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
+from jaxtier._src import cost_model
 from jaxtier._src import inventory as inv_lib
 from jaxtier._src import jax_compat as jc
 from jaxtier._src import lowering
@@ -28,6 +30,8 @@ class _Missing:
 
 
 MISSING: Any = _Missing()
+# Re-plans after the compiled step's peak device memory came out over the budget.
+MAX_REPLANS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,8 +39,9 @@ class OffloadOptions:
   """Options of `jaxtier.offload` (validated when made).
 
   Attributes:
-    device_budget: device memory the state may take, bytes per device (int, or a string such
-      as '80GB'/'16GiB'); None: no limit.
+    device_budget: device memory the step may use at its peak (state, gradients, activations),
+      bytes per device (int, or a string such as '80GB'/'16GiB'); None: no limit (on a GPU,
+      the planner then plans against what the device has).
     host_budget: pinned host memory the plan may pin, bytes per device; None: no limit beyond
       what the host can pin.
     policy: 'auto', 'none', a callable `(path, LeafInfo) -> placement | None`, or a
@@ -97,15 +102,95 @@ class OffloadedStep:
     inv = inv_lib.take_inventory(self._fn, state, args)
     platform = jc.platform_of(jax.tree_util.tree_leaves(state)[0]) if jax.tree_util.tree_leaves(
         state) else jax.default_backend()
-    plan, compiled = planner.make_plan(
-        inv, platform=platform, policy=self._options.policy,
-        device_budget=self._options.device_budget, host_budget=self._options.host_budget,
-        pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
-        hardware=profile.load())
+    hardware = profile.load(platform=platform)
+    streamable = {l.index for l in inv.leaves if l.role == inv_lib.PARAM
+                  and not streaming.stream_reason(inv.closed_jaxpr.jaxpr, l.index)}
+    costs = _step_costs(inv, state, args, platform, self._options.policy)
+    budget = self._options.device_budget
+    previous = None
+    for attempt in range(MAX_REPLANS + 1):
+      try:
+        plan, compiled = planner.make_plan(
+            inv, platform=platform, policy=self._options.policy, device_budget=budget,
+            host_budget=self._options.host_budget,
+            pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
+            hardware=hardware, step_costs=costs, streamable=streamable)
+      except planner.PlanError as e:
+        if previous is None:
+          raise
+        log.warning("jaxtier: re-planning against %s failed (%s); keeping the previous plan",
+                    planner.format_bytes(budget), str(e).split(". ")[0])
+        self._install(inv, *previous, sig, state, args)
+        break
+      if attempt:  # planned against a smaller budget than the user's: show theirs
+        plan = dataclasses.replace(plan, device_budget=self._options.device_budget, notes=(
+            *plan.notes, f"re-planned ({attempt}) against {planner.format_bytes(budget)}: the "
+            "compiled step's peak was over the budget"))
+      self._install(inv, plan, compiled, sig, state, args)
+      smaller = self._verify(state, args, attempt)
+      if smaller is None:
+        break
+      previous, budget = (self.plan, compiled), smaller
+    log.debug("jaxtier plan:\n%s", self.plan)
+
+  def _install(self, inv: Any, plan: "planner.Plan", compiled: list[Any], sig: Any, state: Any,
+               args: Sequence[Any]) -> None:
     self._inventory, self.plan, self._compiled, self._signature = inv, plan, compiled, sig
     self._masters, self._master_sources = [], ()
     self._build(state, args)
-    log.debug("jaxtier plan:\n%s", plan)
+
+  def _verify(self, state: Any, args: Sequence[Any], attempt: int) -> "int | None":
+    """Compiles the planned step and compares the compiler's peak with the budget planned for.
+
+    Records the compiler's figure in the plan. Returns a smaller device budget to re-plan with
+    when the compiler's peak exceeds it and the solver may still move leaves (at most
+    MAX_REPLANS times), else None.
+    """
+    plan = self.plan
+    if plan.predicted_peak_hbm_bytes is None:
+      return None
+    leaves = jax.tree_util.tree_leaves(state)
+    state_sh = self._shardings(state)
+    # Shapes with the shardings the call will see (the state may not be placed yet: `place`
+    # plans before it moves): then the first call reuses this compilation.
+    spec = lambda x, sh: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+    try:
+      split = self._split
+      specs = [spec(x, sh) for x, sh in zip(leaves, state_sh)]
+      lowered = self._compute.lower(
+          [specs[i] for i in split.device_leaves], [specs[i] for i in split.host_leaves],
+          [spec(x, getattr(x, "sharding", None)) for x in jax.tree_util.tree_leaves(args)],
+          [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+           for s, sh in zip(self._stream.scratch, self._scratch_sh)])
+      ok, fig = cost_model.verify(plan, lowered)
+    except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
+      log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)
+      return None
+    if fig is None:
+      return None
+    self.plan = dataclasses.replace(plan, compiler_peak_hbm_bytes=fig.peak_bytes)
+    budget = plan.planned_device_budget
+    log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
+             plan.predicted_peak_hbm_bytes, fig.peak_bytes,
+             "" if budget is None else f", budget {budget} bytes")
+    if ok:
+      return None
+    # Re-planning helps only where the solver believed its plan fit (else it already offloaded
+    # all it could) and may move leaves.
+    solvable = (self._options.policy not in ("none", planner.OPTIMIZER_STATE_ON_HOST)
+                and budget is not None and plan.predicted_peak_hbm_bytes <= budget)
+    if attempt >= MAX_REPLANS or not solvable:
+      log.warning("jaxtier: the compiled step's peak device memory (%s) exceeds the device "
+                  "budget (%s)%s", planner.format_bytes(fig.peak_bytes),
+                  planner.format_bytes(budget), "" if not solvable else
+                  f" after {attempt} re-plans; keeping this plan")
+      return None
+    over = fig.peak_bytes - budget
+    log.warning("jaxtier: the compiled step needs %s of device memory, %s over the budget of "
+                "%s (predicted %s); re-planning with %s less", planner.format_bytes(
+                    fig.peak_bytes), planner.format_bytes(over), planner.format_bytes(budget),
+                planner.format_bytes(plan.predicted_peak_hbm_bytes), planner.format_bytes(over))
+    return max(1, budget - over)
 
   def _shardings(self, state: Any) -> list[Any]:
     leaves = jax.tree_util.tree_leaves(state)
@@ -184,7 +269,8 @@ class OffloadedStep:
       self._ensure_plan(state, example_args)
     inv_lib.check_leaves("OffloadedStep.place", state)
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    placed = [jax.device_put(x, s) for x, s in zip(leaves, self._shardings(state))]
+    placed = [_put(x, s, lp) for x, s, lp in zip(leaves, self._shardings(state),
+                                                  self.plan.leaves)]
     self._refresh_masters(leaves, placed)
     return jax.tree_util.tree_unflatten(treedef, placed)
 
@@ -297,6 +383,30 @@ class OffloadedStep:
                        for s, sh in zip(self._stream.scratch, self._scratch_sh)]
 
 
+def _put(x: Any, sharding: Any, leaf: "planner.LeafPlan") -> Any:
+  """`jax.device_put(x, sharding)`; an allocation failure is raised naming the leaf and sizes.
+
+  Raises:
+    jaxtier.AdmissionError: the memory kind's allocator could not hold the leaf (for pinned_host
+      on a GPU: XLA's pinned pool, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, or the host's
+      page-locking limits for one allocation of this size).
+  """
+  try:
+    return jax.device_put(x, sharding)
+  except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError has no stable home)
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+      raise
+    hint = ("XLA's pinned host pool is capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by "
+            "default) and allocates each leaf in one piece: raise the cap if the host has the "
+            "memory, or keep the leaf on the device (policy)" if leaf.memory_kind == "pinned_host"
+            else "lower device_budget so that the plan moves more state to the host")
+    raise planner.AdmissionError(
+        f"OffloadedStep.place: could not allocate leaf {leaf.path} ({leaf.dtype}"
+        f"{list(leaf.shape)}, {planner.format_bytes(leaf.nbytes)} = {leaf.nbytes} bytes per "
+        f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.") from e
+
+
 def _arrays(api: str, state: Any) -> Any:
   """`state` with Python numbers (e.g. Flax `TrainState.step`) made 0-d arrays, as jax.jit does.
 
@@ -349,13 +459,18 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
   Args:
     fun: `train_step(state, *args) -> (new_state, metrics)`; `state` is a pytree of arrays and
       `new_state` has its structure.
-    device_budget: device memory the state may take, bytes per device or a size string
-      ('80GB', '16GiB'); None: no limit.
+    device_budget: device memory the step may use at its peak (state and transient buffers),
+      bytes per device or a size string ('80GB', '16GiB'); None: no limit (on a GPU, what the
+      device has). The compiled step's peak (`memory_analysis()`) is checked against it and
+      the step re-planned (up to twice) when it is over.
     host_budget: pinned host memory the plan may pin, bytes per device or a size string; None:
       limited only by what the host can pin.
-    policy: 'auto' (optimizer state to pinned_host, updated there), 'none' (all on device), a
-      callable `(path, LeafInfo) -> placement | None`, or a `{regex: placement}` dict matched
-      against leaf paths. Placements: 'device', 'host_dha', 'host_cpu', 'host_xla'.
+    policy: 'auto' (the planner's solver: the fastest predicted placement within the budgets;
+      everything on the device when it fits), 'optimizer_state_on_host' (every optimizer-state
+      leaf to pinned_host, updated there), 'none' (all on device), a callable
+      `(path, LeafInfo) -> placement | None`, or a `{regex: placement}` dict matched against
+      leaf paths (leaves it leaves to None/no match are planned as 'auto'). Placements:
+      'device', 'host_dha', 'host_cpu', 'host_split', 'host_xla'.
     donate_argnums: arguments donated to the step; must include 0.
 
   Returns:
@@ -378,13 +493,20 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
 
 
 def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
-         host_budget: Any = None, policy: Any = "auto",
-         platform: "str | None" = None) -> planner.Plan:
+         host_budget: Any = None, policy: Any = "auto", platform: "str | None" = None,
+         streamable: Any = frozenset(), dha_readable: Any = frozenset(),
+         activations: "cost_model.ActivationModel | None" = None) -> planner.Plan:
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
 
   `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s (to plan a model that is not
   allocated). `platform` ('cpu' or 'gpu'; default: JAX's default backend) picks the executors
-  the plan names; pinnable host memory is checked only for the machine's own platform.
+  the plan names; for a platform this machine does not have, the stored or default hardware
+  profile gives the rates and the pinnable host memory, and the plan's notes say so.
+
+  The plan carries the cost model's predictions: `predicted_step_secs`, `critical_path`,
+  `predicted_peak_hbm_bytes`, `resource_secs`. `streamable` / `dha_readable` (state leaf
+  indices) allow `host_stream` / `host_dha` placements of parameters; `activations` (a
+  `cost_model.ActivationModel`) lets the plan choose the activation policy.
 
   Raises:
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
@@ -395,9 +517,33 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   platform = platform or here
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
+  hardware = profile.load(platform=platform)
+  if platform == here:
+    pinnable = planner.pinnable_bytes(platform, _num_local_devices(state))
+  else:  # planning for an absent GPU: what its profile says the host could pin, or XLA's
+    # pinned-pool cap when the caller sets it (to plan for a host where it is raised).
+    cap = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
+    pinnable = int(float(cap) * 2**30) if cap else hardware.pinnable_bytes
   result, _ = planner.make_plan(
       inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
-      host_budget=options.host_budget,
-      pinnable_bytes=(planner.pinnable_bytes(platform, _num_local_devices(state))
-                      if platform == here else None))
+      host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,
+      step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
+      streamable=streamable, dha_readable=dha_readable, activations=activations)
+  if platform != here:
+    result = dataclasses.replace(result, notes=result.notes + (
+        f"planned for {platform} on a machine without one ({here}): "
+        + ("the default hardware profile" if hardware.is_default else "a stored profile")
+        + f"; pinnable host memory from the profile ({planner.format_bytes(pinnable)})",))
   return result
+
+
+def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platform: str,
+                policy: Any, always: bool = False) -> "cost_model.StepCosts":
+  """FLOPs and transient bytes of the device-only step (compiled when the solver runs, or
+  `always`: `jaxtier.plan` predicts for every policy)."""
+  leaves = jax.tree_util.tree_leaves(state)
+  solves = always or not (isinstance(policy, str)
+                          and policy in ("none", planner.OPTIMIZER_STATE_ON_HOST))
+  return cost_model.measure_step(
+      inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
+      state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves)

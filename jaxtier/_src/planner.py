@@ -30,11 +30,13 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from jaxtier._src import cost_model
 from jaxtier._src import jax_compat as jc
 from jaxtier._src import jaxpr_graph
 from jaxtier._src import profile
 from jaxtier._src import program_compiler
 from jaxtier._src import streaming
+from jaxtier._src import solver
 from jaxtier._src.inventory import Inventory, LeafInfo, OPTIMIZER_STATE, PARAM
 from jaxtier._src.primitives.host_update import ProgramTooLarge
 
@@ -47,6 +49,12 @@ HOST_STREAM = "host_stream"
 PLACEMENTS = (DEVICE, HOST_DHA, HOST_CPU, HOST_SPLIT, HOST_XLA, HOST_STREAM)
 HOST_PLACEMENTS = (HOST_DHA, HOST_CPU, HOST_SPLIT, HOST_XLA, HOST_STREAM)
 EXECUTOR_PLACEMENTS = (HOST_DHA, HOST_CPU, HOST_SPLIT)
+
+# The rule-based plan as a named policy: every optimizer-state leaf to the host, the rest on the
+# device (what 'auto' does when the budgets force it).
+OPTIMIZER_STATE_ON_HOST = "optimizer_state_on_host"
+# Share of the device's memory a default budget leaves free (fragmentation, workspace).
+DEVICE_MARGIN = 0.05
 
 log = logging.getLogger("jaxtier")
 USER_PLACED = "placed by the user's policy"
@@ -144,6 +152,20 @@ class Plan:
     pinned_bytes: state bytes held in pinned host memory, masters included.
     device_budget, host_budget: the limits planned against (None: no limit), bytes.
     num_host_updates: fused host-update custom calls per step.
+    predicted_step_secs: the cost model's step time, seconds (None: not predicted).
+    critical_path: the resource that bounds most of the step ('compute', 'link_h2d',
+      'link_d2h', 'dha', 'host_cpu', 'host_dram').
+    predicted_peak_hbm_bytes: predicted peak device memory per device: device state +
+      transient buffers (gradients, activations, workspace) + stream buffers, bytes.
+    resource_secs: busy seconds per step of each resource ('compute', 'link_h2d',
+      'link_d2h', 'dha', 'host_cpu').
+    segments: the step's serial phases: (name, seconds, bounding resource).
+    activation_policy: the activation policy the prediction assumes.
+    planned_device_budget: the device budget the solver planned against (the given one, or on
+      a GPU without one, what the device has less a margin), bytes.
+    notes: where the figures come from (profile, transient bytes), and warnings.
+    compiler_peak_hbm_bytes: the compiled step's peak device memory from its
+      `memory_analysis()` (set after compiling; None before, or where the backend reports none).
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -153,6 +175,15 @@ class Plan:
   device_budget: "int | None"
   host_budget: "int | None"
   num_host_updates: int
+  predicted_step_secs: "float | None" = None
+  critical_path: str = ""
+  predicted_peak_hbm_bytes: "int | None" = None
+  resource_secs: dict = dataclasses.field(default_factory=dict)
+  segments: tuple = ()
+  activation_policy: str = "as traced (not modelled)"
+  planned_device_budget: "int | None" = None
+  notes: tuple[str, ...] = ()
+  compiler_peak_hbm_bytes: "int | None" = None
 
   def bytes_by_memory_kind(self) -> dict[str, int]:
     """{'device': bytes, 'pinned_host': bytes} of the state, masters included."""
@@ -182,7 +213,31 @@ class Plan:
                     leaf.reason)
     console = Console(width=160, record=True, file=open(os.devnull, "w"))
     console.print(table)
+    for line in self.prediction_lines():
+      console.print(line, highlight=False, markup=False)
     return console.export_text()
+
+  def prediction_lines(self) -> list[str]:
+    """The predictions and notes, as printable lines."""
+    lines = []
+    if self.predicted_step_secs is not None:
+      lines.append(f"predicted step: {self.predicted_step_secs * 1e3:.4g} ms, critical path: "
+                   f"{self.critical_path}")
+      lines.append("  phases: " + "; ".join(f"{name} {secs * 1e3:.4g} ms ({bound})"
+                                           for name, secs, bound in self.segments))
+      lines.append("  busy: " + ", ".join(f"{k} {v * 1e3:.4g} ms"
+                                          for k, v in self.resource_secs.items() if v))
+    if self.predicted_peak_hbm_bytes is not None:
+      budget = self.planned_device_budget
+      lines.append(f"predicted peak HBM: {format_bytes(self.predicted_peak_hbm_bytes)} per device"
+                   f"{'' if budget is None else f' of {format_bytes(budget)} planned'}"
+                   + ("" if self.compiler_peak_hbm_bytes is None else
+                      f"; compiler: {format_bytes(self.compiler_peak_hbm_bytes)}"))
+    lines.append(f"pinned host: {format_bytes(self.pinned_bytes)} per device"
+                 f"{_budget(self.host_budget)}")
+    lines.append(f"activations: {self.activation_policy}")
+    lines.extend(f"note: {n}" for n in self.notes)
+    return lines
 
 
 def _budget(b: "int | None") -> str:
@@ -196,7 +251,7 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
     auto = ((host_exec, "optimizer state: touched once per step, updated where it lives")
             if leaf.role == OPTIMIZER_STATE else (DEVICE, leaf.why if leaf.role != PARAM
                                                   else "parameter: read by the step's compute"))
-    if policy == "auto":
+    if policy in ("auto", OPTIMIZER_STATE_ON_HOST):
       out[leaf.index] = auto
     elif policy == "none":
       out[leaf.index] = (DEVICE, "policy 'none'")
@@ -207,7 +262,8 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
       hit = next((p for pat, p in policy.items() if re.search(pat, leaf.path)), None)
       out[leaf.index] = auto if hit is None else (hit, USER_PLACED)
     else:
-      raise PlanError(f"jaxtier.offload: expected policy 'auto', 'none', a callable "
+      raise PlanError(f"jaxtier.offload: expected policy 'auto', 'none', "
+                      f"'{OPTIMIZER_STATE_ON_HOST}', a callable "
                       f"(path, leaf) -> placement or a {{regex: placement}} dict, got {policy!r}")
   if isinstance(policy, Mapping):
     for pat in policy:
@@ -241,29 +297,49 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
 def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               device_budget: "int | None" = None, host_budget: "int | None" = None,
               pinnable_bytes: "int | None" = None,
-              hardware: "profile.HardwareProfile | None" = None) -> tuple[Plan, list[Any]]:
+              hardware: "profile.HardwareProfile | None" = None,
+              step_costs: "cost_model.StepCosts | None" = None,
+              streamable: "frozenset[int] | set[int]" = frozenset(),
+              dha_readable: "frozenset[int] | set[int]" = frozenset(),
+              activations: "cost_model.ActivationModel | None" = None
+              ) -> tuple[Plan, list[Any]]:
   """Plans every leaf of `inv` and checks the budgets.
+
+  Under policy 'auto' (and for the leaves a callable / mapping policy leaves to 'auto') the
+  solver (`solver.solve`) places optimizer state, parameters and the activation policy to
+  minimise the predicted step time under the budgets; with no device budget and a state that
+  fits (always, on the CPU backend), everything stays on the device. When nothing fits, every
+  candidate optimizer-state leaf goes to the host (the rule of policy
+  'optimizer_state_on_host') and the budget check below reports what is left over.
 
   Args:
     inv: the inventory of the traced step.
     platform: 'cpu' or 'gpu' (selects the executor: host_cpu or host_dha).
     policy: 'auto', 'none', a callable `(path, LeafInfo) -> placement | None`, or a
       `{regex: placement}` mapping matched against leaf paths (None/no match: auto).
-    device_budget: bytes of device memory the state may take per device (None: no limit).
+    device_budget: bytes of device memory the step may use at its peak, per device (state and
+      transient buffers). None: no limit on the CPU backend; on a GPU, what the device has
+      (`default_device_budget`). The state's own device bytes over it are an error.
     host_budget: bytes of pinned host memory the plan may pin per device (None: no limit).
     pinnable_bytes: what the host can pin at most per device (None: do not check); see
       `pinnable_bytes()`.
-    hardware: rates for the `host_split` share (None: `profile.DEFAULT_PROFILE`).
+    hardware: the rates and capacities (None: `profile.DEFAULT_PROFILE`).
+    step_costs: FLOPs and transient bytes of the device-only step (None: FLOPs counted over the
+      jaxpr, transient bytes estimated as the gradients).
+    streamable: parameter leaves the lowering can stream (`host_stream`).
+    dha_readable: parameter leaves a zero-copy read kernel can serve (`host_dha`).
+    activations: the model's activation options (None: the traced policy, not modelled).
 
   Returns:
     (plan, compiled components): the second is what the lowering runs.
 
   Raises:
     PlanError: an unknown placement, a non-float leaf placed on the host, or a state whose
-      device bytes exceed `device_budget`.
+      device bytes exceed `device_budget` (with every candidate leaf on the host).
     AdmissionError: pinned bytes over `host_budget` or over `pinnable_bytes`.
   """
   host_exec = HOST_DHA if platform == "gpu" else HOST_CPU
+  hardware = hardware or profile.DEFAULT_PROFILE
   req = _requested(inv, policy, host_exec)
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
   # host_stream leaves are read by the layer loops through the streaming calls and updated
@@ -272,10 +348,106 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   executor_leaves = {i for i, (p, _) in req.items() if p in EXECUTOR_PLACEMENTS} | streamed
   reasons = {i: r for i, (_, r) in req.items()}
   placement = {i: p for i, (p, _) in req.items()}
-  compiled: list[Any] = []
-  masters: set[int] = set()
-  while True:  # Drop leaves whose component cannot run as one op program; re-cut until stable.
-    comps = jaxpr_graph.components(jaxpr, executor_leaves, streamed & executor_leaves)
+  user_fixed = {i for i, r in reasons.items() if r == USER_PLACED}
+  compiled, masters = _cut(inv, placement, reasons, executor_leaves, hardware, host_exec)
+  solve = policy not in ("none", OPTIMIZER_STATE_ON_HOST) and len(user_fixed) < len(inv.leaves)
+  costs = step_costs or cost_model.StepCosts(
+      flops=0.0, elementwise_bytes=0.0, transient_bytes=0,
+      transient_source="estimate: the gradients only (no compiled step)")
+  if step_costs is None:
+    costs = dataclasses.replace(costs, **dict(zip(
+        ("flops", "elementwise_bytes"), cost_model.jaxpr_costs(inv.closed_jaxpr))))
+  solver_budget = device_budget
+  notes = [f"hardware profile: {hardware.source}",
+           f"transient device bytes (gradients, activations, workspace): "
+           f"{costs.transient_source}"]
+  if solver_budget is None and platform == "gpu":
+    solver_budget, why = default_device_budget(hardware)
+    notes.append(f"device budget: none given; planned against {format_bytes(solver_budget)} "
+                 f"({why})")
+  host_limit = min((b for b in (host_budget, pinnable_bytes) if b is not None), default=None)
+
+  def problem_for(placed):
+    return solver.build_problem(
+        leaves=inv.leaves, jaxpr=jaxpr, compiled=compiled, master_nbytes={
+            i: inv.leaves[i].nbytes * 4 // jnp.dtype(inv.leaves[i].dtype).itemsize
+            for i in masters}, placement=placed, user_fixed=user_fixed, param_role=PARAM,
+        step_costs=costs, streamable=frozenset(streamable) - user_fixed,
+        dha_readable=frozenset(dha_readable) - user_fixed if platform == "gpu" else frozenset(),
+        activations=activations, device_budget=solver_budget, host_budget=host_limit,
+        profile=hardware, platform=platform)
+
+  act_policy = None
+  if solve:
+    problem = problem_for(placement)
+    sol = solver.solve(problem)
+    _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, solver_budget)
+    compiled, masters = _cut(inv, placement, reasons, executor_leaves, hardware, host_exec)
+    if not sol.fits:
+      notes.append(_not_fitting(sol, solver_budget, host_limit))
+    act_policy = sol.activation_policy
+  # The prediction of the plan as it stands (every placement fixed).
+  final = problem_for(placement)
+  final_updates = {u: placement[item.seeds[0]] for u, item in enumerate(final.updates)}
+  final_params = {p.index: placement[p.index] for p in final.params}
+  pred = solver.evaluate_fixed(final, final_params, final_updates, act_policy).prediction
+  if activations is not None:
+    chosen = act_policy or activations.traced
+    act_label = f"{chosen} (jax.checkpoint_policies.{activations.checkpoint_policy[chosen]})"
+    if chosen != activations.traced:
+      act_label += f"; the traced step uses {activations.traced}: apply it in the model"
+  else:
+    act_label = "as traced (not modelled)"
+  leaves = []
+  device_bytes = pinned_bytes = 0
+  for leaf in inv.leaves:
+    p = placement[leaf.index]
+    kind = "pinned_host" if p in HOST_PLACEMENTS else "device"
+    master = leaf.index in masters
+    master_nbytes = leaf.nbytes * 4 // jnp.dtype(leaf.dtype).itemsize if master else 0
+    reason = reasons[leaf.index]
+    if master:
+      reason = (f"{reason}; its update runs on the host from an fp32 master copy, the new "
+                f"{leaf.dtype} value is sent to the device")
+    leaves.append(LeafPlan(index=leaf.index, path=leaf.path, shape=leaf.shape, dtype=leaf.dtype,
+                           nbytes=leaf.nbytes, role=leaf.role, placement=p, memory_kind=kind,
+                           master_nbytes=master_nbytes, reason=reason))
+    if kind == "device":
+      device_bytes += leaf.nbytes
+    else:
+      pinned_bytes += leaf.nbytes
+    pinned_bytes += master_nbytes
+  plan = Plan(tuple(leaves), platform, device_bytes, pinned_bytes, device_budget, host_budget,
+              len(compiled), predicted_step_secs=pred.step_secs,
+              critical_path=pred.critical_path, predicted_peak_hbm_bytes=pred.peak_hbm_bytes,
+              resource_secs=dict(pred.resource_secs), segments=tuple(pred.segments),
+              activation_policy=act_label, planned_device_budget=solver_budget,
+              notes=tuple(notes))
+  try:
+    _admit(plan, pinnable_bytes)
+  except PlanError as e:
+    e.plan = plan
+    raise
+  return plan, compiled
+
+
+def _cut(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
+         executor_leaves: set[int], hardware: "profile.HardwareProfile", host_exec: str
+         ) -> tuple[list[Any], set[int]]:
+  """Cuts the host updates around `executor_leaves` and compiles each into an op program.
+
+  A component that cannot run as one op program falls back to `host_xla` (placement, reason and
+  `executor_leaves` are updated in place); re-cut until stable. `host_stream` leaves are in
+  `executor_leaves` (their update is a fused host update) but their reads by layer loops do
+  not taint; their call's executor is its other leaves' (else `host_exec`).
+
+  Returns:
+    (compiled components, indices of the bf16/f16 params that get fp32 masters).
+  """
+  jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
+  while True:
+    streamed = {i for i in executor_leaves if placement[i] == HOST_STREAM}
+    comps = jaxpr_graph.components(jaxpr, executor_leaves, streamed)
     demoted = False
     compiled, masters = [], set()
     for comp in comps:
@@ -303,7 +475,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               placement[i] = executor
           compiled.append(dataclasses.replace(
               cc, executor={HOST_SPLIT: "split"}.get(executor, executor),
-              dha_fraction=profile.split_fraction(hardware or profile.DEFAULT_PROFILE)))
+              dha_fraction=profile.split_fraction(hardware)))
         except (program_compiler.Unsupported, ProgramTooLarge) as e:
           why = str(e)
       if why or not comp.elementwise:
@@ -317,34 +489,97 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       else:
         masters |= comp_masters
     if not demoted:
-      break
-  leaves = []
-  device_bytes = pinned_bytes = 0
-  for leaf in inv.leaves:
-    p = placement[leaf.index]
-    kind = "pinned_host" if p in HOST_PLACEMENTS else "device"
-    master = leaf.index in masters
-    master_nbytes = leaf.nbytes * 4 // jnp.dtype(leaf.dtype).itemsize if master else 0
-    reason = reasons[leaf.index]
-    if master:
-      reason = (f"{reason}; its update runs on the host from an fp32 master copy, the new "
-                f"{leaf.dtype} value is sent to the device")
-    leaves.append(LeafPlan(index=leaf.index, path=leaf.path, shape=leaf.shape, dtype=leaf.dtype,
-                           nbytes=leaf.nbytes, role=leaf.role, placement=p, memory_kind=kind,
-                           master_nbytes=master_nbytes, reason=reason))
-    if kind == "device":
-      device_bytes += leaf.nbytes
+      return compiled, masters
+
+
+def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str]:
+  """(bytes, why) of the device budget planned against when none is given, on a GPU.
+
+  What JAX's allocator may use on this machine's GPU (`memory_stats()['bytes_limit']`), or
+  the profile's `hbm_bytes` when planning for a GPU that is not here, less DEVICE_MARGIN for
+  fragmentation and compiler workspace the model does not see.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  limit, where = hardware.hbm_bytes, f"the profile's HBM ({hardware.device_kind})"
+  if jax.default_backend() == "gpu":
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+      limit, where = int(stats["bytes_limit"]), "what JAX's allocator may use on this GPU"
+  return int(limit * (1 - DEVICE_MARGIN)), f"{where} less {DEVICE_MARGIN:.0%}"
+
+
+def _apply(sol: "solver.Solution", problem: "solver.Problem", inv: Inventory,
+           placement: dict[int, str], reasons: dict[int, str], executor_leaves: set[int],
+           user_fixed: set[int], budget: "int | None") -> None:
+  """Writes the solver's choices into `placement`, `reasons` and `executor_leaves`."""
+  pred = sol.prediction
+  fit = ("no device budget" if budget is None else
+         f"predicted peak {format_bytes(pred.peak_hbm_bytes)} of the "
+         f"{format_bytes(budget)} device budget")
+  if not sol.fits:
+    fit = "no plan fits the budgets; the rule-based plan keeps it here: see the notes"
+  for u, item in enumerate(problem.updates):
+    if item.fixed:
+      continue
+    where = sol.updates[u]
+    cost = item.costs.get(where)
+    for i in item.seeds:
+      if where == DEVICE:
+        placement[i] = DEVICE
+        executor_leaves.discard(i)
+        reasons[i] = (f"optimizer state: fits on the device ({fit}); on the host its update "
+                      f"would add {item.best()[1].secs * 1e3:.3g} ms per step")
+      elif not sol.fits:
+        placement[i] = where
+        executor_leaves.add(i)
+        reasons[i] = (f"optimizer state: no plan fits the budgets, so on the host as the "
+                      f"rule-based plan has it; updated by {where} "
+                      f"({cost.secs * 1e3:.3g} ms per step after the backward pass)")
+      else:
+        placement[i] = where
+        executor_leaves.add(i)
+        reasons[i] = (f"optimizer state: moved to pinned_host to fit the device budget "
+                      f"(frees {format_bytes(item.device_nbytes)} with its call's other "
+                      f"leaves); its fused update ({where}) adds {cost.secs * 1e3:.3g} ms per "
+                      f"step after the backward pass, bound by {cost.bound}" if budget is not None
+                      else f"optimizer state: on the host, updated by {where}")
+  for p in problem.params:
+    where = sol.params.get(p.index, DEVICE)
+    placement[p.index] = where
+    if where == DEVICE:
+      reasons[p.index] = (f"parameter: read by the step's compute; stays on the device "
+                          f"({fit})")
     else:
-      pinned_bytes += leaf.nbytes
-    pinned_bytes += master_nbytes
-  plan = Plan(tuple(leaves), platform, device_bytes, pinned_bytes, device_budget, host_budget,
-              len(compiled))
-  try:
-    _admit(plan, pinnable_bytes)
-  except PlanError as e:
-    e.plan = plan
-    raise
-  return plan, compiled
+      executor_leaves.add(p.index)  # its update runs where it lives, in a fused host update
+      how = ("prefetched layer by layer ahead of its use" if where == HOST_STREAM else
+             "read in place by the GPU (zero-copy)")
+      reasons[p.index] = (f"parameter: lives in pinned_host, {how}, to fit the device budget "
+                          f"(frees {format_bytes(p.nbytes + p.grad_nbytes)} with its "
+                          f"gradient); its optimizer state is updated on the host")
+  # Leaves served by XLA's transfers are on the device during the step anyway: they stay there
+  # unless nothing fits (then every candidate goes to the host, as the rule-based plan did).
+  for leaf in inv.leaves:
+    i = leaf.index
+    if placement[i] == HOST_XLA and i not in user_fixed and sol.fits:
+      placement[i] = DEVICE
+      reasons[i] = (f"{reasons[i].split(': XLA')[0]}: served by XLA's transfers it would be on "
+                    "the device during the step anyway (no peak saved); kept on the device")
+
+
+def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int | None") -> str:
+  pred = sol.prediction
+  parts = []
+  if budget is not None and pred.peak_hbm_bytes > budget:
+    parts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} exceeds the "
+                 f"device budget of {format_bytes(budget)}")
+  if host_limit is not None and pred.pinned_bytes > host_limit:
+    parts.append(f"pinned bytes {format_bytes(pred.pinned_bytes)} exceed the host limit of "
+                 f"{format_bytes(host_limit)}")
+  msg = ("DOES NOT FIT: no placement the planner can make fits the budgets; this is the "
+         "rule-based plan (every optimizer-state leaf on the host): " + "; ".join(
+             parts or ["over a budget"]))
+  log.warning("jaxtier: %s", msg)
+  return msg
 
 
 def _masters_for(jaxpr: Any, comp: jaxpr_graph.Component, inv: Inventory) -> set[int]:
@@ -380,7 +615,9 @@ def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
        "device (policy)"),
       (pinnable_bytes, "each local device's share of what this host can pin now", "free host "
        "memory, keep more leaves on the device (policy), or shard replicated host leaves over "
-       "the mesh")):
+       "the mesh" + ("; on a GPU, XLA's pinned pool is capped by "
+                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
+                     "if the host has the memory" if plan.platform == "gpu" else ""))):
     if limit is not None and plan.pinned_bytes > limit:
       raise AdmissionError(
           f"jaxtier: plan refused before allocating anything: it needs "

@@ -45,6 +45,7 @@ import optax
 
 __all__ = [
     "CONFIGS",
+    "activation_model",
     "LlamaConfig",
     "Llama",
     "init_model",
@@ -147,6 +148,61 @@ def param_count(config: LlamaConfig) -> int:
   d, f, v = config.d_model, config.d_ff, config.vocab_size
   per_layer = 4 * d * d + 3 * d * f + 2 * d  # q, k, v, o; gate, up, down; 2 norms
   return v * d + config.num_layers * per_layer + d + d * v
+
+
+# How the traced step's remat policy maps to the planner's activation options.
+_TRACED_POLICY = {None: "keep", "everything_saveable": "keep",
+                  "dots_with_no_batch_dims_saveable": "save_dots", "nothing_saveable": "remat"}
+
+
+def activation_model(config: LlamaConfig, batch_size: int, seq_len: int):
+  """The planner's activation options for this decoder (a `cost_model.ActivationModel`).
+
+  Estimates, per step and device (one device), of what the backward pass needs from the
+  forward pass of the ``num_layers`` decoder layers, in ``config.dtype`` bytes ``e`` (attention
+  scores in float32), with tokens ``T = batch_size * seq_len``, width ``d``, MLP width ``f``,
+  heads ``h``:
+
+  - ``keep`` (no rematerialisation): per layer ``10 T d e`` (norm inputs and outputs, q, k, v,
+    rotated q and k, attention output, residuals) + ``h T s (4 + e)`` (scores and
+    probabilities) + ``4 T f e`` (gate, up, their SwiGLU product and its input).
+  - ``save_dots`` (``dots_with_no_batch_dims_saveable``): the projections' outputs,
+    ``(5 T d + 2 T f) e`` per layer; the backward recomputes the attention (its dots have batch
+    dimensions): ``4 T s d`` FLOP per layer.
+  - ``remat`` (``nothing_saveable``): each layer's input, ``T d e`` per layer; the backward
+    recomputes the whole forward of the layers: ``2 P_layers T + 4 T s d L`` FLOP.
+  - ``offload`` (``offload_dot_with_no_batch_dims('device', 'pinned_host')``): the projections'
+    outputs go to pinned_host in the forward pass and come back in the backward pass; the
+    layer input stays; the attention is recomputed as for ``save_dots``.
+
+  Returns:
+    The model, with ``traced`` set from ``config.remat_policy`` (None when that policy is not
+    one of those above).
+  """
+  from jaxtier._src import cost_model as cm  # pylint: disable=g-import-not-at-top
+  traced = _TRACED_POLICY.get(config.remat_policy)
+  if traced is None:
+    return None
+  e = jnp.dtype(config.dtype).itemsize
+  t, d, f, h, n = batch_size * seq_len, config.d_model, config.d_ff, config.num_heads, \
+      config.num_layers
+  keep = n * (10 * t * d * e + h * t * seq_len * (4 + e) + 4 * t * f * e)
+  dots = n * (5 * t * d + 2 * t * f) * e
+  layer_input = n * t * d * e
+  attention_fwd = 4.0 * t * seq_len * d * n
+  layer_params = n * (4 * d * d + 3 * d * f)
+  return cm.ActivationModel(traced=traced, options={
+      "keep": cm.ActivationOption(held_bytes=keep, checkpoint_policy="everything_saveable"),
+      "save_dots": cm.ActivationOption(held_bytes=dots + layer_input,
+                                       recompute_flops=attention_fwd,
+                                       checkpoint_policy="dots_with_no_batch_dims_saveable"),
+      "remat": cm.ActivationOption(held_bytes=layer_input,
+                                   recompute_flops=2.0 * layer_params * t + attention_fwd,
+                                   checkpoint_policy="nothing_saveable"),
+      "offload": cm.ActivationOption(held_bytes=layer_input, recompute_flops=attention_fwd,
+                                     offload_bytes=dots,
+                                     checkpoint_policy="offload_dot_with_no_batch_dims"),
+  })
 
 
 def _truncated_normal(key, shape, std, dtype):

@@ -228,13 +228,13 @@ def stream_layers_policy(path: str, leaf) -> "str | None":
   return "host_stream" if leaf.role == "param" and "['layers']" in path else None
 
 
+OFFLOAD_MODES = ("none", "auto", "stream", "optimizer_state_on_host")
+
+
 def _offload_step(train_step, *, device_budget, host_budget, policy="auto"):
   import jaxtier  # pylint: disable=g-import-not-at-top
   return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget,
                          policy=policy)
-
-
-OFFLOAD_MODES = ("none", "auto", "stream")
 
 
 def _budget(value):
@@ -272,8 +272,10 @@ def run(
     seq_len: tokens per sequence (the batch holds ``seq_len + 1``); ``None``:
       ``config.max_seq_len``.
     offload: ``"none"`` (``jax.jit``, all state on the device), ``"auto"``
-      (``jaxtier.offload`` plans where each leaf lives) or ``"stream"`` (the layer
-      stack's params placed ``host_stream``: fetched layer by layer from pinned_host).
+      (``jaxtier.offload`` plans where each leaf lives: everything on the device when it fits),
+      ``"stream"`` (the layer stack's params placed ``host_stream``: fetched layer by layer
+      from pinned_host; the rest auto) or ``"optimizer_state_on_host"`` (``jaxtier.offload``
+      with that policy: every optimizer-state leaf in pinned_host, updated there).
     data: ``None``/``""`` for the standard-library corpus, a ``--data`` string
       (comma-separated text files or one uint16 token file), or a 1-D array of
       token ids.
@@ -284,7 +286,7 @@ def run(
     log_every: print the loss and sync every this many steps; ``None``: the
       config's default.
     device_budget: device bytes jaxtier may use per device, e.g. ``"80GB"``;
-      ``None`` means no limit. Only with ``offload="auto"``/``"stream"``.
+      ``None`` means no limit. Only with ``jaxtier.offload``.
     host_budget: pinned host bytes jaxtier may use, as ``device_budget``.
     remat_policy: ``None`` keeps the config's ``remat_policy``; ``"none"``
       turns rematerialisation off; any other value is a
@@ -352,10 +354,10 @@ def run(
   first_batch = jnp.asarray(next(batch_iter))
   plan = None
   plan_bytes = {"device": state_bytes, "pinned_host": 0}
-  if offload in ("auto", "stream"):
-    step = _offload_step(train_step, device_budget=_budget(device_budget),
-                         host_budget=_budget(host_budget),
-                         policy=stream_layers_policy if offload == "stream" else "auto")
+  if offload != "none":
+    step = _offload_step(train_step,
+                         policy=stream_layers_policy if offload == "stream" else offload,
+                         device_budget=_budget(device_budget), host_budget=_budget(host_budget))
     state = step.place(state, first_batch)
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
@@ -438,8 +440,11 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", None,
                                 lower_bound=1)
 _OFFLOAD = flags.DEFINE_enum("offload", "auto", list(OFFLOAD_MODES),
                              "none: jax.jit, all state on device; auto: "
-                             "jaxtier.offload plans the placement; stream: the layers' "
-                             "params stream from pinned_host (host_stream), the rest auto.")
+                             "jaxtier.offload plans the placement (all on device when it "
+                             "fits the device budget); stream: the layers' params stream from "
+                             "pinned_host (host_stream), the rest auto; "
+                             "optimizer_state_on_host: every optimizer-state leaf in "
+                             "pinned_host, updated there.")
 _DATA = flags.DEFINE_string("data", "", "Comma-separated text files, or one "
                             "uint16 token file (*.bin, *.u16); default: the "
                             "Python standard library's .py files.")
