@@ -205,7 +205,7 @@ def stacked_layers(jaxpr: Any, num_state: int) -> dict[int, tuple[int, int]]:
       continue
     if name != "scan":
       continue
-    first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+    first_xs = sum(jc.scan_counts(eqn))
     for v in eqn.invars[first_xs:]:
       if isinstance(v, jc.Var) and v in origin and origin[v] not in out:
         out[origin[v]] = (k, int(eqn.params["length"]))

@@ -388,7 +388,10 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     act_policy = sol.activation_policy
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement)
-  final_updates = {u: placement[item.seeds[0]] for u, item in enumerate(final.updates)}
+  # A call's placement: its leaves' executor (a call of only host_stream leaves: the cut's).
+  final_updates = {u: next((placement[i] for i in item.seeds if placement[i] != HOST_STREAM),
+                           {"split": HOST_SPLIT}.get(cc.executor, cc.executor))
+                   for u, (item, cc) in enumerate(zip(final.updates, compiled))}
   final_params = {p.index: placement[p.index] for p in final.params}
   pred = solver.evaluate_fixed(final, final_params, final_updates, act_policy).prediction
   if activations is not None:

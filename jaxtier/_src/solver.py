@@ -493,7 +493,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     ms = sum(master_nbytes.get(r.master, 0) for r in cc.results if r.master >= 0)
     fixed = None
     if any(i in user_fixed for i in seeds):
-      fixed = placement[seeds[0]]
+      # The call's executor (a call of host_stream leaves has one too: the cut's choice).
+      fixed = {"split": "host_split"}.get(cc.executor, cc.executor)
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
     costs = {e: cm.update_cost(e, traffic, profile, platform=platform) for e in names}
     updates.append(UpdateItem(
