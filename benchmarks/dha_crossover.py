@@ -50,6 +50,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtier._src.primitives import dha
 
+from bench_util import log  # noqa: E402  (sibling module)
+
 RESULT: dict = {}
 
 
@@ -74,10 +76,6 @@ def parse_args(argv):
   args.ms = [int(v) for v in args.ms.split(",")]
   args.id_counts = [int(v) for v in args.id_counts.split(",")]
   return args
-
-
-def log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def write_json(out: str) -> str:

@@ -53,6 +53,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtier._src import profile
 from jaxtier._src.primitives import host_update as hu
 
+from bench_util import log, median_secs  # noqa: E402  (sibling module)
+
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 1e-4, 1e-3
 DRAM_BYTES_PER_PARAM = 28      # fp32 master/mu/nu read + written (24) + grad read + param written
 LINK_BYTES_PER_PARAM = 24      # DHA / XLA native: the fp32 state crosses the link both ways
@@ -89,10 +91,6 @@ def parse_args(argv):
 
 # ---- small helpers --------------------------------------------------------------------------------
 
-def log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 class Section:
   """Names the part of the run; on an error, records it and stops the run (fail fast)."""
 
@@ -123,17 +121,6 @@ def write_json():
   with open(path, "w") as f:
     json.dump(RESULT, f, indent=1, default=float)
   log(f"wrote {path}")
-
-
-def median_secs(fn, reps):
-  """fn() runs one step and blocks; returns (median seconds of `reps` runs after a warm-up, all)."""
-  fn()  # warm-up (and compilation)
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)), times
 
 
 def hashed_uniform(n, offset, salt):

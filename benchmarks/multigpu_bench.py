@@ -65,6 +65,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jaxtier  # noqa: E402
 from jaxtier._src import multipath  # noqa: E402
 
+from bench_util import log, median_secs  # noqa: E402  (sibling module)
+
 FLAGS = None
 RESULT: dict = {}
 
@@ -93,10 +95,6 @@ def parse_args(argv):
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-
-def log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
 
 class Section:
   """Names the part of the run; on an error, records it and stops the run (fail fast)."""
@@ -128,17 +126,6 @@ def write_json():
   with open(path, "w") as f:
     json.dump(RESULT, f, indent=1, default=float)
   log(f"wrote {path}")
-
-
-def median_secs(fn, reps):
-  """fn() runs once and blocks; (median seconds of `reps` runs after one warm-up, all of them)."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)), times
 
 
 def versions():

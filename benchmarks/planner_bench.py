@@ -45,6 +45,8 @@ import sys
 import time
 import traceback
 
+from bench_util import log  # noqa: E402  (sibling module)
+
 CASES = ("fits", "optimizer_offload", "streaming")
 STEP_TIME_BAR = 0.10
 PEAK_HBM_BAR = 0.05
@@ -65,10 +67,6 @@ def parse_args(argv):
   p.add_argument("--child", default="", help="internal: run one case and print its JSON")
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   return p.parse_args(argv)
-
-
-def log(msg: str) -> None:
-  print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def config_for(args):

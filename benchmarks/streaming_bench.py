@@ -23,10 +23,8 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +32,8 @@ import numpy as np
 import optax
 
 import jaxtier
+
+from bench_util import median_secs  # noqa: E402  (sibling module)
 
 
 def parse_args(argv):
@@ -49,17 +49,6 @@ def parse_args(argv):
   if a.smoke:
     a.layers, a.dim, a.batch, a.reps = 4, 64, 32, 2
   return a
-
-
-def timed(fn, reps):
-  """Median seconds of `fn()` (blocked) after one warm-up call."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), times
 
 
 def temp_bytes(compiled):
@@ -108,30 +97,30 @@ def main(argv):
   # --- device only ---------------------------------------------------------------------------
   fwd = jax.jit(loss_fn)
   c = fwd.lower(W_dev, x).compile()
-  s, t = timed(lambda: c(W_dev, x), a.reps)
+  s, t = median_secs(lambda: c(W_dev, x), a.reps)
   record("device fwd", s, t, temp_bytes=temp_bytes(c), tflops=flops_fwd / s / 1e12)
   vg = jax.jit(jax.value_and_grad(loss_fn))
   c = vg.lower(W_dev, x).compile()
-  s, t = timed(lambda: c(W_dev, x), a.reps)
+  s, t = median_secs(lambda: c(W_dev, x), a.reps)
   record("device fwd+bwd", s, t, temp_bytes=temp_bytes(c), tflops=3 * flops_fwd / s / 1e12)
   ref_loss, ref_grad = c(W_dev, x)
   ref_grad = np.asarray(ref_grad.astype(jnp.float32))
   del W_dev
 
   # --- transfer only -------------------------------------------------------------------------
-  s, t = timed(lambda: jax.device_put(W_host, on_dev), a.reps)
+  s, t = median_secs(lambda: jax.device_put(W_host, on_dev), a.reps)
   record("transfer h2d (device_put)", s, t, gbps=w_bytes / s / 1e9)
 
   # --- XLA native ----------------------------------------------------------------------------
   nat = jax.jit(xla_native_loss, in_shardings=(on_host, on_dev))
   c = nat.lower(W_host, x).compile()
-  s, t = timed(lambda: c(W_host, x), a.reps)
+  s, t = median_secs(lambda: c(W_host, x), a.reps)
   record("xla native fwd", s, t, temp_bytes=temp_bytes(c))
   if not a.skip_xla_native_grad:
     try:
       natg = jax.jit(jax.value_and_grad(xla_native_loss), in_shardings=(on_host, on_dev))
       c = natg.lower(W_host, x).compile()
-      s, t = timed(lambda: c(W_host, x), a.reps)
+      s, t = median_secs(lambda: c(W_host, x), a.reps)
       record("xla native fwd+bwd", s, t, temp_bytes=temp_bytes(c))
     except Exception as e:  # noqa: BLE001 - report, do not stop the other variants
       fig["xla native fwd+bwd"] = dict(error=f"{type(e).__name__}: {e}"[:400])
@@ -145,7 +134,7 @@ def main(argv):
   ev = jaxtier.offload(eval_step, policy=policy)
   st = ev.place({"W": W_host}, x)
   c = ev.lower(st, x).compile()
-  s, t = timed(lambda: ev(st, x)[1]["loss"], a.reps)
+  s, t = median_secs(lambda: ev(st, x)[1]["loss"], a.reps)
   got_loss = float(ev(st, x)[1]["loss"])
   record("jaxtier fwd", s, t, temp_bytes=temp_bytes(c),
          loss_rel_diff=abs(got_loss - float(ref_loss)) / abs(float(ref_loss)))
@@ -167,7 +156,7 @@ def main(argv):
   def compute_only():
     _, _, _, tr._scratch = tr._compute(dev_leaves, host_leaves, [x], tr._scratch)
     return tr._scratch
-  s, t = timed(compute_only, a.reps)
+  s, t = median_secs(compute_only, a.reps)
   grad = np.asarray(tr._scratch[0].astype(jnp.float32))
   denom = np.maximum(np.abs(ref_grad), 1e-3 * np.max(np.abs(ref_grad)))
   record("jaxtier fwd+bwd (grads to host)", s, t, temp_bytes=temp_bytes(c),
@@ -178,7 +167,7 @@ def main(argv):
   def full_step():
     holder["state"], m = tr(holder["state"], x)
     return m["loss"]
-  s, t = timed(full_step, a.reps)
+  s, t = median_secs(full_step, a.reps)
   record("jaxtier full SGD step (fwd+bwd+host update)", s, t)
 
   f = fig

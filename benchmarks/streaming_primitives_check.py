@@ -22,9 +22,7 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
 import sys
-import time
 
 import jax  # before jaxtier's extension (MEASURED.md)
 import jax.numpy as jnp
@@ -32,6 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtier._src.primitives import stream
+
+from bench_util import median_secs  # noqa: E402  (sibling module)
 
 
 def parse_args(argv):
@@ -80,17 +80,6 @@ def duplex(W, G, D):
     G, = stream.send([G], [values[-1]], l)
     acc = acc + _read(w)
   return acc, stream.wait([G], after=values, direction="d2h")[0]
-
-
-def timed(fn, reps):
-  """Median seconds of fn() (which blocks) over `reps` runs after one warm-up."""
-  fn()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def main(argv):
@@ -142,11 +131,11 @@ def main(argv):
     jax.block_until_ready((acc, G[0]))
 
   t = {
-      "device_put_h2d": timed(lambda: jax.device_put(W, device).block_until_ready(), args.reps),
-      "device_put_d2h": timed(lambda: jax.device_put(D, host).block_until_ready(), args.reps),
-      "fetch": timed(lambda: f_fetch(W).block_until_ready(), args.reps),
-      "send": timed(run_send, args.reps),
-      "duplex": timed(run_duplex, args.reps),
+      "device_put_h2d": median_secs(lambda: jax.device_put(W, device).block_until_ready(), args.reps)[0],
+      "device_put_d2h": median_secs(lambda: jax.device_put(D, host).block_until_ready(), args.reps)[0],
+      "fetch": median_secs(lambda: f_fetch(W).block_until_ready(), args.reps)[0],
+      "send": median_secs(run_send, args.reps)[0],
+      "duplex": median_secs(run_duplex, args.reps)[0],
   }
   gbps = {k: nbytes / v / 1e9 for k, v in t.items()}
   gbps["duplex"] = 2 * nbytes / t["duplex"] / 1e9  # both directions counted

@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda_check.h"
 #include "dha.h"
 #include "handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,17 +47,8 @@ namespace ffi = xla::ffi;
 namespace jaxtier {
 namespace {
 
-ffi::Error CudaError(const char* op, const std::string& what, cudaError_t e) {
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string(op) + ": " + what + " failed: " +
-                                                   cudaGetErrorName(e) + ": " +
-                                                   cudaGetErrorString(e));
-}
-
-#define JT_DHA_CUDA_RETURN_IF_ERROR(expr, op, what)                        \
-  do {                                                                     \
-    const cudaError_t jt_cuda_error = (expr);                              \
-    if (jt_cuda_error != cudaSuccess) return CudaError(op, what, jt_cuda_error); \
-  } while (0)
+// Same checks as the other CUDA handlers (cuda_check.h), with the call first.
+#define JT_DHA_CUDA_RETURN_IF_ERROR(expr, op, what) JT_CUDA_CHECK(op, expr, what)
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -47,6 +47,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_check.h"
 #include "handlers.h"
 #include "program.h"  // JT_RETURN_IF_ERROR
 #include "stream.h"
@@ -56,18 +57,6 @@ namespace ffi = xla::ffi;
 
 namespace jaxtier {
 namespace {
-
-ffi::Error CudaError(const char* op, const std::string& what, cudaError_t e) {
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string(op) + ": " + what + " failed: " +
-                                                   cudaGetErrorName(e) + ": " +
-                                                   cudaGetErrorString(e));
-}
-
-#define JT_STREAM_CUDA_RETURN_IF_ERROR(op, expr, what)                        \
-  do {                                                                         \
-    const cudaError_t jt_cuda_error = (expr);                                  \
-    if (jt_cuda_error != cudaSuccess) return CudaError(op, what, jt_cuda_error); \
-  } while (0)
 
 // jaxtier's copy streams of one device, indexed by stream::Direction.
 struct CopyStreams {
@@ -118,9 +107,9 @@ class ScopedDevice {
       return ffi::Error(ffi::ErrorCode::kInternal,
                         std::string(op) + ": invalid device ordinal " + std::to_string(device));
     }
-    JT_STREAM_CUDA_RETURN_IF_ERROR(op, cudaGetDevice(&previous_), "cudaGetDevice");
+    JT_CUDA_CHECK(op, cudaGetDevice(&previous_), "cudaGetDevice");
     if (previous_ != device) {
-      JT_STREAM_CUDA_RETURN_IF_ERROR(op, cudaSetDevice(device),
+      JT_CUDA_CHECK(op, cudaSetDevice(device),
                                      "cudaSetDevice(" + std::to_string(device) + ")");
       switched_ = true;
     }
@@ -153,7 +142,7 @@ struct StreamState {
     std::lock_guard<std::mutex> lock(mu);
     if (events.size() <= static_cast<size_t>(device)) events.resize(device + 1, nullptr);
     if (events[device] == nullptr) {
-      JT_STREAM_CUDA_RETURN_IF_ERROR(
+      JT_CUDA_CHECK(
           op, cudaEventCreateWithFlags(&events[device], cudaEventDisableTiming),
           "cudaEventCreateWithFlags");
     }
@@ -182,7 +171,7 @@ ffi::Error CopyUnaliasedPasses(const char* op, const stream::Plan& plan, cudaStr
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const stream::Copy& c = plan.passes[i];
     if (c.src == c.dst || c.bytes == 0) continue;
-    JT_STREAM_CUDA_RETURN_IF_ERROR(
+    JT_CUDA_CHECK(
         op, cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
         "cudaMemcpyAsync (pass-through " + std::to_string(i) +
             ", not aliased by XLA, on XLA's stream)");
@@ -195,14 +184,14 @@ ffi::Error CopyUnaliasedPasses(const char* op, const stream::Plan& plan, cudaStr
 ffi::Error EnqueueCopies(const char* op, cudaStream_t xla_stream, cudaEvent_t ev,
                          cudaStream_t copy_stream, const std::vector<stream::Copy>& copies,
                          int64_t index, const char* what) {
-  JT_STREAM_CUDA_RETURN_IF_ERROR(op, cudaEventRecord(ev, xla_stream),
+  JT_CUDA_CHECK(op, cudaEventRecord(ev, xla_stream),
                                  "cudaEventRecord (on XLA's stream)");
-  JT_STREAM_CUDA_RETURN_IF_ERROR(op, cudaStreamWaitEvent(copy_stream, ev, 0),
+  JT_CUDA_CHECK(op, cudaStreamWaitEvent(copy_stream, ev, 0),
                                  "cudaStreamWaitEvent (jaxtier copy stream on XLA's stream)");
   for (size_t k = 0; k < copies.size(); ++k) {
     const stream::Copy& c = copies[k];
     if (c.bytes == 0) continue;
-    JT_STREAM_CUDA_RETURN_IF_ERROR(
+    JT_CUDA_CHECK(
         op, cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, copy_stream),
         std::string("cudaMemcpyAsync (") + what + ", leaf " + std::to_string(k) + ", slice " +
             std::to_string(index) + ", " + std::to_string(c.bytes) + " bytes)");
@@ -248,11 +237,11 @@ ffi::Error StreamWaitCudaImpl(cudaStream_t xla_stream, int32_t device, StreamSta
   JT_RETURN_IF_ERROR(state->Event(op, device, &ev));
   {
     std::lock_guard<std::mutex> lock(streams->mu);
-    JT_STREAM_CUDA_RETURN_IF_ERROR(
+    JT_CUDA_CHECK(
         op, cudaEventRecord(ev, streams->stream[direction]),
         direction == stream::kHostToDevice ? "cudaEventRecord (on jaxtier's h2d stream)"
                                            : "cudaEventRecord (on jaxtier's d2h stream)");
-    JT_STREAM_CUDA_RETURN_IF_ERROR(op, cudaStreamWaitEvent(xla_stream, ev, 0),
+    JT_CUDA_CHECK(op, cudaStreamWaitEvent(xla_stream, ev, 0),
                                    "cudaStreamWaitEvent (XLA's stream on a jaxtier stream)");
   }
   // After the stream wait: an unaliased `arrays` operand may be a slice still being fetched.
