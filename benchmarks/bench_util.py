@@ -27,3 +27,32 @@ def median_secs(fn: Callable[[], Any], reps: int) -> tuple[float, list[float]]:
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
   return float(np.median(times)), times
+
+
+class Section:
+  """Names one part of a benchmark run and times it; on an error, records the error in
+  `result["error"]`, calls `on_error()` (to write what was measured so far) and exits with 1
+  (fail fast: later parts would measure a broken state)."""
+
+  def __init__(self, name: str, *, result: dict, on_error: Callable[[], Any]):
+    self.name, self.result, self.on_error = name, result, on_error
+
+  def __enter__(self):
+    log(f"== {self.name}")
+    self.t0 = time.perf_counter()
+    return self
+
+  def __exit__(self, exc_type, exc, tb):
+    import sys  # pylint: disable=g-import-not-at-top
+    import traceback  # pylint: disable=g-import-not-at-top
+    if exc is None:
+      log(f"   {self.name}: {time.perf_counter() - self.t0:.1f} s")
+      return False
+    self.result["error"] = {
+        "section": self.name, "type": exc_type.__name__, "message": str(exc)[:4000],
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb))[-8000:]}
+    print(f"\nFAILED in section '{self.name}': {exc_type.__name__}: {str(exc)[:2000]}",
+          file=sys.stderr, flush=True)
+    traceback.print_exception(exc_type, exc, tb)
+    self.on_error()
+    sys.exit(1)

@@ -41,7 +41,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import traceback
 
 import numpy as np
 
@@ -53,7 +52,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtier._src import profile
 from jaxtier._src.primitives import host_update as hu
 
-from bench_util import log, median_secs  # noqa: E402  (sibling module)
+import bench_util  # noqa: E402  (sibling module)
+from bench_util import log, median_secs  # noqa: E402
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 1e-4, 1e-3
 DRAM_BYTES_PER_PARAM = 28      # fp32 master/mu/nu read + written (24) + grad read + param written
@@ -91,36 +91,16 @@ def parse_args(argv):
 
 # ---- small helpers --------------------------------------------------------------------------------
 
-class Section:
-  """Names the part of the run; on an error, records it and stops the run (fail fast)."""
-
-  def __init__(self, name):
-    self.name = name
-
-  def __enter__(self):
-    log(f"== {self.name}")
-    self.t0 = time.perf_counter()
-    return self
-
-  def __exit__(self, exc_type, exc, tb):
-    if exc is None:
-      log(f"   {self.name}: {time.perf_counter() - self.t0:.1f} s")
-      return False
-    RESULT["error"] = {"section": self.name, "type": exc_type.__name__, "message": str(exc)[:4000],
-                       "traceback": "".join(traceback.format_exception(exc_type, exc, tb))[-8000:]}
-    print(f"\nFAILED in section '{self.name}': {exc_type.__name__}: {str(exc)[:2000]}",
-          file=sys.stderr, flush=True)
-    traceback.print_exception(exc_type, exc, tb)
-    write_json()
-    sys.exit(1)
-
-
 def write_json():
   os.makedirs(FLAGS.out, exist_ok=True)
   path = os.path.join(FLAGS.out, "host_update.json")
   with open(path, "w") as f:
     json.dump(RESULT, f, indent=1, default=float)
   log(f"wrote {path}")
+
+
+def Section(name):  # noqa: N802  (used as `with Section(...)`)
+  return bench_util.Section(name, result=RESULT, on_error=write_json)
 
 
 def hashed_uniform(n, offset, salt):

@@ -48,7 +48,6 @@ import platform
 import subprocess
 import sys
 import time
-import traceback
 
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # before JAX (and NCCL) start: no NVLink multicast.
 if "--smoke" in sys.argv[1:]:
@@ -65,7 +64,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jaxtier  # noqa: E402
 from jaxtier._src import multipath  # noqa: E402
 
-from bench_util import log, median_secs  # noqa: E402  (sibling module)
+import bench_util  # noqa: E402  (sibling module)
+from bench_util import log, median_secs  # noqa: E402
 
 FLAGS = None
 RESULT: dict = {}
@@ -96,36 +96,16 @@ def parse_args(argv):
 
 # ---- helpers --------------------------------------------------------------------------------------
 
-class Section:
-  """Names the part of the run; on an error, records it and stops the run (fail fast)."""
-
-  def __init__(self, name):
-    self.name = name
-
-  def __enter__(self):
-    log(f"== {self.name}")
-    self.t0 = time.perf_counter()
-    return self
-
-  def __exit__(self, exc_type, exc, tb):
-    if exc is None:
-      log(f"   {self.name}: {time.perf_counter() - self.t0:.1f} s")
-      return False
-    RESULT["error"] = {"section": self.name, "type": exc_type.__name__, "message": str(exc)[:4000],
-                       "traceback": "".join(traceback.format_exception(exc_type, exc, tb))[-8000:]}
-    print(f"\nFAILED in section '{self.name}': {exc_type.__name__}: {str(exc)[:2000]}",
-          file=sys.stderr, flush=True)
-    traceback.print_exception(exc_type, exc, tb)
-    write_json()
-    sys.exit(1)
-
-
 def write_json():
   os.makedirs(FLAGS.out, exist_ok=True)
   path = os.path.join(FLAGS.out, "multigpu.json")
   with open(path, "w") as f:
     json.dump(RESULT, f, indent=1, default=float)
   log(f"wrote {path}")
+
+
+def Section(name):  # noqa: N802  (used as `with Section(...)`)
+  return bench_util.Section(name, result=RESULT, on_error=write_json)
 
 
 def versions():

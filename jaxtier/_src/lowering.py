@@ -241,6 +241,23 @@ def _host_parameters(hlo_text: str) -> set[int]:
   return {k for k, p in enumerate(params) if "S(5)" in p}
 
 
+def entry_instructions(hlo_text: str) -> list[tuple[str, str]]:
+  """(name, right-hand side) of each instruction of the HLO text's ENTRY computation, in order."""
+  out = []
+  in_entry = False
+  for line in hlo_text.splitlines():
+    s = line.strip()
+    if s.startswith("ENTRY"):
+      in_entry = True
+      continue
+    if in_entry and s == "}":
+      break
+    if in_entry and " = " in s:
+      lhs, rhs = s.split(" = ", 1)
+      out.append((lhs.replace("ROOT", "").strip().lstrip("%"), rhs))
+  return out
+
+
 def hlo_violations(hlo_text: str, target: str = hu.TARGET) -> list[str]:
   """What in compiled HLO moves or computes on a host operand before a `target` custom call.
 
@@ -258,18 +275,7 @@ def hlo_violations(hlo_text: str, target: str = hu.TARGET) -> list[str]:
   defs: dict[str, str] = {}
   calls: list[tuple[str, list[str]]] = []
   bad: list[str] = []
-  in_entry = False
-  for line in hlo_text.splitlines():
-    s = line.strip()
-    if s.startswith("ENTRY"):
-      in_entry = True
-      continue
-    if in_entry and s == "}":
-      in_entry = False
-    if not in_entry or " = " not in s:
-      continue
-    lhs, rhs = s.split(" = ", 1)
-    name = lhs.replace("ROOT", "").strip().lstrip("%")
+  for name, rhs in entry_instructions(hlo_text):
     defs[name] = rhs
     if "_xla_compute_type" in rhs:
       bad.append(f"{name}: host compute in the entry computation")

@@ -252,18 +252,7 @@ def host_read_shapes(hlo_text: str) -> list[tuple[str, str, tuple[int, ...], int
   host = lowering._host_parameters(hlo_text)  # pylint: disable=protected-access
   params: dict[str, int] = {}
   rows = []
-  in_entry = False
-  for line in hlo_text.splitlines():
-    s = line.strip()
-    if s.startswith("ENTRY"):
-      in_entry = True
-      continue
-    if in_entry and s == "}":
-      break
-    if not in_entry or " = " not in s:
-      continue
-    lhs, rhs = s.split(" = ", 1)
-    name = lhs.replace("ROOT", "").strip().lstrip("%")
+  for name, rhs in lowering.entry_instructions(hlo_text):
     num = re.search(r"\bparameter\((\d+)\)", rhs)
     if num:
       if "S(5)" in rhs.split(" parameter(")[0] or int(num.group(1)) in host:
