@@ -86,6 +86,8 @@ def plan_main() -> None:
   if refused:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
     sys.exit(1)
+  if any(n.startswith("DOES NOT FIT") for n in plan.notes):
+    sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
 
 
 def leaf_group(path: str, role: str) -> str:
@@ -162,7 +164,17 @@ def main(argv: list[str]) -> None:
   if len(argv) > 2:
     raise app.UsageError(f"unexpected arguments {argv[2:]!r}")
   if argv[1] == "train":
-    train_lib.main(argv[:1])
+    try:
+      train_lib.main(argv[:1])
+    except (jaxtier.PlanError, OSError, ValueError) as e:
+      # A refused plan, a missing data file, bad data or a bad setting: the message says what
+      # and how to fix it; a traceback through the trainer would only hide it.
+      print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
+      if isinstance(e, jaxtier.PlanError):
+        print("from the command line: --offload=optimizer_state_on_host or --offload=stream move "
+              "more state to pinned_host; or raise --device_budget / --host_budget",
+              file=sys.stderr)
+      sys.exit(1)
   elif argv[1] == "plan":
     plan_main()
   else:

@@ -394,6 +394,15 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
                    for u, (item, cc) in enumerate(zip(final.updates, compiled))}
   final_params = {p.index: placement[p.index] for p in final.params}
   pred = solver.evaluate_fixed(final, final_params, final_updates, act_policy).prediction
+  if (solver_budget is not None and pred.peak_hbm_bytes > solver_budget
+      and not any(n.startswith("DOES NOT FIT") for n in notes)):
+    # The placements the user fixed (or the cut's fallbacks) leave the plan over the budget
+    # although the solver's own search fitted: say so as loudly as an infeasible search.
+    msg = (f"DOES NOT FIT: predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} "
+           f"exceeds the device budget of {format_bytes(solver_budget)} with the placements "
+           "as given (the policy's fixed placements included)")
+    log.warning("jaxtier: %s", msg)
+    notes.append(msg)
   if activations is not None:
     chosen = act_policy or activations.traced
     act_label = f"{chosen} (jax.checkpoint_policies.{activations.checkpoint_policy[chosen]})"
@@ -482,10 +491,20 @@ def _cut(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
         except (program_compiler.Unsupported, ProgramTooLarge) as e:
           why = str(e)
       if why or not comp.elementwise:
+        params = [i for i in comp.seeds if inv.leaves[i].role == PARAM]
         for i in comp.seeds:
           executor_leaves.discard(i)
           placement[i] = HOST_XLA
-          reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
+          if params:
+            # The usual cause: a parameter placed with an executor is read by the forward
+            # pass too, which ties every host leaf of the step into one non-elementwise cut.
+            reasons[i] = (
+                f"update not one elementwise pass: the host parameter "
+                f"{inv.leaves[params[0]].path} is {inv.leaves[params[0]].why}, so its reads "
+                f"and update are one computation ({why}): XLA memory-kind transfers. A stack of "
+                "layers read by a layer loop can be placed 'host_stream' instead")
+          else:
+            reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
           log.warning("jaxtier: leaf %s falls back to host_xla: %s", inv.leaves[i].path,
                       reasons[i])
         demoted = True

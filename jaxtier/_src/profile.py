@@ -102,7 +102,7 @@ class HardwareProfile:
   cpu_threads: int = 16
   device_kind: str = "NVIDIA H200"
   versions: dict = dataclasses.field(default_factory=lambda: {"jax": "0.11.2"})
-  source: str = "defaults (H200, ../shared/MEASURED.md)"
+  source: str = "defaults (an H200 machine as measured for jaxtier; see docs/design.md)"
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -499,7 +499,7 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
     measured.append("gpu")
   elif backend != "gpu":
     log.warning("jaxtier.calibrate: no GPU here: the link, zero-copy, matmul and HBM figures "
-                "stay the H200 defaults (../shared/MEASURED.md); only the host side is measured")
+                "stay the H200 defaults (docs/design.md); only the host side is measured")
   if measure_cpu:
     fields["host_dram_gbps"] = measure_host_dram_gbps()
     if backend != "gpu":
