@@ -323,10 +323,12 @@ class OffloadedStep:
     #    leaves them intact).
     # 2. The fused host updates, in place on the donated host leaves and masters. Dispatched
     #    only once the compute program has succeeded: an update fed by a failed program would
-    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step.
+    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step;
+    #    a plan without host updates does not wait (dispatch stays asynchronous).
     try:
       first, feeds, rest, self._scratch = self._compute(dev, host, arg_leaves, self._scratch)
-      jax.block_until_ready((first, feeds, rest, self._scratch))
+      if self._compiled:
+        jax.block_until_ready((first, feeds, rest, self._scratch))
     except Exception as e:
       self._scratch = []  # donated to the failed program; fresh buffers next time
       if hasattr(e, "add_note"):
@@ -334,11 +336,13 @@ class OffloadedStep:
                    "pinned_host leaves are intact and usable; its device leaves were donated "
                    "to the failed program (as with jax.jit(donate_argnums=...)).")
       raise
-    if self._update is None:
-      self._update = self._make_update([x.sharding for x in feeds])
-    update_outs, self._masters = self._update(
-        [moved[i] for i in split.updated_host], [moved[i] for i in split.read_host],
-        self._masters, feeds, self._scratch)
+    update_outs = []
+    if self._compiled:
+      if self._update is None:
+        self._update = self._make_update([x.sharding for x in feeds])
+      update_outs, self._masters = self._update(
+          [moved[i] for i in split.updated_host], [moved[i] for i in split.read_host],
+          self._masters, feeds, self._scratch)
     outs = split.assemble(moved, list(first) + list(rest), update_outs,
                           self._inventory.out_treedef.num_leaves)
     idx = lowering.master_indices(self._compiled)
