@@ -1,0 +1,37 @@
+"""The GPU benchmark scripts' logic, at toy sizes on the CPU, so that they do not rot in CI.
+
+Each script has a mode for this (`--smoke` / `--cpu_dry_run`); its figures mean nothing here.
+The scripts run in a subprocess from the repository's `benchmarks/` folder (they import their
+sibling `bench_util`), against the installed jaxtier.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+CASES = {
+    "streaming_bench.py": (["--smoke"], "streaming.json"),
+    "streaming_primitives_check.py": (["--cpu_dry_run"], "streaming_primitives.json"),
+    "dha_crossover.py": (["--cpu_dry_run"], "dha_crossover.json"),
+    "host_update_bench.py": (["--cpu_dry_run", "--skip_torch"], "host_update.json"),
+    "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "planner.json"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_runs_at_toy_sizes(script, tmp_path):
+  args, result = CASES[script]
+  out = str(tmp_path / result) if script == "streaming_primitives_check.py" else str(tmp_path)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, f"--out={out}"],
+                     capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
+  assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
+  with open(tmp_path / result) as f:
+    data = json.load(f)
+  assert "error" not in data, data.get("error")
