@@ -340,6 +340,33 @@ def test_same_array_twice_in_state_and_key_leaves():
                              rtol=1e-6)
 
 
+def test_one_buffer_under_two_leaves_after_place():
+  # place() returns new Array objects over the buffers it did not need to move, so two leaves
+  # holding one array come back as two objects over one buffer: the step must still not
+  # donate that buffer twice.
+  tx = optax.adam(1e-2)
+
+  def step(state, x):
+    loss = lambda p: jnp.sum(jnp.tanh(x @ p["w"]) * jnp.mean(p["v"]))
+    g = jax.grad(loss)(state["params"])
+    u, o = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
+
+  def fresh():
+    w = jnp.ones((8, 8)) * 0.1
+    params = {"w": w, "v": w}
+    return {"params": params, "opt": tx.init(params)}
+  x = jnp.ones((4, 8))
+  want = jax.jit(step)(jax.jit(step)(fresh(), x)[0], x)[0]
+  off = jaxtier.offload(step, policy=ON_HOST)
+  st = off.place(fresh(), x)
+  for _ in range(2):
+    st, _ = off(st, x)
+  for k in ("w", "v"):
+    np.testing.assert_allclose(np.asarray(st["params"][k]), np.asarray(want["params"][k]),
+                               rtol=1e-6)
+
+
 def test_gpu_plan_keeps_the_chosen_executor_per_fused_call():
   # Planning for a GPU (no GPU needed): the user's executor is kept; leaves that share a fused
   # call with it follow it, and the plan says so.

@@ -309,11 +309,14 @@ class OffloadedStep:
     moved = [x if _same_placement(x, s) else jax.device_put(x, s) for x, s in zip(leaves, want)]
     # The same buffer twice in the state (e.g. an optimizer keeping a reference to the params)
     # cannot be donated twice: later occurrences get their own copy.
-    seen: set[int] = set()
+    # Two Array objects may share one buffer (device_put to the sharding an array already
+    # has returns a new Array over the same buffer): compare buffers, not objects.
+    seen: set[Any] = set()
     for i, x in enumerate(moved):
-      if id(x) in seen:
+      key = _buffer_key(x)
+      if key in seen:
         moved[i] = jnp.copy(x)
-      seen.add(id(x))
+      seen.add(key)
     self._refresh_masters(leaves, moved)
     arg_leaves = jax.tree_util.tree_leaves(args)
     self._ensure_scratch()
@@ -409,6 +412,14 @@ def _put(x: Any, sharding: Any, leaf: "planner.LeafPlan") -> Any:
         f"OffloadedStep.place: could not allocate leaf {leaf.path} ({leaf.dtype}"
         f"{list(leaf.shape)}, {planner.format_bytes(leaf.nbytes)} = {leaf.nbytes} bytes per "
         f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.") from e
+
+
+def _buffer_key(x: Any) -> Any:
+  """What identifies `x`'s storage: its shards' (device, buffer address), else the object."""
+  try:
+    return tuple((sh.device.id, sh.data.unsafe_buffer_pointer()) for sh in x.addressable_shards)
+  except Exception:  # pylint: disable=broad-except  (a backend without raw pointers)
+    return id(x)
 
 
 def _arrays(api: str, state: Any) -> Any:
