@@ -401,3 +401,29 @@ def test_c2_16gib_fp32_leaf_in_pinned_host(gpu):
   np.testing.assert_array_equal(np.asarray(back[idx]), np.full(5, 1.75, np.float32))
   del back
   assert off.plan.compiler_peak_hbm_bytes is None or off.plan.compiler_peak_hbm_bytes < 2**30
+
+
+def test_offloaded_step_reports_measured_against_predicted_step_time(caplog):
+  # Calls 2-4 are timed and the plan gains the measured step time beside its prediction.
+  import logging
+  from jaxtier._src import api
+  tx = optax.adam(1e-2)
+
+  def step(state, x):
+    g = jax.grad(lambda p: jnp.mean(jnp.tanh(x @ p) ** 2))(state["w"])
+    u, o = tx.update(g, state["opt"], state["w"])
+    return {"w": optax.apply_updates(state["w"], u), "opt": o}, {}
+  w = jnp.ones((32, 32)) * 0.1
+  x = jnp.ones((8, 32))
+  off = jaxtier.offload(step, policy="optimizer_state_on_host")
+  st = off.place({"w": w, "opt": tx.init(w)}, x)
+  with caplog.at_level(logging.INFO, logger="jaxtier"):
+    for k in range(1 + api.MEASURED_STEPS):
+      assert off.plan.measured_step_secs is None, k
+      st, _ = off(st, x)
+  measured = off.plan.measured_step_secs
+  assert measured is not None and 0 < measured < 60
+  assert off.plan.predicted_step_secs is not None
+  assert "measured step:" in str(off.plan)
+  assert any("step time measured" in r.getMessage() and "predicted" in r.getMessage()
+             for r in caplog.records)

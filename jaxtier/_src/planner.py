@@ -166,6 +166,8 @@ class Plan:
     notes: where the figures come from (profile, transient bytes), and warnings.
     compiler_peak_hbm_bytes: the compiled step's peak device memory from its
       `memory_analysis()` (set after compiling; None before, or where the backend reports none).
+    measured_step_secs: the median wall time of the offloaded step's calls 2 to
+      1 + MEASURED_STEPS, seconds, each synchronised (set once measured; None before).
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -184,6 +186,7 @@ class Plan:
   planned_device_budget: "int | None" = None
   notes: tuple[str, ...] = ()
   compiler_peak_hbm_bytes: "int | None" = None
+  measured_step_secs: "float | None" = None
 
   def bytes_by_memory_kind(self) -> dict[str, int]:
     """{'device': bytes, 'pinned_host': bytes} of the state, masters included."""
@@ -227,6 +230,10 @@ class Plan:
                                            for name, secs, bound in self.segments))
       lines.append("  busy: " + ", ".join(f"{k} {v * 1e3:.4g} ms"
                                           for k, v in self.resource_secs.items() if v))
+    if self.measured_step_secs is not None:
+      ratio = ("" if not self.predicted_step_secs else
+               f" (predicted / measured {self.predicted_step_secs / self.measured_step_secs:.2f})")
+      lines.append(f"measured step: {self.measured_step_secs * 1e3:.4g} ms{ratio}")
     if self.predicted_peak_hbm_bytes is not None:
       budget = self.planned_device_budget
       lines.append(f"predicted peak HBM: {format_bytes(self.predicted_peak_hbm_bytes)} per device"

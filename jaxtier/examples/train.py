@@ -414,6 +414,10 @@ def run(
   print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
         f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
         f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
+  measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
+  if measured is not None and step.plan.predicted_step_secs is not None:
+    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.1f} ms, measured "
+          f"{measured * 1e3:.1f} ms (calls 2-4)")
   return {
       "losses": losses,
       "step_times": step_times,
