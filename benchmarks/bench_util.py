@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any, Callable
 
@@ -11,6 +13,16 @@ import numpy as np
 def log(msg: str) -> None:
   """Prints `msg` with the wall-clock time, flushed (the device tool streams stdout)."""
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_json(result: dict, out_dir: str, filename: str) -> str:
+  """Writes `result` as `out_dir/filename` (numpy scalars as floats); returns the path."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, filename)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1, default=float)
+  log(f"wrote {path}")
+  return path
 
 
 def median_secs(fn: Callable[[], Any], reps: int) -> tuple[float, list[float]]:

@@ -92,11 +92,7 @@ def parse_args(argv):
 # ---- small helpers --------------------------------------------------------------------------------
 
 def write_json():
-  os.makedirs(FLAGS.out, exist_ok=True)
-  path = os.path.join(FLAGS.out, "host_update.json")
-  with open(path, "w") as f:
-    json.dump(RESULT, f, indent=1, default=float)
-  log(f"wrote {path}")
+  bench_util.write_json(RESULT, FLAGS.out, "host_update.json")
 
 
 def Section(name):  # noqa: N802  (used as `with Section(...)`)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import platform
 import subprocess
@@ -97,11 +96,7 @@ def parse_args(argv):
 # ---- helpers --------------------------------------------------------------------------------------
 
 def write_json():
-  os.makedirs(FLAGS.out, exist_ok=True)
-  path = os.path.join(FLAGS.out, "multigpu.json")
-  with open(path, "w") as f:
-    json.dump(RESULT, f, indent=1, default=float)
-  log(f"wrote {path}")
+  bench_util.write_json(RESULT, FLAGS.out, "multigpu.json")
 
 
 def Section(name):  # noqa: N802  (used as `with Section(...)`)

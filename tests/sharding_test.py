@@ -9,12 +9,12 @@ import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent("""
+# Both subprocess scripts start alike: 8 CPU devices, an MLP trained with AdamW.
+PRELUDE = textwrap.dedent("""
     import json, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np, optax, jaxtier
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    mesh = Mesh(np.array(jax.devices()), ("d",))
     tx = optax.adamw(1e-2, weight_decay=0.1)
     def loss(p, x, y):
       return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
@@ -23,6 +23,10 @@ SCRIPT = textwrap.dedent("""
       l, g = jax.value_and_grad(loss)(state["params"], x, y)
       u, o = tx.update(g, state["opt"], state["params"])
       return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": l}
+""")
+
+SCRIPT = PRELUDE + textwrap.dedent("""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
     out = {}
     for name, spec in [("dp", P()), ("fsdp", P("d"))]:
       k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -77,20 +81,8 @@ def test_data_parallel_and_fsdp_meshes(tmp_path):
   assert out["fsdp"]["mu_plan_bytes"] == 64 * 32 * 4 // 8
 
 
-PLAN_SCRIPT = textwrap.dedent("""
-    import json, os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    import jax, jax.numpy as jnp, numpy as np, optax, jaxtier
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+PLAN_SCRIPT = PRELUDE + textwrap.dedent("""
     devices = np.array(jax.devices())
-    tx = optax.adamw(1e-2, weight_decay=0.1)
-    def loss(p, x, y):
-      return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
-    def step(state, batch):
-      x, y = batch
-      l, g = jax.value_and_grad(loss)(state["params"], x, y)
-      u, o = tx.update(g, state["opt"], state["params"])
-      return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": l}
     meshes = {
         "dp": (Mesh(devices, ("d",)), P(), P(), P("d")),
         "fsdp": (Mesh(devices, ("d",)), P("d"), P("d"), P("d")),
