@@ -221,3 +221,25 @@ def test_streamed_on_gpu_trains_like_device(gpu, dtype):
   np.testing.assert_allclose(got, ref, rtol=tol)
   hlo = step.lower(state, x, y).compile().as_text()
   assert lowering.hlo_violations(hlo, target=stream.FETCH_TARGET) == []
+
+
+def test_auto_streams_the_layer_stack_when_the_budget_asks_for_it():
+  # No policy: with a device budget that the state does not fit even with the optimizer state
+  # on the host, the planner streams the layer stack, and the step trains like jax.jit.
+  tx = optax.adamw(1e-2)
+  layers, d = 8, 128
+  x, y = _data(d=d, b=4)
+  fresh = lambda: _state(tx, layers=layers, d=d)
+  everything = sum(a.nbytes for a in jax.tree.leaves(fresh()))
+  assert jaxtier.plan(_step_fn(tx), fresh(), x, y).placements()["['W']"] == "device"
+  # Below what the state needs with only its optimizer state on the host (W + gradient +
+  # activations: 1.6 MiB predicted), above streaming's needs.
+  budget = everything * 2 // 3
+  step = jaxtier.offload(_step_fn(tx), device_budget=budget)
+  state = step.place(fresh(), x, y)
+  assert step.plan.placements()["['W']"] == "host_stream", step.plan
+  assert "prefetched layer by layer" in {l.path: l.reason for l in step.plan.leaves}["['W']"]
+  assert step.plan.predicted_peak_hbm_bytes <= budget
+  _, ref = _train(jax.jit(_step_fn(tx)), fresh(), 10, x, y)
+  _, got = _train(step, state, 10, x, y)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)

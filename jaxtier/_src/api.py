@@ -108,8 +108,7 @@ class OffloadedStep:
     platform = jc.platform_of(jax.tree_util.tree_leaves(state)[0]) if jax.tree_util.tree_leaves(
         state) else jax.default_backend()
     hardware = profile.load(platform=platform)
-    streamable = {l.index for l in inv.leaves if l.role == inv_lib.PARAM
-                  and not streaming.stream_reason(inv.closed_jaxpr.jaxpr, l.index)}
+    streamable = _streamable(inv)
     costs = _step_costs(inv, state, args, platform, self._options.policy)
     budget = self._options.device_budget
     previous = None
@@ -438,6 +437,12 @@ def _put(x: Any, sharding: Any, leaf: "planner.LeafPlan") -> Any:
         f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.") from e
 
 
+def _streamable(inv: inv_lib.Inventory) -> set[int]:
+  """Parameter leaves the lowering can serve `host_stream` (`streaming.stream_reason`)."""
+  return {l.index for l in inv.leaves if l.role == inv_lib.PARAM
+          and not streaming.stream_reason(inv.closed_jaxpr.jaxpr, l.index)}
+
+
 def _buffer_key(x: Any) -> Any:
   """What identifies `x`'s storage: its shards' (device, buffer address), else the object."""
   try:
@@ -533,7 +538,7 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
 
 def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
          host_budget: Any = None, policy: Any = "auto", platform: "str | None" = None,
-         streamable: Any = frozenset(), dha_readable: Any = frozenset(),
+         streamable: Any = None, dha_readable: Any = frozenset(),
          activations: "cost_model.ActivationModel | None" = None) -> planner.Plan:
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
 
@@ -544,7 +549,8 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
 
   The plan carries the cost model's predictions: `predicted_step_secs`, `critical_path`,
   `predicted_peak_hbm_bytes`, `resource_secs`. `streamable` / `dha_readable` (state leaf
-  indices) allow `host_stream` / `host_dha` placements of parameters; `activations` (a
+  indices) allow `host_stream` / `host_dha` placements of parameters (`streamable` None: every
+  parameter the lowering can stream, as `offload` plans); `activations` (a
   `cost_model.ActivationModel`) lets the plan choose the activation policy.
 
   Raises:
@@ -557,6 +563,8 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
   hardware = profile.load(platform=platform)
+  if streamable is None:
+    streamable = _streamable(inv)
   if platform == here:
     pinnable = planner.pinnable_bytes(platform, _num_local_devices(state))
   else:  # planning for an absent GPU: what its profile says the host could pin, or XLA's
