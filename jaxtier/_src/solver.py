@@ -277,7 +277,13 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cm.Activatio
   streamed = any(v != DEVICE for v in params.values())
   # The host updates run one after another after the backward pass; each writes its new
   # device params to a fresh buffer while the old ones are still alive: the largest counts.
-  results = max((updates[u].result_nbytes for u in on_host), default=0)
+  # A parameter placed off the device is updated in place on the host: no device buffer.
+  off_device = {}
+  for p in problem.params:
+    if p.update is not None and params.get(p.index, DEVICE) != DEVICE:
+      off_device[p.update] = off_device.get(p.update, 0) + p.nbytes
+  results = max((max(0, updates[u].result_nbytes - off_device.get(u, 0)) for u in on_host),
+                default=0)
   peak = base + used + (buffers if streamed else 0) + results
   pinned = problem.fixed_pinned_bytes + sum(updates[u].pinned_nbytes for u in on_host)
   pinned += sum(p.nbytes for p in problem.params if params[p.index] != DEVICE)
