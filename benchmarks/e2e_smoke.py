@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from absl import app
 from absl import flags
@@ -78,11 +79,18 @@ def main(argv):
   for variant in _VARIANTS.value:
     cmd = [sys.executable, __file__, f"--child={variant}", f"--config={_CONFIG.value}",
            f"--steps={_STEPS.value}", f"--batch_size={_BATCH.value}", f"--seq_len={_SEQ.value}"]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+    # The child's output is echoed as it comes, timestamped, so that a run stopped by a time
+    # limit still shows how far each variant got (plan, first step, each step).
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for raw in p.stdout:
+      lines.append(raw.rstrip("\n"))
+      if not raw.startswith(("I1", "W1", "RESULT ")):
+        print(f"[{time.strftime('%H:%M:%S')} {variant}] {lines[-1]}", flush=True)
+    p.wait()
+    line = [l for l in lines if l.startswith("RESULT ")]
     if p.returncode or not line:
-      print(p.stdout[-3000:], p.stderr[-5000:])
-      runs[variant] = dict(error=(p.stderr or p.stdout)[-2000:])
+      runs[variant] = dict(error="\n".join(lines)[-2000:])
       continue
     runs[variant] = json.loads(line[0][len("RESULT "):])
     print(variant, "done", runs[variant]["step_secs_median"], flush=True)
@@ -111,6 +119,7 @@ def main(argv):
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       device=str(jax.devices()[0].device_kind), jax=jax.__version__,
       python=sys.version.split()[0], runs=runs, checks=checks)
+  os.makedirs(_OUT.value, exist_ok=True)
   path = os.path.join(_OUT.value, "e2e_smoke.json")
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
