@@ -20,6 +20,8 @@ CASES = {
     "dha_crossover.py": (["--cpu_dry_run"], "dha_crossover.json"),
     "host_update_bench.py": (["--cpu_dry_run", "--skip_torch"], "host_update.json"),
     "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "planner.json"),
+    "e2e_smoke.py": (["--config=tiny", "--steps=3", "--batch_size=2", "--seq_len=32",
+                      "--variants=fp32:none,fp32:stream"], "e2e_smoke.json"),
 }
 
 
@@ -35,3 +37,5 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
   with open(tmp_path / result) as f:
     data = json.load(f)
   assert "error" not in data, data.get("error")
+  for name, run in data.get("runs", {}).items():  # e2e_smoke: one entry per variant
+    assert "error" not in run, (name, run["error"])
