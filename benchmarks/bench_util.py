@@ -68,3 +68,27 @@ class Section:
     traceback.print_exception(exc_type, exc, tb)
     self.on_error()
     sys.exit(1)
+
+
+def versions(*modules: Any) -> dict:
+  """Python, jax, jaxlib and numpy versions, each module's `__version__`, and jaxtier's git
+  revision (`jaxtier_git`, when the benchmark runs from a git checkout)."""
+  import platform  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  v = {"python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__}
+  try:
+    import jaxlib  # pylint: disable=g-import-not-at-top
+    v["jaxlib"] = jaxlib.__version__
+  except ImportError:
+    pass
+  for m in modules:
+    v[m.__name__] = getattr(m, "__version__", None)
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
+    if rev.returncode == 0:
+      v["jaxtier_git"] = rev.stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    pass
+  return v

@@ -37,7 +37,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import sys
 import time
 import traceback
@@ -50,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtier._src.primitives import dha
 
+import bench_util  # noqa: E402  (sibling module)
 from bench_util import log  # noqa: E402  (sibling module)
 
 RESULT: dict = {}
@@ -103,12 +103,6 @@ def median_secs(fn, reps: int, min_secs: float) -> float:
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / inner)
   return float(np.median(times))
-
-
-def versions() -> dict:
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  return {"python": platform.python_version(), "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "numpy": np.__version__}
 
 
 def matmul_section(args, device, host, dev):
@@ -223,7 +217,7 @@ def main(argv):
   RESULT.update(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device=f"{device.platform}:{getattr(device, 'device_kind', '?')}",
-                versions=versions(), cpu_dry_run=args.cpu_dry_run)
+                versions=bench_util.versions(), cpu_dry_run=args.cpu_dry_run)
   section = "matmul"
   try:
     matmul_section(args, device, host, dev)

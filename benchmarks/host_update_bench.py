@@ -36,7 +36,6 @@ import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -414,24 +413,6 @@ def c1_case(best_executor, best_fraction, reps):
                              "|master| 2^-8 (one bf16 rounding) of it"))
 
 
-def versions():
-  v = {"python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__,
-       "optax": optax.__version__}
-  try:
-    import jaxlib  # pylint: disable=g-import-not-at-top
-    v["jaxlib"] = jaxlib.__version__
-  except ImportError:
-    pass
-  try:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-    if rev.returncode == 0:
-      v["jaxtier_git"] = rev.stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    pass
-  return v
-
-
 def print_table():
   figs = RESULT.get("figures", {})
   print("\nW2 host update, AdamW fp32 state in pinned_host, bf16 grads/params on device")
@@ -458,7 +439,7 @@ def main(argv):
   FLAGS = parse_args(argv)
   RESULT.update(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                versions=versions(), figures={}, host={"cpu_count": os.cpu_count()},
+                versions=bench_util.versions(optax), figures={}, host={"cpu_count": os.cpu_count()},
                 env={k: os.environ.get(k) for k in ("JAXTIER_CPU_THREADS",
                                                     "JAXTIER_HOST_CPU_CHUNK_BYTES", "XLA_FLAGS",
                                                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")})

@@ -43,8 +43,6 @@ import argparse
 import datetime
 import gc
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -101,23 +99,6 @@ def write_json():
 
 def Section(name):  # noqa: N802  (used as `with Section(...)`)
   return bench_util.Section(name, result=RESULT, on_error=write_json)
-
-
-def versions():
-  v = {"python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__}
-  try:
-    import jaxlib  # pylint: disable=g-import-not-at-top
-    v["jaxlib"] = jaxlib.__version__
-  except ImportError:
-    pass
-  try:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10)
-    if rev.returncode == 0:
-      v["jaxtier_git"] = rev.stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    pass
-  return v
 
 
 def host_replicated(mesh, shape, dtype, seed=0):
@@ -378,7 +359,7 @@ def main(argv):
   FLAGS = parse_args(argv)
   RESULT.update(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                versions=versions(), smoke=FLAGS.smoke,
+                versions=bench_util.versions(), smoke=FLAGS.smoke,
                 env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS",
                                                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")})
   with Section("backend"):

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -33,6 +32,7 @@ import optax
 
 import jaxtier
 
+import bench_util  # noqa: E402  (sibling module)
 from bench_util import median_secs  # noqa: E402  (sibling module)
 
 
@@ -189,7 +189,7 @@ def main(argv):
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       device=dev.device_kind, jax=jax.__version__, layer_bytes=layer_bytes,
       ratios=ratios, targets={"jaxtier_fwd_vs_ideal": 0.95, "jaxtier_fwdbwd_vs_device": 0.92},
-      git=_git())
+      git=bench_util.versions().get("jaxtier_git"))
   os.makedirs(a.out, exist_ok=True)
   path = os.path.join(a.out, "streaming.json")
   with open(path, "w") as fh:
@@ -204,14 +204,6 @@ def main(argv):
     print(f"{name:<44} {r['ms']:>9.2f} {'' if tb is None else f'{tb / 2**30:.2f}':>13}")
   for k, v in ratios.items():
     print(f"{k}: {v:.3f}")
-
-
-def _git():
-  try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True, check=False).stdout.strip() or None
-  except OSError:
-    return None
 
 
 if __name__ == "__main__":

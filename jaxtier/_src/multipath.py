@@ -37,6 +37,14 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src import lowering
 
 
+def _axis_size(api: str, mesh: Mesh, axis_name: Any) -> int:
+  """The size of `mesh` axis `axis_name`; raises when the mesh has no such axis."""
+  if axis_name not in mesh.shape:
+    raise ValueError(f"{api}: expected axis_name to be one of the mesh axes "
+                     f"{tuple(mesh.axis_names)}, got {axis_name!r}")
+  return mesh.shape[axis_name]
+
+
 def _check(api: str, host_leaf: Any, mesh: Mesh, index: Any) -> tuple[int, ...]:
   """The shape of the fetched slice; raises for a bad mesh, leaf or static index."""
   if not isinstance(mesh, Mesh):
@@ -113,10 +121,7 @@ def fetch_replicated(host_leaf: jax.Array, mesh: Mesh, axis_name: str, *, index:
   """
   api = "jaxtier.multipath.fetch_replicated"
   shape = _check(api, host_leaf, mesh, index)
-  if axis_name not in mesh.shape:
-    raise ValueError(f"{api}: expected axis_name to be one of the mesh axes "
-                     f"{tuple(mesh.axis_names)}, got {axis_name!r}")
-  n = mesh.shape[axis_name]
+  n = _axis_size(api, mesh, axis_name)
   if not 0 <= split_axis < len(shape):
     raise ValueError(f"{api}: expected 0 <= split_axis < {len(shape)} for a slice of shape "
                      f"{list(shape)}, got {split_axis}")
@@ -194,10 +199,7 @@ def fetch_sharded(host_leaf: jax.Array, mesh: Mesh, axis_name: str, *, index: An
   """
   api = "jaxtier.multipath.fetch_sharded"
   shape = _check(api, host_leaf, mesh, index)
-  if axis_name not in mesh.shape:
-    raise ValueError(f"{api}: expected axis_name to be one of the mesh axes "
-                     f"{tuple(mesh.axis_names)}, got {axis_name!r}")
-  n = mesh.shape[axis_name]
+  n = _axis_size(api, mesh, axis_name)
   if not 0 <= split_axis < len(shape) or shape[split_axis] % n:
     raise ValueError(f"{api}: expected dimension {split_axis} of the slice {list(shape)} to "
                      f"divide by the {n} devices of mesh axis {axis_name!r}")

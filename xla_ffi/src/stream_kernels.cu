@@ -199,6 +199,13 @@ ffi::Error EnqueueCopies(const char* op, cudaStream_t xla_stream, cudaEvent_t ev
   return ffi::Error::Success();
 }
 
+// `device`'s copy streams and this call site's event on it.
+ffi::Error CopyResources(const char* op, int device, StreamState* state, CopyStreams** streams,
+                         cudaEvent_t* ev) {
+  JT_RETURN_IF_ERROR(GetCopyStreams(op, device, streams));
+  return state->Event(op, device, ev);
+}
+
 ffi::ErrorOr<std::unique_ptr<StreamState>> StreamCudaInstantiateImpl() {
   return ffi::ErrorOr<std::unique_ptr<StreamState>>(std::make_unique<StreamState>());
 }
@@ -215,9 +222,8 @@ ffi::Error StreamFetchCudaImpl(cudaStream_t xla_stream, int32_t device, StreamSt
   JT_RETURN_IF_ERROR(CopyUnaliasedPasses(op, plan, xla_stream));
   if (!AnyBytes(plan.copies)) return ffi::Error::Success();
   CopyStreams* streams = nullptr;
-  JT_RETURN_IF_ERROR(GetCopyStreams(op, device, &streams));
   cudaEvent_t ev = nullptr;
-  JT_RETURN_IF_ERROR(state->Event(op, device, &ev));
+  JT_RETURN_IF_ERROR(CopyResources(op, device, state, &streams, &ev));
   std::lock_guard<std::mutex> lock(streams->mu);
   return EnqueueCopies(op, xla_stream, ev, streams->stream[stream::kHostToDevice], plan.copies,
                        index, "host leaf slice -> device");
@@ -232,9 +238,8 @@ ffi::Error StreamWaitCudaImpl(cudaStream_t xla_stream, int32_t device, StreamSta
   ScopedDevice scoped;
   JT_RETURN_IF_ERROR(scoped.Enter(op, device));
   CopyStreams* streams = nullptr;
-  JT_RETURN_IF_ERROR(GetCopyStreams(op, device, &streams));
   cudaEvent_t ev = nullptr;
-  JT_RETURN_IF_ERROR(state->Event(op, device, &ev));
+  JT_RETURN_IF_ERROR(CopyResources(op, device, state, &streams, &ev));
   {
     std::lock_guard<std::mutex> lock(streams->mu);
     JT_CUDA_CHECK(
@@ -257,9 +262,8 @@ ffi::Error StreamSendCudaImpl(cudaStream_t xla_stream, int32_t device, StreamSta
   ScopedDevice scoped;
   JT_RETURN_IF_ERROR(scoped.Enter(op, device));
   CopyStreams* streams = nullptr;
-  JT_RETURN_IF_ERROR(GetCopyStreams(op, device, &streams));
   cudaEvent_t ev = nullptr;
-  JT_RETURN_IF_ERROR(state->Event(op, device, &ev));
+  JT_RETURN_IF_ERROR(CopyResources(op, device, state, &streams, &ev));
   std::lock_guard<std::mutex> lock(streams->mu);
   return EnqueueCopies(op, xla_stream, ev, streams->stream[stream::kDeviceToHost], plan.copies,
                        index, "device value -> host leaf slice");
