@@ -35,6 +35,9 @@ _BATCH = flags.FLAGS["batch_size"]
 _SEQ = flags.FLAGS["seq_len"]
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one variant ('fp32:none', ...).")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Where the JSON goes.")
+_STACK_EVERY = flags.DEFINE_integer(
+    "stack_every", 0, "If > 0, each child dumps its Python stacks every this many seconds "
+    "(faulthandler), to show where a slow variant spends its time.")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["fp32:none", "fp32:auto", "bf16:none", "bf16:auto"],
     "dtype:offload pairs; offload in none/auto/stream (stream: the layers' params host_stream).")
@@ -48,6 +51,9 @@ def child(variant: str) -> None:
 
   import jaxtier  # noqa: F401  pylint: disable=g-import-not-at-top
   from jaxtier.examples import llama, train  # pylint: disable=g-import-not-at-top
+  if _STACK_EVERY.value > 0:
+    import faulthandler  # pylint: disable=g-import-not-at-top
+    faulthandler.dump_traceback_later(_STACK_EVERY.value, repeat=True)
   dtype, offload = variant.split(":")
   # 'auto' here names the run with AdamW moments in pinned_host: since the cost-model planner,
   # policy 'auto' keeps a state that fits on the device, so ask for the rule by name.
@@ -78,14 +84,15 @@ def main(argv):
   runs = {}
   for variant in _VARIANTS.value:
     cmd = [sys.executable, __file__, f"--child={variant}", f"--config={_CONFIG.value}",
-           f"--steps={_STEPS.value}", f"--batch_size={_BATCH.value}", f"--seq_len={_SEQ.value}"]
+           f"--steps={_STEPS.value}", f"--batch_size={_BATCH.value}", f"--seq_len={_SEQ.value}",
+           f"--stack_every={_STACK_EVERY.value}"]
     # The child's output is echoed as it comes, timestamped, so that a run stopped by a time
     # limit still shows how far each variant got (plan, first step, each step).
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for raw in p.stdout:
       lines.append(raw.rstrip("\n"))
-      if not raw.startswith(("I1", "W1", "RESULT ")):
+      if not raw.startswith(("I1", "W1", "RESULT ")) or "jaxtier" in raw or "ompil" in raw:
         print(f"[{time.strftime('%H:%M:%S')} {variant}] {lines[-1]}", flush=True)
     p.wait()
     line = [l for l in lines if l.startswith("RESULT ")]
