@@ -24,7 +24,7 @@ from absl import flags
 
 _LAYERS = flags.DEFINE_list("layers", ["2", "4"], "Layer counts.")
 _FLAGS = flags.DEFINE_list("flags", [""], "XLA_FLAGS variants ('' = default); ';' separates "
-                           "several flags of one variant.")
+                           "several flags of one variant; a token ENV:NAME=VALUE sets an environment variable instead.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 90, "Seconds per variant.")
 _GDB_AFTER = flags.DEFINE_integer("gdb_after", 40, "Sample native stacks after this many s.")
 _DUMP = flags.DEFINE_bool("dump", False, "Dump the HLO after every XLA pass (--xla_dump_to) and, "
@@ -54,7 +54,10 @@ def main(argv):
   rows = []
   for xla_flags in _FLAGS.value:
     for layers in map(int, _LAYERS.value):
-      env = dict(os.environ, JAX_LOG_COMPILES="1", XLA_FLAGS=xla_flags.replace(";", " "))
+      tokens = [t for t in xla_flags.split(";") if t]
+      env = dict(os.environ, JAX_LOG_COMPILES="1",
+                 XLA_FLAGS=" ".join(t for t in tokens if not t.startswith("ENV:")))
+      env.update(t[4:].split("=", 1) for t in tokens if t.startswith("ENV:"))
       dump_dir = f"/tmp/xla_dump_{layers}_{len(rows)}"
       if _DUMP.value:
         env["XLA_FLAGS"] += f" --xla_dump_to={dump_dir} --xla_dump_hlo_pass_re=.*"
