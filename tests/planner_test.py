@@ -125,6 +125,34 @@ def test_jaxpr_flops_count_scan_iterations_and_stacked_leaves():
   assert cm.stacked_layers(closed.jaxpr, 1) == {0: (cm.stacked_layers(closed.jaxpr, 1)[0][0], 6)}
 
 
+def test_scan_bodies_timed_replace_their_analytic_compute(monkeypatch):
+  def f(w, x):
+    h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+    return jnp.sum(h @ jnp.ones((64, 2)))
+  w = jnp.ones((6, 64, 64), jnp.float32) * 0.01
+  x = jnp.ones((128, 64), jnp.float32)
+  closed = jax.make_jaxpr(jax.grad(f))(w, x)
+  timed = cm.time_scan_bodies(closed, reps=2)
+  # The forward scan and its transpose: two bodies, 6 iterations each.
+  assert (timed.count, timed.iterations) == (2, 12)
+  assert timed.secs > 0
+  flops, ew = cm.jaxpr_costs(closed)
+  # What the bodies account for analytically: every dot except the head's two.
+  assert timed.flops == pytest.approx(flops - 2 * (2 * 128 * 64 * 2))
+  costs = cm.StepCosts(flops=flops, elementwise_bytes=ew, transient_bytes=0,
+                       transient_source="-", timed=timed)
+  prof = profile.DEFAULT_PROFILE
+  rest = cm.compute_secs(flops - timed.flops, ew - timed.elementwise_bytes, prof)
+  assert costs.compute_secs(prof) == pytest.approx(timed.secs + rest)
+  assert "2 scan bodies timed on this device" in costs.compute_source(prof)
+  # No scan: nothing to time; the analytic formula stays.
+  assert cm.time_scan_bodies(jax.make_jaxpr(lambda a: a @ a)(jnp.ones((8, 8)))) is None
+  # Through the planner (forced on the CPU backend): the plan's notes say how compute was found.
+  monkeypatch.setenv("JAXTIER_TIME_SCANS", "1")
+  plan = jaxtier.plan(lambda w, x: (w - 0.1 * jax.grad(f)(w, x), None), w, x)
+  assert any("scan bodies timed" in n for n in plan.notes), plan.notes
+
+
 def test_memory_figures_and_verify_without_analysis():
   class NoAnalysis:
     def memory_analysis(self):

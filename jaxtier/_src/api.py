@@ -593,4 +593,16 @@ def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platfor
                           and policy in ("none", planner.OPTIMIZER_STATE_ON_HOST))
   return cost_model.measure_step(
       inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
-      state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves)
+      state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves,
+      time_scans=solves and _time_scans(platform))
+
+
+def _time_scans(platform: str) -> bool:
+  """Whether the planner times the step's scan bodies on this machine's device
+  (`cost_model.time_scan_bodies`): JAXTIER_TIME_SCANS=1/0 forces it; by default on a GPU being
+  planned for (on the CPU backend the profile's rates are an H200's, and timing CPU bodies would
+  make plans in tests depend on machine load)."""
+  forced = os.environ.get("JAXTIER_TIME_SCANS")
+  if forced is not None:
+    return forced not in ("", "0", "false", "False")
+  return platform == "gpu" and jax.default_backend() == "gpu"

@@ -68,6 +68,8 @@ class StepCosts:
       activations, workspace.
     transient_source: how `transient_bytes` was found (for the plan's notes).
     num_devices: devices the step runs on (FLOPs and bytes are divided by it).
+    timed: the step's top-level scans whose bodies were timed on this device
+      (`time_scan_bodies`), or None: then all compute is the analytic `compute_secs`.
   """
 
   flops: float
@@ -75,6 +77,45 @@ class StepCosts:
   transient_bytes: int
   transient_source: str
   num_devices: int = 1
+  timed: "TimedScans | None" = None
+
+  def compute_secs(self, profile: HardwareProfile) -> float:
+    """Seconds of compute per step: timed scan bodies x their lengths, plus the analytic
+    `compute_secs` of everything else (the whole step when nothing was timed)."""
+    if self.timed is None:
+      return compute_secs(self.flops, self.elementwise_bytes, profile)
+    return self.timed.secs + compute_secs(max(0.0, self.flops - self.timed.flops),
+                                          max(0.0, self.elementwise_bytes
+                                              - self.timed.elementwise_bytes), profile)
+
+  def compute_source(self, profile: HardwareProfile) -> str:
+    """How `compute_secs` was found, for the plan's notes."""
+    analytic = (f"matmul FLOPs at {profile.matmul_tflops:.0f} TFLOP/s plus elementwise bytes "
+                f"at {profile.hbm_gbps:.0f} GB/s HBM (profile)")
+    if self.timed is None:
+      return f"compute: {analytic}"
+    t = self.timed
+    return (f"compute: {t.count} scan bod{'y' if t.count == 1 else 'ies'} timed on this "
+            f"device ({t.secs * 1e3:.2f} ms per step for {t.iterations} iterations; analytic "
+            f"{compute_secs(t.flops, t.elementwise_bytes, profile) * 1e3:.2f} ms), the rest: "
+            f"{analytic}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedScans:
+  """Top-level scans of a step whose bodies were run and timed (`time_scan_bodies`).
+
+  Attributes:
+    secs: measured seconds per step of those scans (body time x length, summed).
+    flops, elementwise_bytes: their analytic counts (`jaxpr_costs`), which `secs` replaces.
+    count: how many scans; iterations: their lengths summed.
+  """
+
+  secs: float
+  flops: float
+  elementwise_bytes: float
+  count: int
+  iterations: int
 
 
 def compute_secs(flops: float, elementwise_bytes: float, profile: HardwareProfile) -> float:
@@ -615,8 +656,89 @@ def safe_div(a: float, b: float) -> float:
 _COMPILED_FIGURES: dict[Any, "MemoryFigures | None"] = {}
 
 
+_TIMED_BODIES: dict[Any, float] = {}
+
+
+def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
+                     max_input_bytes: int = 1 << 30) -> "TimedScans | None":
+  """Runs the body of each top-level `scan` of the step once per rep on zeros and times it.
+
+  The layers of a model are most of its compute and the analytic rate (`compute_secs`: one
+  GEMM rate, one HBM rate) misses how well this device runs *these* shapes (attention's
+  batched matmuls, small GEMMs, fusions). MemFerry profiles each layer's compute for the same
+  reason. A body is run with zero inputs of its avals (consts, carry, one slice of each xs):
+  its run time does not depend on the values. Median of `reps` runs after one warm-up (which
+  compiles); each body is timed once per process (cached by its jaxpr and avals).
+
+  Scans nested in calls (`jit`, `remat`, custom_vjp) are looked for through them; scans inside
+  scan bodies are part of their body's time. Scans shorter than 2 iterations are left to the
+  analytic count.
+
+  Args:
+    closed_jaxpr: the traced step.
+    reps: timed runs per body.
+    max_input_bytes: a body whose inputs take more bytes than this is not timed (its zeros
+      would be allocated on the device).
+
+  Returns:
+    The timed scans, or None when the step has none, or timing failed (any exception: an
+    estimate never fails a plan).
+  """
+  import time  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax import extend as jex  # pylint: disable=g-import-not-at-top
+
+  scans = []
+
+  def walk(j):
+    jj, _ = jc.open_jaxpr(j)
+    for eqn in jj.eqns:
+      if eqn.primitive.name == "scan":
+        if eqn.params["length"] >= 2:
+          scans.append(eqn)
+        continue
+      inner = jc.inner_jaxpr(eqn)
+      if inner is None and eqn.primitive.name in ("remat2", "checkpoint", "remat"):
+        inner = eqn.params.get("jaxpr")
+      if inner is not None:
+        walk(inner)
+
+  try:
+    walk(closed_jaxpr)
+    if not scans:
+      return None
+    total = flops = ew = 0.0
+    iterations = 0
+    for eqn in scans:
+      body, length = eqn.params["jaxpr"], int(eqn.params["length"])
+      avals = [v.aval for v in jc.open_jaxpr(body)[0].invars]
+      if sum(_nbytes(a) for a in avals) > max_input_bytes:
+        return None
+      key = (str(body), tuple(map(str, avals)))
+      if key not in _TIMED_BODIES:
+        fn = jax.jit(jex.core.jaxpr_as_fun(body))
+        args = [jnp.zeros(a.shape, a.dtype) for a in avals]
+        jax.block_until_ready(fn(*args))  # compile + warm up
+        times = []
+        for _ in range(reps):
+          t0 = time.perf_counter()
+          jax.block_until_ready(fn(*args))
+          times.append(time.perf_counter() - t0)
+        del args
+        _TIMED_BODIES[key] = float(np.median(times))
+      total += _TIMED_BODIES[key] * length
+      f, b = jaxpr_costs(body, float(length))
+      flops, ew, iterations = flops + f, ew + b, iterations + length
+    return TimedScans(secs=total, flops=flops, elementwise_bytes=ew, count=len(scans),
+                      iterations=iterations)
+  except Exception:  # pylint: disable=broad-except  (an estimate: never fail the plan)
+    return None
+
+
 def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *,
-                 platform: str, state_device_bytes: int, compile_step: bool = True) -> StepCosts:
+                 platform: str, state_device_bytes: int, compile_step: bool = True,
+                 time_scans: bool = False) -> StepCosts:
   """`StepCosts` of the device-only step (every state leaf on the device), per device.
 
   FLOPs and elementwise bytes are counted over the jaxpr (`jaxpr_costs`), divided by the
@@ -634,6 +756,8 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       backend the figures are this backend's, an approximation (said in `transient_source`).
     state_device_bytes: the state's bytes per device when all of it is on the device.
     compile_step: compile for the transient bytes (else report 0 and say so).
+    time_scans: time the step's scan bodies on this device (`time_scan_bodies`); only
+      meaningful when `platform` is this machine's backend.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from jax import extend as jex  # pylint: disable=g-import-not-at-top
@@ -641,8 +765,9 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
   mesh = jc.common_mesh((list(state), list(args)))
   num_devices = mesh.size if mesh is not None else 1
   flops, ew = jaxpr_costs(closed_jaxpr)
+  timed = time_scan_bodies(closed_jaxpr) if time_scans and num_devices == 1 else None
   base = dict(flops=flops / num_devices, elementwise_bytes=ew / num_devices,
-              num_devices=num_devices)
+              num_devices=num_devices, timed=timed)
   if not compile_step:
     return StepCosts(transient_bytes=0, transient_source="estimate: the gradients only "
                      "(device-only step not compiled)", **base)

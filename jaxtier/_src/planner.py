@@ -367,7 +367,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   solver_budget = device_budget
   notes = [f"hardware profile: {hardware.source}",
            f"transient device bytes (gradients, activations, workspace): "
-           f"{costs.transient_source}"]
+           f"{costs.transient_source}",
+           costs.compute_source(hardware)]
   if solver_budget is None and platform == "gpu":
     solver_budget, why = default_device_budget(hardware)
     notes.append(f"device budget: none given; planned against {format_bytes(solver_budget)} "

@@ -525,7 +525,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
   params = [l for l in leaves if l.role == param_role and l.index not in user_fixed
             and l.index not in seeded and l.is_float
             and placement.get(l.index) in (DEVICE, HOST_STREAM, HOST_DHA)]
-  total = cm.compute_secs(step_costs.flops, step_costs.elementwise_bytes, profile)
+  total = step_costs.compute_secs(profile)
   elements = sum(int(np.prod(l.shape, dtype=np.int64)) for l in params)
   items = []
   for l in params:
