@@ -46,8 +46,6 @@ constexpr int kBlock = 512;
 constexpr int64_t kMinParallelElements = 65536;
 // Smallest piece of work handed to one pool task.
 constexpr int64_t kMinTaskElements = 16 * kBlock;
-// Software prefetch distance, in blocks, of every memory stream of a plan.
-constexpr int64_t kPrefetchBlocks = 2;
 
 #if defined(__clang__)
 #define JT_VECTORIZE _Pragma("clang loop vectorize(assume_safety)")
@@ -646,41 +644,8 @@ void RunRange(const HostUpdateParams& p, const CpuPlan& plan, int64_t begin, int
               float* scratch) {
   using namespace host_update;  // opcodes
   const float* src[kMaxRegisters];  // where each register's current block lives
-  // Memory streams (vector operands loaded, results stored), prefetched kPrefetchBlocks ahead.
-  const char* streams[kMaxOperands + kMaxResults];
-  int stream_bytes[kMaxOperands + kMaxResults];
-  int num_streams = 0;
-  for (int k = 0; k < plan.num_instructions; ++k) {
-    const PlannedInstruction& ins = plan.instructions[k];
-    const void* base = nullptr;
-    int bytes = 0;
-    if (ins.op == kLoad) {
-      base = p.operands[ins.a];
-      bytes = static_cast<int>(StorageBytes(p.operand_type[ins.a]));
-    } else if (ins.op == kStore) {
-      base = p.results[ins.dst];
-      bytes = static_cast<int>(StorageBytes(p.result_type[ins.dst]));
-    } else {
-      continue;
-    }
-    bool seen = false;
-    for (int s = 0; s < num_streams; ++s) seen = seen || streams[s] == base;
-    if (!seen) {
-      streams[num_streams] = static_cast<const char*>(base);
-      stream_bytes[num_streams++] = bytes;
-    }
-  }
   for (int64_t i0 = begin; i0 < end; i0 += kBlock) {
     const int len = static_cast<int>(std::min<int64_t>(kBlock, end - i0));
-    if (i0 + kPrefetchBlocks * kBlock < end) {
-      const int64_t ahead = i0 + kPrefetchBlocks * kBlock;
-      const int64_t count = std::min<int64_t>(kBlock, end - ahead);
-      for (int s = 0; s < num_streams; ++s) {
-        const char* first = streams[s] + ahead * stream_bytes[s];
-        const char* last = first + count * stream_bytes[s];
-        for (const char* q = first; q < last; q += 64) __builtin_prefetch(q, 0, 2);
-      }
-    }
     for (int k = 0; k < plan.num_instructions; ++k) {
       const PlannedInstruction ins = plan.instructions[k];
       const int mode = ins.mode;
@@ -765,10 +730,16 @@ void RunRange(const HostUpdateParams& p, const CpuPlan& plan, int64_t begin, int
   }
 }
 
+// Register blocks start on cache lines (64 bytes), so that no vector load or store of a block
+// straddles two lines.
+struct alignas(64) RegisterBlock {
+  float v[kBlock];
+};
+
 float* ThreadScratch() {
-  thread_local std::unique_ptr<float[]> scratch(
-      new float[static_cast<size_t>(host_update::kMaxRegisters) * kBlock]);
-  return scratch.get();
+  thread_local std::unique_ptr<RegisterBlock[]> scratch(
+      new RegisterBlock[host_update::kMaxRegisters]);
+  return scratch[0].v;
 }
 
 ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
