@@ -211,6 +211,8 @@ def main(argv):
       break
     run = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     result["runs"].append(run)
+    if run.get("bits_equal") is False:
+      result["error"] = {"threads": t, "message": "the executor and the C++ loop differ in bits"}
     line = (f"threads={run['threads']:3d}  jaxtier {run['jaxtier_params_per_sec'] / 1e9:6.3f} "
             f"G params/s ({run['jaxtier_secs'] * 1e3:8.2f} ms)")
     if "reference_params_per_sec" in run:
@@ -225,6 +227,7 @@ def main(argv):
     json.dump(result, f, indent=1)
   _log(f"wrote {path}")
   if "error" in result:
+    print(f"error: {result['error']}", file=sys.stderr)
     sys.exit(1)
 
 
