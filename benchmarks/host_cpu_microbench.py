@@ -196,7 +196,7 @@ def main(argv):
     print("RESULT " + json.dumps(_measure(_CHILD.value)), flush=True)
     return
   result = {"leaf_elements": _LEAF.value, "num_leaves": _LEAVES.value, "reps": _REPS.value,
-            "param_dtype": _PARAM_DTYPE.value, "runs": []}
+            "param_dtype": _PARAM_DTYPE.value, "runs": {}}
   for t in _THREADS.value:
     env = dict(os.environ, JAXTIER_CPU_THREADS=str(int(t)), JAX_PLATFORMS="cpu")
     args = [sys.executable, os.path.abspath(__file__), f"--child={int(t)}",
@@ -210,7 +210,7 @@ def main(argv):
       print(p.stderr[-4000:], file=sys.stderr)
       break
     run = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
-    result["runs"].append(run)
+    result["runs"][f"threads={int(t)}"] = run
     if run.get("bits_equal") is False:
       result["error"] = {"threads": t, "message": "the executor and the C++ loop differ in bits"}
     line = (f"threads={run['threads']:3d}  jaxtier {run['jaxtier_params_per_sec'] / 1e9:6.3f} "
