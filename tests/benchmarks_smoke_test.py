@@ -20,6 +20,7 @@ CASES = {
     "dha_crossover.py": (["--cpu_dry_run"], "dha_crossover.json"),
     "host_update_bench.py": (["--cpu_dry_run", "--skip_torch"], "host_update.json"),
     "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "planner.json"),
+    "host_cpu_microbench.py": (["--smoke"], "host_cpu_microbench.json"),
     "e2e_smoke.py": (["--config=tiny", "--steps=3", "--batch_size=2", "--seq_len=32",
                       "--variants=fp32:none,fp32:stream"], "e2e_smoke.json"),
 }

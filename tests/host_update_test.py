@@ -149,6 +149,134 @@ def test_handler_rejects_bad_program():
                            aliases=np.asarray([-1], np.int32)))(jnp.ones(4)).block_until_ready()
 
 
+# ---- the CPU executor's plan rewrites (fusion, in-place loads, folded stores) -----------------
+
+# Operands of the random programs: 0-2 f32 vectors, 3 a bf16 vector, 4 an f32 scalar. Results:
+# 0 f32 in place of operand 0, 1 f32 in place of operand 1, 2 bf16 in place of operand 3, 3 f32.
+_RANDOM_ALIASES = [0, 1, 3, -1]
+_RANDOM_RESULT_DTYPES = [np.float32, np.float32, jnp.bfloat16, np.float32]
+_RANDOM_BINARY = [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAX]
+
+
+def _random_program(rng, num_regs=6):
+  """A random valid program that redefines registers, stores results more than once and loads
+  aliased operands after their results are stored: the cases the CPU plan must keep exact."""
+  consts = rng.uniform(-2, 2, 4).astype(np.float32)
+  code, written = [], set()
+  for _ in range(int(rng.integers(8, 40))):
+    kind = rng.choice(["load", "load", "const", "unary", "binary", "binary", "binary", "binary",
+                       "select", "copy", "store"]) if written else "load"
+    dst = int(rng.integers(num_regs))
+    regs = sorted(written)
+    pick = lambda: int(rng.choice(regs))  # noqa: E731
+    if kind == "load":
+      code.append([Op.LOAD, dst, int(rng.integers(5)), 0, 0])
+    elif kind == "const":
+      code.append([Op.CONST, dst, int(rng.integers(len(consts))), 0, 0])
+    elif kind == "unary":
+      code.append([int(rng.choice([Op.NEG, Op.SQRT, Op.ABS])), dst, pick(), 0, 0])
+    elif kind == "binary":
+      code.append([int(rng.choice(_RANDOM_BINARY)), dst, pick(), pick(), 0])
+    elif kind == "select":
+      code.append([Op.SELECT, dst, pick(), pick(), pick()])
+    elif kind == "copy":
+      code.append([Op.COPY, dst, pick(), 0, 0])
+    else:
+      code.append([Op.STORE, int(rng.integers(4)), pick(), 0, 0])
+      continue
+    written.add(dst)
+  for r in range(4):  # every result stored at least once, last
+    code.append([Op.STORE, r, int(rng.choice(sorted(written))), 0, 0])
+  return _program(code, consts, num_operands=5, num_results=4, num_regs=num_regs)
+
+
+def _numpy_run(program, operands):
+  """The program on numpy arrays, one op at a time over every element, each op rounded to
+  float32; a result in place of an operand shares its array (a later LOAD sees the store)."""
+  f32 = np.float32
+  mem = [np.array(x, copy=True) for x in operands]
+  outs = [mem[a] if a >= 0 else None for a in _RANDOM_ALIASES]
+  n = operands[0].shape[0]
+  regs = {}
+  with np.errstate(all="ignore"):
+    for op, dst, a, b, c in program.code.tolist():
+      if op == Op.LOAD:
+        regs[dst] = np.broadcast_to(mem[a].astype(f32), (n,)).copy()
+      elif op == Op.CONST:
+        regs[dst] = np.full(n, program.consts[a], f32)
+      elif op == Op.STORE:
+        value = regs[a].astype(_RANDOM_RESULT_DTYPES[dst])
+        if outs[dst] is None:
+          outs[dst] = value
+        else:
+          outs[dst][...] = value
+      elif op == Op.COPY:
+        regs[dst] = regs[a].copy()
+      elif op == Op.SELECT:
+        regs[dst] = np.where(regs[a] != 0, regs[c], regs[b])
+      elif op == Op.MAX:
+        x, y = regs[a], regs[b]
+        regs[dst] = np.where(np.isnan(x) | np.isnan(y), x + y, np.where(x >= y, x, y))
+      elif op in NP_BINARY:
+        regs[dst] = NP_BINARY[Op(op)](regs[a], regs[b]).astype(f32)
+      else:
+        regs[dst] = NP_UNARY[Op(op)](regs[a]).astype(f32)
+  return outs
+
+
+def _assert_same_bits(got, want, what):
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  nan = np.isnan(want)
+  np.testing.assert_array_equal(np.isnan(got), nan, err_msg=what)
+  np.testing.assert_array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan],
+                                err_msg=what)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_programs_match_numpy_bitwise(seed):
+  rng = np.random.default_rng(seed)
+  n = [1000, 70_001][seed % 2]  # odd sizes; 70001 also spreads over the CPU thread pool
+  program = _random_program(rng)
+  operands = [rng.uniform(0.5, 2, n).astype(np.float32) for _ in range(3)]
+  operands += [rng.uniform(-2, 2, n).astype(jnp.bfloat16), np.asarray([1.5], np.float32)]
+  want = _numpy_run(program, operands)
+  shapes = [jax.ShapeDtypeStruct((n,), d) for d in _RANDOM_RESULT_DTYPES]
+  got = _run(program, [jnp.asarray(x) for x in operands], shapes, _RANDOM_ALIASES,
+             donate=(0, 1, 3))
+  for r, (g, w) in enumerate(zip(got, want)):
+    _assert_same_bits(g, w, f"result {r} of\n{program}")
+
+
+def test_fused_pairs_keep_operand_order_and_uniforms():
+  # Every first op x second op x operand order x uniform mode the CPU plan fuses, in one program
+  # per pair: t = op1(u, v), w = op2(t, z) or op2(z, t), with u / v / z vectors or a scalar.
+  rng = np.random.default_rng(7)
+  n = 3000
+  vec = [rng.uniform(0.5, 2, n).astype(np.float32) for _ in range(3)]
+  scalar = np.asarray([0.75], np.float32)
+  for op1 in [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.SQRT]:
+    for op2 in [Op.ADD, Op.SUB, Op.MUL, Op.DIV]:
+      for second in (False, True):
+        for ua, ub, uc in [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1)]:
+          if op1 == Op.SQRT and (ua or ub):
+            continue
+          # Operands 0-2 vectors, 3 the scalar; registers 0-2 inputs u, v, z.
+          code = [[Op.LOAD, 0, 3 if ua else 0, 0, 0], [Op.LOAD, 1, 3 if ub else 1, 0, 0],
+                  [Op.LOAD, 2, 3 if uc else 2, 0, 0],
+                  [int(op1), 3, 0, 1, 0],
+                  [int(op2), 4, 2, 3, 0] if second else [int(op2), 4, 3, 2, 0],
+                  [Op.STORE, 0, 4, 0, 0]]
+          prog = _program(code, num_operands=4, num_results=1)
+          u, v, z = (np.broadcast_to(scalar, (n,)) if k else x for k, x in zip((ua, ub, uc), vec))
+          with np.errstate(all="ignore"):
+            t = np.sqrt(u) if op1 == Op.SQRT else NP_BINARY[op1](u, v)
+            want = NP_BINARY[op2](z, t) if second else NP_BINARY[op2](t, z)
+          (got,) = _run(prog, [jnp.asarray(x) for x in vec] + [jnp.asarray(scalar)],
+                        [jax.ShapeDtypeStruct((n,), jnp.float32)], [-1])
+          _assert_same_bits(got, want.astype(np.float32), f"{op1!r} {op2!r} {second} "
+                            f"{ua}{ub}{uc}")
+
+
 # ---- the HLO guard: no copy / slice / host compute before the custom call ------------------
 
 def _offloaded_mlp(device=None):

@@ -17,13 +17,25 @@ namespace jaxtier::host_update {
 inline constexpr uint8_t kUniformA = 1, kUniformB = 2, kUniformC = 4;
 // For a planned LOAD: mode kInPlace = point the register at the operand's memory.
 inline constexpr uint8_t kInPlace = 8;
+// For a fused instruction (op2 != 0): the first op's value is op2's second operand, not its first.
+inline constexpr uint8_t kFusedSecond = 16;
+// For an instruction that defines a register: write the value straight into the memory of
+// f32 result `result` (whose STORE was dropped from the plan) and read it from there.
+inline constexpr uint8_t kDirectStore = 32;
 
+// One instruction of a CPU plan. A fused instruction (op2 != 0) computes
+//   t = op(r[a], r[b])  (or op(r[a]) for a unary op),  r[dst] = op2(t, r[c])  (or op2(r[c], t)
+// under kFusedSecond), every operation rounded to fp32 on its own: the two instructions of the
+// program it replaces, without the intermediate register.
 struct PlannedInstruction {
   uint8_t op, mode, dst, a, b, c;
+  uint8_t op2 = 0;     // the second op of a fused instruction; 0: not fused
+  uint8_t result = 0;  // under kDirectStore: the result index
 };
 
 // The program rewritten for the CPU once per call (BuildCpuPlan): uniform values (consts,
-// scalar operands and everything computed only from them) evaluated once; in-place LOADs marked.
+// scalar operands and everything computed only from them) evaluated once; pairs of arithmetic
+// instructions fused; in-place LOADs marked; f32 STOREs folded into the value's definition.
 struct CpuPlan {
   int32_t num_instructions = 0;
   PlannedInstruction instructions[kMaxInstructions];
