@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call (session 3 close-out): build; W2 with the faster CPU executor (issue 3); the
+# CPU executor alone at 16 threads next to the fused C++ loop; W5's fits and optimizer-offload
+# cases with scan bodies timed by the planner (issue 5); one probe of the streamed compile growth
+# (issue 4). Usage (device tool, repo root): bash benchmarks/run_h200_final.sh
+set -uo pipefail
+export PYTHONUNBUFFERED=1 JAXTIER_REQUIRE_GPU=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+t0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
+python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -5
+stamp "built"
+timeout 110 python3 benchmarks/host_update_bench.py --reps=3 --out="$OUT" > "$OUT/host_update.log" 2>&1
+tail -13 "$OUT/host_update.log"
+stamp "W2 done"
+JAX_PLATFORMS=cpu timeout 45 python3 benchmarks/host_cpu_microbench.py --threads=16 \
+    --leaf_elements=33554432 --num_leaves=4 --reps=3 --out="$OUT" > "$OUT/host_cpu_microbench.log" 2>&1
+tail -4 "$OUT/host_cpu_microbench.log"
+stamp "microbench done"
+timeout 170 python3 benchmarks/planner_bench.py --cases=fits,optimizer_offload --num_layers=6 \
+    --steps=5 --warmup=2 --skip_cli --out="$OUT" > "$OUT/planner.log" 2>&1
+tail -12 "$OUT/planner.log"
+stamp "W5 done"
+python3 benchmarks/compile_scaling.py --layers=4 --timeout=40 --gdb_after=1000 \
+    --flags="ENV:JAXTIER_STREAM_WAIT_AFTER=carry" 2>&1 | tail -2 | tee "$OUT/compile_carry.log"
+stamp "all done"
