@@ -17,10 +17,14 @@ JAX_PLATFORMS=cpu timeout 45 python3 benchmarks/host_cpu_microbench.py --threads
     --leaf_elements=33554432 --num_leaves=4 --reps=3 --out="$OUT" > "$OUT/host_cpu_microbench.log" 2>&1
 tail -4 "$OUT/host_cpu_microbench.log"
 stamp "microbench done"
-timeout 170 python3 benchmarks/planner_bench.py --cases=fits,optimizer_offload --num_layers=6 \
+timeout 150 python3 benchmarks/planner_bench.py --cases=fits,optimizer_offload --num_layers=6 \
     --steps=5 --warmup=2 --skip_cli --out="$OUT" > "$OUT/planner.log" 2>&1
 tail -12 "$OUT/planner.log"
 stamp "W5 done"
+cd /tmp && timeout 60 python3 -m pytest -q -p no:cacheprovider -k c2 "$OLDPWD/tests/planner_test.py" \
+    > "$OUT/c2_gpu_test.log" 2>&1; cd "$OLDPWD"
+grep -E "passed|failed|xfail" "$OUT/c2_gpu_test.log" | tail -2
+stamp "C2 done"
 python3 benchmarks/compile_scaling.py --layers=4 --timeout=40 --gdb_after=1000 \
     --flags="ENV:JAXTIER_STREAM_WAIT_AFTER=carry" 2>&1 | tail -2 | tee "$OUT/compile_carry.log"
 stamp "all done"
