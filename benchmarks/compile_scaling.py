@@ -103,6 +103,12 @@ def main(argv):
       print(rows[-1], flush=True)
       if timed_out or p.returncode:
         print("\n".join(l for l in lines[-15:] if "Compiling" not in l))
+        # With TF_CPP_VMODULE=hlo_pass_pipeline=1, XLA logs each pass before running it: the
+        # last ones logged name the pass still running.
+        passes = [l for l in lines if "hlo_pass_pipeline" in l]
+        if passes:
+          print(f"--- last passes started ({len(passes)} logged):")
+          print("\n".join("    " + l[-160:] for l in passes[-6:]))
   print(f"\n{'layers':>6} {'flags':<40} {'device-only s':>13} {'compute s':>10} {'step s':>8}")
   for layers, fl, dev, comp, step, to in rows:
     print(f"{layers:>6} {fl:<40} {dev or float('nan'):>13.1f} "

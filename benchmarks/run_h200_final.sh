@@ -26,5 +26,6 @@ cd /tmp && timeout 60 python3 -m pytest -q -p no:cacheprovider -k c2 "$OLDPWD/te
 grep -E "passed|failed|xfail" "$OUT/c2_gpu_test.log" | tail -2
 stamp "C2 done"
 python3 benchmarks/compile_scaling.py --layers=4 --timeout=40 --gdb_after=1000 \
-    --flags="ENV:JAXTIER_STREAM_WAIT_AFTER=carry" 2>&1 | tail -2 | tee "$OUT/compile_carry.log"
+    --flags="ENV:JAXTIER_STREAM_WAIT_AFTER=carry;ENV:TF_CPP_MIN_LOG_LEVEL=0;ENV:TF_CPP_VMODULE=hlo_pass_pipeline=1" \
+    2>&1 | tail -12 | tee "$OUT/compile_carry.log"
 stamp "all done"
