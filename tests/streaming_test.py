@@ -104,6 +104,21 @@ def test_hlo_guard_stream_calls():
   assert "dynamic-slice" not in hlo
 
 
+def test_streamed_compute_program_skips_xla_host_offload_walks(monkeypatch):
+  # XLA's host-offload passes walk every path from a pinned_host parameter (exponential in the
+  # unrolled layers on the GPU): a streaming step's compute program is compiled without them;
+  # a step that streams nothing keeps XLA's defaults; the environment can keep them.
+  tx = optax.sgd(0.1)
+  x, y = _data()
+  step = jaxtier.offload(_step_fn(tx), policy=STREAM_W)
+  step.place(_state(tx), x, y)
+  assert streaming.compiler_options(step._stream) == {
+      "xla_disable_hlo_passes": "host-offload-legalize,host-offloader"}
+  assert streaming.compiler_options(streaming.EMPTY) is None
+  monkeypatch.setenv("JAXTIER_KEEP_XLA_HOST_OFFLOAD_PASSES", "1")
+  assert streaming.compiler_options(step._stream) is None
+
+
 def test_streamed_weights_on_device_are_bounded():
   # Weights dominate (batch 1): if the unrolled loop held every fetched layer, the compute
   # program's temp would grow by a layer's bytes per added layer. It holds at most three

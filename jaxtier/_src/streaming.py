@@ -91,6 +91,25 @@ class StreamSchedule:
 
 EMPTY = StreamSchedule({}, (), {})
 
+# XLA's GPU pipeline walks every path down from each pinned_host entry parameter in two passes
+# (`host-offload-legalize`, `host-offloader`), with no record of what it has visited. In the
+# unrolled, streamed program those walks reach the layers' compute through the stream calls, and
+# each residual connection doubles the paths: measured on the H200 with the 1b decoder's
+# widths, the compute program compiled in 6 s with 2 layers and did not finish in 60 s with 4
+# (20 layers: > 5 min); with these two passes disabled, 4 layers compile in 4.2 s
+# (`benchmarks/results/compile_scaling.log`). jaxtier's program has no MoveToHost/MoveToDevice
+# work for them to do: its host operands are read by its own custom calls. Applied to the
+# compute program of a step that streams; JAXTIER_KEEP_XLA_HOST_OFFLOAD_PASSES=1 keeps them.
+HOST_OFFLOAD_PASSES = "host-offload-legalize,host-offloader"
+
+
+def compiler_options(schedule: StreamSchedule) -> "dict[str, str] | None":
+  """XLA compile options for the compute program of a step with `schedule` (None: defaults)."""
+  if not schedule.scans or os.environ.get("JAXTIER_KEEP_XLA_HOST_OFFLOAD_PASSES", "") not in (
+      "", "0"):
+    return None
+  return {"xla_disable_hlo_passes": HOST_OFFLOAD_PASSES}
+
 
 def stream_reason(jaxpr: Any, index: int) -> str:
   """Why state leaf `index` cannot be placed `host_stream` ('' when it can).
