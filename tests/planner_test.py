@@ -424,9 +424,11 @@ def test_c2_16gib_fp32_leaf_in_pinned_host(gpu):
   for _ in range(2):
     state, _ = off(state, g)
   assert state["acc"].sharding.memory_kind == "pinned_host"
-  back = jax.device_put(state["acc"], dev)  # 16 GiB back to HBM, to read samples
-  idx = np.asarray([0, 1, n // 2, n - 2, n - 1])
-  np.testing.assert_array_equal(np.asarray(back[idx]), np.full(5, 1.75, np.float32))
+  back = jax.device_put(state["acc"], dev)  # 16 GiB back to HBM, every element checked
+  # (min and max, not indexing: an index of 2^32 overflows JAX's int32 indices, which the
+  # first H200 run of this test hit after the leaf had been placed and stepped).
+  lo, hi = jax.jit(lambda a: (jnp.min(a), jnp.max(a)))(back)
+  assert (float(lo), float(hi)) == (1.75, 1.75)
   del back
   assert off.plan.compiler_peak_hbm_bytes is None or off.plan.compiler_peak_hbm_bytes < 2**30
 
