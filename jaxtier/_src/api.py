@@ -170,10 +170,10 @@ class OffloadedStep:
           arg_specs, scratch_specs)
       every = ([specs[i] for i in split.device_leaves] + [specs[i] for i in split.host_leaves]
                + arg_specs + scratch_specs)
-      host = sum(_shard_nbytes(a) for a in every if _memory_kind(a) == "pinned_host")
+      host = sum(inv_lib.bytes_per_device(a) for a in every if _memory_kind(a) == "pinned_host")
       ok, fig = cost_model.verify(
           plan, lowered, host_argument_bytes=host,
-          device_argument_bytes=sum(_shard_nbytes(a) for a in every) - host)
+          device_argument_bytes=sum(inv_lib.bytes_per_device(a) for a in every) - host)
     except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
       log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)
       return None
@@ -606,13 +606,6 @@ def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platfor
 
 def _memory_kind(aval: Any) -> "str | None":
   return getattr(getattr(aval, "sharding", None), "memory_kind", None)
-
-
-def _shard_nbytes(aval: Any) -> int:
-  """Bytes of one device's shard of `aval` (the whole array when it has no sharding)."""
-  sharding = getattr(aval, "sharding", None)
-  shape = sharding.shard_shape(tuple(aval.shape)) if sharding is not None else aval.shape
-  return int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _time_scans(platform: str) -> bool:

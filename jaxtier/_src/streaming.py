@@ -203,13 +203,6 @@ class Stacked:
     return self._whole
 
 
-# Which outputs of layer t-1 order layer t's wait: "outs" (all of them: the wait is issued
-# after the whole previous body) or "carry" (the carry only). A diagnostic knob: the GPU compile
-# of the unrolled decoder grows superlinearly with layers (docs/design.md), and the operand
-# count of the waits is one suspect.
-_WAIT_AFTER = os.environ.get("JAXTIER_STREAM_WAIT_AFTER", "outs")
-
-
 def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any],
              read_body: "Callable[[Any, list[Any]], list[Any]] | None" = None
              ) -> list[Any]:
@@ -246,8 +239,7 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
   prev_outs: list[Any] = list(carry)
   pending: list[Any] = []  # last iteration's sent slices (alive until their copies land)
   for t, layer in enumerate(order):
-    order_by = prev_outs[:nk] if _WAIT_AFTER == "carry" and nk else prev_outs
-    cur = stream.wait(bufs, after=_arrays(order_by))
+    cur = stream.wait(bufs, after=_arrays(prev_outs))
     if t + 1 < length:
       bufs, cur = stream.fetch(host, order[t + 1], after=cur)
     fetched = dict(zip(streamed, cur))
@@ -270,9 +262,7 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
     if sends:
       idx = [s for s, _ in sends]
       if pending:
-        done = stream.wait([scratch[s] for s in idx],
-                           after=pending + _arrays(outs[:nk] if _WAIT_AFTER == "carry" and nk
-                                                   else outs),
+        done = stream.wait([scratch[s] for s in idx], after=pending + _arrays(outs),
                            direction="d2h")
         for s, x in zip(idx, done):
           scratch[s] = x
