@@ -25,6 +25,8 @@ cd /tmp && timeout 60 python3 -m pytest -q -p no:cacheprovider -k c2 "$OLDPWD/te
     > "$OUT/c2_gpu_test.log" 2>&1; cd "$OLDPWD"
 grep -E "passed|failed|xfail" "$OUT/c2_gpu_test.log" | tail -2
 stamp "C2 done"
+# (JAXTIER_STREAM_WAIT_AFTER was a diagnostic knob of streaming.py at commit 9c738ac, removed
+# after this probe showed it made no difference.)
 python3 benchmarks/compile_scaling.py --layers=4 --timeout=40 --gdb_after=1000 \
     --flags="ENV:JAXTIER_STREAM_WAIT_AFTER=carry;ENV:TF_CPP_MIN_LOG_LEVEL=0;ENV:TF_CPP_VMODULE=hlo_pass_pipeline=1" \
     2>&1 | tail -12 | tee "$OUT/compile_carry.log"
