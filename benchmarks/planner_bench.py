@@ -8,8 +8,9 @@ that its peak device memory is its own:
 - `optimizer_offload`: a device budget halfway between the rule-based plan's predicted peak
   (every optimizer-state leaf in pinned_host) and the all-device plan's: the all-device plan
   exceeds it, the rule-based plan fits it, and `auto` must find a plan that fits and runs.
-- `streaming`: a budget below the rule-based plan's peak (x `--stream_budget_ratio`): only
-  streaming parameters (`host_stream`) can fit it. If this build's plan has no `host_stream`
+- `streaming`: a budget halfway between the rule-based plan's peak and the peak of a plan that
+  streams every layer parameter (`host_stream`; else the rule-based peak x
+  `--stream_budget_ratio`): only streaming parameters can fit it. If this build's plan has no `host_stream`
   leaf (streaming not available yet, or not chosen), the case degrades: it runs the
   rule-based plan without the budget and says so in the JSON (`degraded`).
 
@@ -109,7 +110,18 @@ def child(args) -> dict:
   if case == "optimizer_offload":
     budget = (all_device.predicted_peak_hbm_bytes + rule.predicted_peak_hbm_bytes) // 2
   elif case == "streaming":
-    budget = int(rule.predicted_peak_hbm_bytes * args.stream_budget_ratio)
+    # Halfway between the rule-based plan's peak and that of a plan streaming every layer
+    # param (optimizer state on the host too): only streaming fits it, and streaming does.
+    host_exec = "host_cpu" if jax.default_backend() == "cpu" else "host_dha"
+    stream_all = jaxtier.plan(
+        step_fn, abstract, tokens,
+        policy=lambda path, leaf: ("host_stream" if leaf.role == "param" and "['layers']" in path
+                                   else host_exec if leaf.role == "optimizer_state" else None))
+    rec["stream_all_predicted_peak_hbm_bytes"] = stream_all.predicted_peak_hbm_bytes
+    if stream_all.predicted_peak_hbm_bytes < rule.predicted_peak_hbm_bytes:
+      budget = (stream_all.predicted_peak_hbm_bytes + rule.predicted_peak_hbm_bytes) // 2
+    else:
+      budget = int(rule.predicted_peak_hbm_bytes * args.stream_budget_ratio)
   rec["device_budget_bytes"] = budget
   rec["rule_based_fits_budget"] = bool(budget is None or rule.predicted_peak_hbm_bytes <= budget)
   rec["all_device_fits_budget"] = bool(
@@ -148,6 +160,7 @@ def child(args) -> dict:
   state = step.place(state, batches[0])
   plan = step.plan
   rec["place_secs"] = time.perf_counter() - t0
+  rec["streaming_in_run_plan"] = any(l.placement == "host_stream" for l in plan.leaves)
   rec["placements"] = {}
   for leaf in plan.leaves:
     rec["placements"][leaf.placement] = rec["placements"].get(leaf.placement, 0) + leaf.nbytes

@@ -457,3 +457,27 @@ def test_offloaded_step_reports_measured_against_predicted_step_time(caplog):
   assert "measured step:" in str(off.plan)
   assert any("step time measured" in r.getMessage() and "predicted" in r.getMessage()
              for r in caplog.records)
+
+
+def test_auto_streams_where_only_streaming_fits_and_its_plan_says_it_fits():
+  # A budget halfway between the optimizer-offload rule's peak and that of a plan streaming
+  # every layer param: `auto` must stream, and the plan re-evaluated after its cut must predict
+  # the same fit the search found (it once counted the streamed params' gradients whole on the
+  # device there and reported a spurious DOES NOT FIT).
+  import dataclasses
+  from jaxtier.examples import llama, train
+  config = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=6, d_model=64, num_heads=4,
+                               d_ff=128, max_seq_len=32)
+  _, abstract, step_fn = train.make_train_state(config, 1e-3, abstract=True)
+  tokens = jax.ShapeDtypeStruct((2, 33), jnp.int32)
+  rule = jaxtier.plan(step_fn, abstract, tokens, policy="optimizer_state_on_host")
+  stream_all = jaxtier.plan(
+      step_fn, abstract, tokens,
+      policy=lambda path, leaf: ("host_stream" if leaf.role == "param" and "['layers']" in path
+                                 else "host_cpu" if leaf.role == "optimizer_state" else None))
+  assert stream_all.predicted_peak_hbm_bytes < rule.predicted_peak_hbm_bytes
+  budget = (stream_all.predicted_peak_hbm_bytes + rule.predicted_peak_hbm_bytes) // 2
+  plan = jaxtier.plan(step_fn, abstract, tokens, device_budget=budget)
+  assert not any(n.startswith("DOES NOT FIT") for n in plan.notes), plan.notes
+  assert any(l.placement == "host_stream" for l in plan.leaves)
+  assert plan.predicted_peak_hbm_bytes <= budget

@@ -117,7 +117,10 @@ class Problem:
     fixed_pinned_bytes: pinned bytes whatever the solver does (leaves the user placed on host).
     fixed_costs: costs of leaves placed by the user (host_xla copies), added to the step.
     transient_bytes: device bytes at the peak beyond the state, with every gradient on the
-      device and the traced activation policy.
+      device and the traced activation policy (less the gradients of parameters already
+      placed off the device outside `params`: they never sit whole on the device).
+    fixed_buffer_bytes: the double buffers (layer weights and gradients, x 2) of parameters
+      already placed `host_stream` outside `params` (0 if none).
     other_compute_secs: compute outside the parameters' stages, seconds.
     layer_flops_secs: seconds of compute the parameters' stages hold (sum of their
       compute_secs; the activation policy's extra FLOPs scale them).
@@ -132,6 +135,7 @@ class Problem:
   fixed_pinned_bytes: int
   fixed_costs: tuple[cm.Cost, ...] = ()
   transient_bytes: int
+  fixed_buffer_bytes: int = 0
   other_compute_secs: float
   activations: "cm.ActivationModel | None" = None
   device_budget: "int | None" = None
@@ -221,11 +225,11 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cm.Activatio
       base += item.device_nbytes
   any_host_param = allow_host_params and any(len(p.options) > 1 or p.options[0] != DEVICE
                                              for p in problem.params)
-  buffers = 0
+  buffers = problem.fixed_buffer_bytes
   if any_host_param:
     # Double buffers of the largest layer that may be fetched: params + gradients, x 2.
-    buffers = max((2 * (p.nbytes + p.grad_nbytes) // max(1, p.num_layers)
-                   for p in problem.params if set(p.options) - {DEVICE}), default=0)
+    buffers = max([2 * (p.nbytes + p.grad_nbytes) // max(1, p.num_layers)
+                   for p in problem.params if set(p.options) - {DEVICE}] + [buffers])
 
   # One DP item per stage: (weight bytes, cost, extra update secs, assignment) per option.
   stage_opts: list[list[tuple[int, cm.Cost, dict[int, str], frozenset[int]]]] = []
@@ -274,7 +278,7 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cm.Activatio
   forced = set().union(*[opt[3] for opt in chosen]) if chosen else set()
   on_host = set(host_updates) | forced
   used = sum(opt[0] for opt in chosen)
-  streamed = any(v != DEVICE for v in params.values())
+  streamed = any(v != DEVICE for v in params.values()) or problem.fixed_buffer_bytes > 0
   # The host updates run one after another after the backward pass; each writes its new
   # device params to a fresh buffer while the old ones are still alive: the largest counts.
   # A parameter placed off the device is updated in place on the host: no device buffer.
@@ -576,9 +580,18 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     else:
       fixed_pinned += l.nbytes
   transient = max(int(step_costs.transient_bytes), grads)
+  # Parameters already streamed (or read zero-copy) whose update call the cut seeded with them
+  # are not decision units, but they still hold no gradient on the device (it goes down layer
+  # by layer) and a streamed one has its layers double-buffered: as `_evaluate` counts a
+  # streamed ParamItem, so that a plan re-evaluated after its cut predicts what the search did.
+  placed_off = [l for l in leaves if l.role == param_role and l.is_float and l.index in seeded
+                and placement.get(l.index) in (HOST_STREAM, HOST_DHA)]
+  transient -= sum(l.nbytes for l in placed_off)
+  fixed_buffers = max((4 * l.nbytes // max(1, stacked.get(l.index, (0, 1))[1])
+                       for l in placed_off if placement.get(l.index) == HOST_STREAM), default=0)
   return Problem(params=tuple(items), updates=tuple(updates), fixed_device_bytes=fixed_device,
                  fixed_pinned_bytes=fixed_pinned, fixed_costs=tuple(fixed_costs),
-                 transient_bytes=transient,
+                 transient_bytes=transient, fixed_buffer_bytes=fixed_buffers,
                  other_compute_secs=0.0 if elements else total, activations=activations,
                  device_budget=device_budget, host_budget=host_budget, profile=profile,
                  platform=platform)
