@@ -206,6 +206,25 @@ def test_donated_state_reused_is_named():
   step(new_state, _batch())  # the returned state is still good.
 
 
+def test_placed_state_passed_again_as_an_argument_is_named():
+  # The state is also the second argument: once placed, its optimizer state is in pinned_host,
+  # where the step (compiled with that argument on the device) cannot take it.
+  def step2(state, ref, batch):
+    new, m = _step_fn(TX)(state, batch)
+    return new, {**m, "ref": jnp.sum(ref["params"]["w1"])}
+  step = jaxtier.offload(step2, policy="optimizer_state_on_host")
+  state = _mlp_state(TX)
+  placed = step.place(state, _copy(state), _batch())
+  with pytest.raises(ValueError, match=r"argument \[0\]\['opt'\]\[0\]\.mu\['b'\] \(after the "
+                                       r"state\) is in 'pinned_host' memory but the step was "
+                                       r"compiled with it in 'device' memory"):
+    step(placed, placed, _batch())
+  # Nothing was donated: the placed state still trains, with a device copy as the argument.
+  ref = jax.device_put(_copy(_mlp_state(TX)), jax.devices()[0])
+  new, m = step(placed, ref, _batch())
+  assert np.isfinite(float(m["loss"]))
+
+
 @pytest.mark.parametrize("kw", [dict(device_budget=0), dict(host_budget=-1),
                                 dict(host_budget="0GB"), dict(device_budget="lots")])
 def test_bad_budget_is_refused(kw):

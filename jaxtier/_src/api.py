@@ -234,6 +234,7 @@ class OffloadedStep:
     mesh = jc.common_mesh((state, args))
     arg_sh = [jc.named_sharding(x, getattr(getattr(x, "sharding", None), "memory_kind", None)
                                 or "device", mesh) for x in jax.tree_util.tree_leaves(args)]
+    self._arg_kinds = [sh.memory_kind for sh in arg_sh]
     out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
     compute = jax.jit(
         split.compute, donate_argnums=(0, 3),
@@ -252,6 +253,20 @@ class OffloadedStep:
 
     self._split, self._compute, self._make_update, self._update = (
         split, compute, make_update, None)
+
+  def _check_arg_memory_kinds(self, args: Sequence[Any]) -> None:
+    """Raises ValueError naming an argument (not the state) whose memory kind is not the one
+    the step was compiled for (jax.jit's own error names neither the argument nor the fix)."""
+    for (path, x), want in zip(jax.tree_util.tree_flatten_with_path(args)[0], self._arg_kinds):
+      have = getattr(getattr(x, "sharding", None), "memory_kind", None)
+      if have is not None and have != want:
+        raise ValueError(
+            f"jaxtier.offload: argument {jax.tree_util.keystr(path)} (after the state) is in "
+            f"{have!r} memory but the step was compiled with it in {want!r} memory. jaxtier "
+            "places only the state (the first argument); an array of the placed state passed "
+            "again as another argument lives where the plan put it (and is donated with the "
+            f"state). Pass arguments in {want!r} memory, e.g. jax.device_put(x, "
+            "jax.devices()[0]), or a copy (jnp.copy) made before the state was placed.")
 
   def _leaf_groups(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     split = self._split
@@ -316,6 +331,7 @@ class OffloadedStep:
     state = _arrays("jaxtier.offload", state)
     inv_lib.check_leaves("jaxtier.offload", state)
     self._ensure_plan(state, args)
+    self._check_arg_memory_kinds(args)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     want = self._shardings(state)
     moved = [x if _same_placement(x, s) else jax.device_put(x, s) for x, s in zip(leaves, want)]
