@@ -170,7 +170,13 @@ def main(argv: list[str]) -> None:
       # A refused plan, a missing data file, bad data or a bad setting: the message says what
       # and how to fix it; a traceback through the trainer would only hide it.
       print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
-      if isinstance(e, jaxtier.PlanError):
+      if isinstance(e, jaxtier.AdmissionError):
+        # Over the host's (or --host_budget's) pinned memory: moving more state to the host
+        # makes it worse.
+        print("from the command line: raise --host_budget (where the host has the memory), "
+              "--offload=auto (keeps on the device what fits there), or a smaller --config",
+              file=sys.stderr)
+      elif isinstance(e, jaxtier.PlanError):
         print("from the command line: --offload=optimizer_state_on_host or --offload=stream move "
               "more state to pinned_host; or raise --device_budget / --host_budget",
               file=sys.stderr)

@@ -20,6 +20,7 @@ from typing import Any
 
 from absl import app
 from absl import flags
+from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -365,6 +366,9 @@ def run(
     print("state placement (jaxtier):")
     print(placement_table(state))
   else:
+    if _budget(device_budget) is not None or _budget(host_budget) is not None:
+      logging.warning("--offload=none runs jax.jit with all state on the device: "
+                      "--device_budget / --host_budget are not applied (use --offload=auto)")
     step = jax.jit(train_step, donate_argnums=0)
     print("state placement (no offload):")
     print(placement_table(state))
