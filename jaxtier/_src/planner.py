@@ -392,7 +392,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, solver_budget)
     compiled, masters = _cut(inv, placement, reasons, executor_leaves, hardware, host_exec)
     if not sol.fits:
-      notes.append(_not_fitting(sol, solver_budget, host_limit))
+      notes.append(_not_fitting(sol, solver_budget, host_limit, problem))
     act_policy = sol.activation_policy
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement)
@@ -596,9 +596,18 @@ def _apply(sol: "solver.Solution", problem: "solver.Problem", inv: Inventory,
                     "the device during the step anyway (no peak saved); kept on the device")
 
 
-def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int | None") -> str:
+def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int | None",
+                 problem: "solver.Problem | None" = None) -> str:
   pred = sol.prediction
   parts = []
+  if problem is not None and host_limit is not None:
+    # What the host would have to pin for the least device memory the planner can reach:
+    # every movable optimizer-state call and every parameter it may stream or read zero-copy.
+    most = problem.fixed_pinned_bytes + sum(it.pinned_nbytes for it in problem.updates) + sum(
+        p.nbytes for p in problem.params if set(p.options) - {solver.DEVICE})
+    if most > host_limit:
+      parts.append(f"moving every leaf it may move to the host would pin {format_bytes(most)}, "
+                   f"over the host limit of {format_bytes(host_limit)}")
   if budget is not None and pred.peak_hbm_bytes > budget:
     parts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} exceeds the "
                  f"device budget of {format_bytes(budget)}")
