@@ -119,6 +119,23 @@ def test_streamed_compute_program_skips_xla_host_offload_walks(monkeypatch):
   assert streaming.compiler_options(step._stream) is None
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="probes a CPU backend pass")
+def test_xla_honours_a_list_of_disabled_passes_through_jit_compiler_options():
+  # The option above reaches XLA through jax.jit(compiler_options=...) as a comma-separated
+  # list (not a documented contract: this is the alarm). Probed with a pass the CPU backend
+  # runs: with 'fusion' listed second, the elementwise chain is no longer one fused kernel
+  # (each op is wrapped alone).
+  f = lambda x: jnp.tanh(x * 3.0) * 2.0 + jnp.exp(x)
+  x = jnp.ones((64,))
+  kernels = lambda text: text.count(" fusion(")
+  fused = jax.jit(f).lower(x).compile().as_text()
+  unfused = jax.jit(f, compiler_options={
+      "xla_disable_hlo_passes": streaming.HOST_OFFLOAD_PASSES + ",fusion"}).lower(x).compile()
+  assert kernels(fused) == 1, fused
+  assert kernels(unfused.as_text()) >= 4, unfused.as_text()
+  np.testing.assert_allclose(unfused(x), f(x), rtol=1e-6)
+
+
 def test_streamed_weights_on_device_are_bounded():
   # Weights dominate (batch 1): if the unrolled loop held every fetched layer, the compute
   # program's temp would grow by a layer's bytes per added layer. It holds at most three
