@@ -128,7 +128,12 @@ def child(args) -> dict:
       budget is None or all_device.predicted_peak_hbm_bytes <= budget)
   planned = jaxtier.plan(step_fn, abstract, tokens, device_budget=budget, activations=acts)
   rec["planning_secs"] = time.perf_counter() - t0
-  rec["streaming_in_plan"] = any(l.placement == "host_stream" for l in planned.leaves)
+  # The run below is `offload`'s plan, which keeps the traced activation policy: whether it
+  # streams is asked of the same plan (the activation-aware one above may fit by remat alone).
+  as_run = jaxtier.plan(step_fn, abstract, tokens, device_budget=budget)
+  rec["streaming_in_plan"] = any(l.placement == "host_stream" for l in as_run.leaves)
+  rec["streaming_in_activation_aware_plan"] = any(
+      l.placement == "host_stream" for l in planned.leaves)
   rec["degraded"] = None
   if case == "streaming" and not rec["streaming_in_plan"]:
     rec["degraded"] = ("no host_stream leaf in the plan (streaming not available in this "
