@@ -1,9 +1,15 @@
 """Shared test setup: CPU tests run everywhere; GPU tests skip unless a GPU is present.
 
 `JAXTIER_REQUIRE_GPU=1` (set by the H200 benchmark scripts) turns a GPU skip into a failure.
+The planner's hardware profile cache (`jaxtier calibrate` writes it under XDG_CACHE_HOME) is a
+fresh empty directory for the test session, so that a profile calibrated on this machine does
+not change what the tests plan: every test sees the defaults unless it writes its own.
 """
 
 import os
+import tempfile
+
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxtier-tests-cache-")
 
 import jax
 import optax
