@@ -200,8 +200,9 @@ def calibrate_main() -> None:
     print(json.dumps(dataclasses.asdict(prof), indent=1))
     return
   if jax.default_backend() != "gpu":
-    print("warning: no GPU here: the link, zero-copy, matmul and HBM figures are the H200 "
-          "defaults (../shared/MEASURED.md); only the host side was measured")
+    print("warning: no GPU here: the link, zero-copy and GPU executor figures are the H200 "
+          "defaults (docs/design.md); the host side was measured, and matmul_tflops / hbm_gbps "
+          "are this CPU's (the CPU backend's compute device)")
   default = profile.DEFAULT_PROFILE.rates()
   for name, value in prof.rates().items():
     mark = "" if value != default[name] else "  (default)"

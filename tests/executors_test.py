@@ -209,7 +209,11 @@ def test_profile_split_fraction_and_calibrate():
   measured = profile.calibrate(num_params=1 << 16)
   assert measured.cpu_adamw_params_per_sec > 0
   assert measured.link_h2d_gbps == profile.DEFAULT_PROFILE.link_h2d_gbps
-  assert profile.calibrate(measure_cpu=False) == profile.DEFAULT_PROFILE
+  assert profile.calibrate(measure_cpu=False, measure_device=False) == profile.DEFAULT_PROFILE
+  if jax.default_backend() == "cpu":  # the compute device is this CPU: its rates replace an H200's
+    compute_only = profile.calibrate(measure_cpu=False)
+    assert compute_only.matmul_tflops != profile.DEFAULT_PROFILE.matmul_tflops
+    assert compute_only.cpu_adamw_params_per_sec == profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec
 
 
 # ---- GPU: executors against the DHA kernel, bit for bit -----------------------------------------
@@ -302,3 +306,6 @@ def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
   saved = profile.load(out.stdout.strip().splitlines()[-1].split("saved to ", 1)[1])
   assert saved.cpu_adamw_params_per_sec > 1e7  # measured here, not the default
   assert saved.cpu_adamw_params_per_sec != profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec
+  # The CPU backend's compute device is this CPU: its rates, far below an H200's.
+  assert 1e-4 < saved.matmul_tflops < profile.DEFAULT_PROFILE.matmul_tflops / 10
+  assert 0.1 < saved.hbm_gbps < profile.DEFAULT_PROFILE.hbm_gbps

@@ -418,6 +418,29 @@ def measure_gpu(device: Any, *, nbytes: int = 1 << 30, reps: int = 5,
   return out
 
 
+def measure_cpu_compute(*, n: int = 1024, nbytes: int = 1 << 27,
+                        reps: int = 5) -> dict[str, float]:
+  """The compute figures of a machine whose compute device is its CPU (the CPU backend).
+
+  `matmul_tflops`: an f32 n x n x n matmul (2 n^3 FLOP; the CPU backend computes what the
+  example decoder computes in f32), TFLOP/s. `hbm_gbps`: `a + 1` over `nbytes` of f32, read
+  and write counted, GB/s: the memory the CPU backend's "device" arrays live in. With them a
+  plan for the CPU backend predicts this machine's step times, not an H200's.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  a = jnp.ones((n, n), jnp.float32)
+  mm = jax.jit(lambda a: a @ a)
+  t = _median_secs(lambda: mm(a).block_until_ready(), reps)
+  out = {"matmul_tflops": 2 * n**3 / t / 1e12}
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  add = jax.jit(lambda a: a + 1.0)
+  t = _median_secs(lambda: add(x).block_until_ready(), reps)
+  out["hbm_gbps"] = 2 * nbytes / t / 1e9
+  return out
+
+
 def measure_gpu_adamw(device: Any, num_params: int, *, reps: int = 3) -> dict[str, float]:
   """AdamW rate of the host_dha and host_cpu executors on `device`, params/s each.
 
@@ -477,13 +500,15 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
   On a GPU: the link each way and in duplex, zero-copy read / write / read+write, the AdamW rate
   of both executors, bf16 matmul, HBM bandwidth and capacity (`measure_gpu`, about 10 s). On
   every machine: host DRAM bandwidth, the CPU executor's AdamW rate on the CPU backend, the
-  pinnable host memory and the thread count. Without a GPU the GPU figures stay the H200
-  defaults, with a warning.
+  pinnable host memory and the thread count. Without a GPU the link, zero-copy and GPU executor
+  figures stay the H200 defaults, with a warning, and the matmul and memory rates are this CPU's
+  (`measure_cpu_compute`: the CPU backend computes on it).
 
   Args:
     measure_cpu: measure the host side (DRAM bandwidth, CPU executor; else keep the defaults).
     num_params: elements per CPU executor run.
-    measure_device: on a GPU, measure the GPU side (else keep the defaults).
+    measure_device: measure the compute device (the GPU side on a GPU, `measure_cpu_compute`
+      on the CPU backend; else keep the defaults).
 
   Returns:
     The profile; `source` says what was measured.
@@ -498,8 +523,12 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
     fields.update(measure_gpu(jax.devices("gpu")[0]))
     measured.append("gpu")
   elif backend != "gpu":
-    log.warning("jaxtier.calibrate: no GPU here: the link, zero-copy, matmul and HBM figures "
-                "stay the H200 defaults (docs/design.md); only the host side is measured")
+    log.warning("jaxtier.calibrate: no GPU here: the link, zero-copy and GPU executor figures "
+                "stay the H200 defaults (docs/design.md); the host side, and this CPU's matmul "
+                "and memory rates as the compute device's, are measured")
+    if measure_device:
+      fields.update(measure_cpu_compute())
+      measured.append("cpu compute")
   if measure_cpu:
     fields["host_dram_gbps"] = measure_host_dram_gbps()
     if backend != "gpu":
@@ -515,7 +544,7 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
   return dataclasses.replace(
       DEFAULT_PROFILE, **fields, device_kind=kind, versions=_versions(),
       source=f"calibrated on {kind} ({' and '.join(measured)} measured"
-      f"{'' if 'gpu' in measured else '; GPU figures are the H200 defaults'}, "
+      f"{'' if 'gpu' in measured else '; link and GPU executor figures are the H200 defaults'}, "
       f"{time.strftime('%Y-%m-%d')})")
 
 
