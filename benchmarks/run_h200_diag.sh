@@ -3,14 +3,7 @@
 # decoder streamed on the GPU (examples test); the 1b decoder streamed, with compile logs and
 # Python stack dumps every 30 s, to find where it stalls (issue 4).
 # Usage (device tool, repo root): bash benchmarks/run_h200_diag.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 JAXTIER_REQUIRE_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROOT=$PWD
-t0=$(date +%s)
-stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
-python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -5
-stamp "built"
+source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
 timeout 170 python3 benchmarks/host_update_bench.py --reps=3 --out="$OUT" > "$OUT/host_update.log" 2>&1
 tail -22 "$OUT/host_update.log"
 stamp "W2 done"

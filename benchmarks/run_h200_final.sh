@@ -3,13 +3,7 @@
 # CPU executor alone at 16 threads next to the fused C++ loop; W5's fits and optimizer-offload
 # cases with scan bodies timed by the planner (issue 5); one probe of the streamed compile growth
 # (issue 4). Usage (device tool, repo root): bash benchmarks/run_h200_final.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 JAXTIER_REQUIRE_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-t0=$(date +%s)
-stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
-python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -5
-stamp "built"
+source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
 timeout 110 python3 benchmarks/host_update_bench.py --reps=3 --out="$OUT" > "$OUT/host_update.log" 2>&1
 tail -13 "$OUT/host_update.log"
 stamp "W2 done"

@@ -2,14 +2,7 @@
 # One device call (issue 4 close-out): build; the GPU tests of the stream, DHA, multipath and
 # streamed-offload code; the DHA crossover; the example 1b decoder with streamed layers against
 # device-resident. Usage (device tool, repo root): bash benchmarks/run_h200_issue4.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 JAXTIER_REQUIRE_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROOT=$PWD
-t0=$(date +%s)
-stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
-python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -5
-stamp "built"
+source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
 cd /tmp
 timeout 200 python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/stream_test.py" \
     "$ROOT/tests/dha_test.py" "$ROOT/tests/multipath_test.py" "$ROOT/tests/streaming_test.py" \

@@ -6,14 +6,7 @@
 #       offloaded vs optax, issue 3); W1 again (issue 4: does the option keep its figures);
 #       the 1b decoder streamed vs device-resident (issue 4)
 #   bash benchmarks/run_h200_open_checks.sh w5       # build; W5's three cases (issue 5)
-set -uo pipefail
-export PYTHONUNBUFFERED=1 JAXTIER_REQUIRE_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROOT=$PWD
-t0=$(date +%s)
-stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
-python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -5
-stamp "built"
+source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
 if [ "${1:-stream}" = "w5" ]; then
   timeout 540 python3 benchmarks/planner_bench.py --num_layers=6 --steps=5 --warmup=2 \
       --skip_cli --out="$OUT" > "$OUT/planner.log" 2>&1

@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build jaxtier on the GPU machine, run the GPU tests (HLO guard, numerics),
 # then the end-to-end smoke benchmark. Usage (device tool): bash benchmarks/run_h200_smoke.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 JAXTIER_REQUIRE_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -5
-echo "build: $(( $(date +%s) - t0 )) s"
+source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
 cd /tmp  # import the installed package, not the checkout
 python3 -m pytest -q -p no:cacheprovider "$OLDPWD/tests/host_update_test.py" "$OLDPWD/tests/offload_test.py" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 cd "$OLDPWD"

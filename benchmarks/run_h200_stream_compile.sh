@@ -3,13 +3,7 @@
 # superlinearly on the GPU (4 layers: > 60 s; 2 layers: 6 s), and the 1b decoder streamed vs
 # device-resident once it compiles. Usage (device tool, repo root):
 #   bash benchmarks/run_h200_stream_compile.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1 JAXTIER_REQUIRE_GPU=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-t0=$(date +%s)
-stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
-python3 -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -5
-stamp "built"
+source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
 python3 benchmarks/compile_scaling.py --layers=4 --timeout=45 --gdb_after=1000 \
   --flags=--xla_disable_hlo_passes=host-offload-legalize,--xla_disable_hlo_passes=host-offloader \
   2>&1 | tail -4 | tee "$OUT/compile_passes.log"
