@@ -314,7 +314,11 @@ def test_bf16_params_with_fp32_masters(name):
     ref.append(float(loss))
     state, m = step(state, _batch(i))
     got.append(float(m["loss"]))
-  np.testing.assert_allclose(got, ref, rtol=5e-3)
+  # Lion's update is sign(interpolation) * lr: a component near zero whose last bit differs
+  # between the two programs flips to the other sign, a whole lr step. On the H200 the loss
+  # traces drift apart by up to 0.64% over 20 steps (GPU matmul roundings); the others stay
+  # within 0.5%.
+  np.testing.assert_allclose(got, ref, rtol=1e-2 if name == "lion" else 5e-3)
   assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(state["params"]))
   want = jax.tree.map(lambda m: np.asarray(m.astype(jnp.bfloat16), np.float32), masters)
   have = jax.tree.map(lambda p: np.asarray(p, np.float32), state["params"])

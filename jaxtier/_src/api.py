@@ -238,7 +238,6 @@ class OffloadedStep:
     out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
     compute = jax.jit(
         split.compute, donate_argnums=(0, 3),
-        compiler_options=streaming.compiler_options(self._stream),
         in_shardings=([state_sh[i] for i in split.device_leaves],
                       [state_sh[i] for i in split.host_leaves], arg_sh, scratch_sh),
         out_shardings=(out_sh(split.compute_outs[:split.num_first]), [None] * split.num_feeds,

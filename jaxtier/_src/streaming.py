@@ -31,7 +31,6 @@ when the step was traced), and both scans are rewritten the same way.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -90,26 +89,6 @@ class StreamSchedule:
 
 
 EMPTY = StreamSchedule({}, (), {})
-
-# XLA's GPU pipeline walks every path down from each pinned_host entry parameter in two passes
-# (`host-offload-legalize`, `host-offloader`), with no record of what it has visited. In the
-# unrolled, streamed program those walks reach the layers' compute through the stream calls, and
-# each residual connection doubles the paths: measured on the H200 with the 1b decoder's
-# widths, the compute program compiled in 6 s with 2 layers and did not finish in 60 s with 4
-# (20 layers: > 5 min); with these two passes disabled, 4 layers compile in 4.2 s
-# (`benchmarks/results/compile_scaling.log`). jaxtier's program has no MoveToHost/MoveToDevice
-# work for them to do: its host operands are read by its own custom calls. Applied to the
-# compute program of a step that streams; JAXTIER_KEEP_XLA_HOST_OFFLOAD_PASSES=1 keeps them.
-HOST_OFFLOAD_PASSES = "host-offload-legalize,host-offloader"
-
-
-def compiler_options(schedule: StreamSchedule) -> "dict[str, str] | None":
-  """XLA compile options for the compute program of a step with `schedule` (None: defaults)."""
-  if not schedule.scans or os.environ.get("JAXTIER_KEEP_XLA_HOST_OFFLOAD_PASSES", "") not in (
-      "", "0"):
-    return None
-  return {"xla_disable_hlo_passes": HOST_OFFLOAD_PASSES}
-
 
 def stream_reason(jaxpr: Any, index: int) -> str:
   """Why state leaf `index` cannot be placed `host_stream` ('' when it can).
@@ -208,6 +187,15 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
              ) -> list[Any]:
   """Runs one streamed scan unrolled; returns its outputs (stacked ys as `Stacked`).
 
+  Each scratch buffer gets its own send and d2h wait calls, each with that buffer as its only
+  aliased operand and result. XLA's GPU passes `host-offload-legalize` and `host-offloader`
+  follow every pinned_host entry parameter through the custom calls that alias it; at a call
+  with several results they follow all of them, so a chain of L calls of k aliased results
+  costs them k**L paths. Measured on the H200 (`benchmarks/offload_pass_trace.py`): with one
+  send and one wait per layer for the 1b decoder's 9 gradients, 2 layers cost 729 visits of
+  each call and 4 layers did not compile in 5 minutes; with one call per buffer the walks are
+  linear. (The fetch reads its host leaves without aliasing them, so one fetch serves all.)
+
   Args:
     eqn: the `scan` equation.
     scan: its `StreamedScan`.
@@ -262,20 +250,18 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
     if sends:
       idx = [s for s, _ in sends]
       if pending:
-        done = stream.wait([scratch[s] for s in idx], after=pending + _arrays(outs),
-                           direction="d2h")
-        for s, x in zip(idx, done):
-          scratch[s] = x
-      new = stream.send([scratch[s] for s in idx], [y for _, y in sends], layer)
-      for s, x in zip(idx, new):
-        scratch[s] = x
+        # The compute stream waits for last layer's sends (keeping their values alive until
+        # then) after this layer's compute, before this layer's sends reuse the buffers.
+        for s in idx:
+          scratch[s], = stream.wait([scratch[s]], after=pending + _arrays(outs),
+                                    direction="d2h")
+      for s, y in sends:
+        scratch[s], = stream.send([scratch[s]], [y], layer)
       pending = [y for _, y in sends]
     prev_outs = list(outs)
   if pending:
-    idx = [s for _, s in scan.sent]
-    done = stream.wait([scratch[s] for s in idx], after=pending, direction="d2h")
-    for s, x in zip(idx, done):
-      scratch[s] = x
+    for _, s in scan.sent:
+      scratch[s], = stream.wait([scratch[s]], after=pending, direction="d2h")
   results: list[Any] = list(carry)
   for j in range(num_ys):
     results.append(scratch[sent[nk + j]] if nk + j in sent else Stacked(ys[j]))
