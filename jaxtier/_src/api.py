@@ -171,15 +171,18 @@ class OffloadedStep:
       every = ([specs[i] for i in split.device_leaves] + [specs[i] for i in split.host_leaves]
                + arg_specs + scratch_specs)
       host = sum(inv_lib.bytes_per_device(a) for a in every if _memory_kind(a) == "pinned_host")
-      ok, fig = cost_model.verify(
-          plan, lowered, host_argument_bytes=host,
-          device_argument_bytes=sum(inv_lib.bytes_per_device(a) for a in every) - host)
+      device_args = sum(inv_lib.bytes_per_device(a) for a in every) - host
+      ok, fig = cost_model.verify(plan, lowered, host_argument_bytes=host,
+                                  device_argument_bytes=device_args)
     except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
       log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)
       return None
     if fig is None:
       return None
-    self.plan = dataclasses.replace(plan, compiler_peak_hbm_bytes=fig.peak_bytes)
+    self.plan = dataclasses.replace(
+        plan, compiler_peak_hbm_bytes=fig.peak_bytes,
+        notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (arguments: "
+                            f"device {device_args}, pinned_host {host} bytes)",))
     budget = plan.planned_device_budget
     log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
              plan.predicted_peak_hbm_bytes, fig.peak_bytes,
