@@ -210,3 +210,23 @@ def test_bf16_params_get_masters_under_remat_and_scan():
   params = [l for l in plan.leaves if l.path.startswith("[0]")]
   assert params and all(l.master_nbytes == l.nbytes * 2 for l in params), [
       (l.path, l.master_nbytes) for l in params if l.master_nbytes != l.nbytes * 2]
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend's host memory")
+def test_run_refuses_a_state_larger_than_host_memory_before_allocating(corpus, monkeypatch):
+  # On the CPU backend the state is built in host memory: a config whose state exceeds what
+  # the host has available is refused with the sizes before anything is allocated (it used to
+  # end in an allocator abort). `small` needs ~0.2 GiB; the host is made to have 64 MiB.
+  from jaxtier._src import planner  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(planner, "_mem_available_bytes", lambda: 64 << 20)
+  built = []
+  monkeypatch.setattr(train, "make_train_state",
+                      lambda *a, **k: built.append(k.get("abstract")) or
+                      _real_make_train_state(*a, **k))
+  with pytest.raises(ValueError, match=r"the small state .* needs [0-9.]+ GiB of host memory "
+                     r"to build here, and this host has 0\.06 GiB available; use a smaller"):
+    train.run(config_name="small", steps=1, data=corpus, progress=False)
+  assert built == [True]  # only the abstract (eval_shape) state was made
+
+
+_real_make_train_state = train.make_train_state

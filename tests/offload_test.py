@@ -464,3 +464,32 @@ def test_step_failing_at_run_time_leaves_host_leaves_intact():
     return flag
   jax.block_until_ready(jax.jit(calm)(jax.device_put(jnp.asarray(False), device)))
   jax.effects_barrier()
+
+
+def test_policy_errors_name_the_pattern_or_leaf_and_keep_the_state():
+  # A bad regex, a policy callable that raises and a pattern that matches nothing: each is
+  # reported with what the user wrote (and the leaf), and nothing is placed or donated.
+  state = _mlp_state(TX)
+  with pytest.raises(jaxtier.PlanError, match=r"policy pattern '\[w1' is not a regular "
+                     r"expression .*escape brackets"):
+    jaxtier.offload(_step_fn(TX), policy={"[w1": "host_cpu"}).place(state, _batch())
+
+  def bad(path, leaf):
+    del leaf
+    if "w2" in path:
+      raise KeyError("no rule for w2")
+    return None
+  with pytest.raises(jaxtier.PlanError, match=r"policy callable raised for leaf "
+                     r"\['opt'\]\[0\]\.mu\['w2'\] .*KeyError"):
+    jaxtier.offload(_step_fn(TX), policy=bad).place(state, _batch())
+  with pytest.raises(jaxtier.PlanError, match="policy callable raised"):
+    jaxtier.offload(_step_fn(TX), policy=lambda path: None).place(state, _batch())
+
+  with pytest.warns(UserWarning, match=r"policy pattern .*nope.* matches no state leaf \(paths "
+                    r"look like \['"):
+    step = jaxtier.offload(_step_fn(TX), policy={r"\['nope'\]": "host_cpu"})
+    placed = step.place(state, _batch())
+  # The state passed in is still usable: the refused plans placed nothing.
+  ref_state, ref = _train(jax.jit(_step_fn(TX)), _copy(state), 3)
+  _, got = _train(step, placed, 3)
+  np.testing.assert_allclose(got, ref, rtol=1e-6)

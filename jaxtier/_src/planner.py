@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import warnings
 from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
@@ -254,6 +255,15 @@ def _budget(b: "int | None") -> str:
 def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tuple[str, str]]:
   """Placement asked by the policy for each leaf, with its reason."""
   out: dict[int, tuple[str, str]] = {}
+  if isinstance(policy, Mapping):
+    for pat in policy:
+      try:
+        re.compile(pat)
+      except (re.error, TypeError) as e:
+        raise PlanError(f"jaxtier.offload: policy pattern {pat!r} is not a regular expression "
+                        f"({e}); patterns are searched in leaf paths like "
+                        f"{inv.leaves[0].path if inv.leaves else '[0]'!s} (escape brackets: "
+                        "r\"\\['w1'\\]\")") from e
   for leaf in inv.leaves:
     auto = ((host_exec, "optimizer state: touched once per step, updated where it lives")
             if leaf.role == OPTIMIZER_STATE else (DEVICE, leaf.why if leaf.role != PARAM
@@ -263,7 +273,12 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
     elif policy == "none":
       out[leaf.index] = (DEVICE, "policy 'none'")
     elif callable(policy):
-      asked = policy(leaf.path, leaf)
+      try:
+        asked = policy(leaf.path, leaf)
+      except Exception as e:  # pylint: disable=broad-except  (re-raised with the leaf named)
+        raise PlanError(f"jaxtier.offload: the policy callable raised for leaf {leaf.path} "
+                        f"({leaf.dtype}{list(leaf.shape)}): {e!r}; it is called as "
+                        "policy(path: str, leaf) and returns a placement name or None") from e
       out[leaf.index] = auto if asked is None else (asked, USER_PLACED)
     elif isinstance(policy, Mapping):
       hit = next((p for pat, p in policy.items() if re.search(pat, leaf.path)), None)
@@ -275,8 +290,9 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
   if isinstance(policy, Mapping):
     for pat in policy:
       if not any(re.search(pat, leaf.path) for leaf in inv.leaves):
-        log.warning("jaxtier.offload: policy pattern %r matches no state leaf (paths look like "
-                    "%s)", pat, inv.leaves[0].path if inv.leaves else "none")
+        warnings.warn(f"jaxtier.offload: policy pattern {pat!r} matches no state leaf (paths "
+                      f"look like {inv.leaves[0].path if inv.leaves else 'none'}); the leaves it "
+                      "was meant for get the automatic placement", stacklevel=4)
   for i, (placement, _) in out.items():
     leaf = inv.leaves[i]
     if placement not in PLACEMENTS:
@@ -501,6 +517,7 @@ def _cut(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
       if why or not comp.elementwise:
         params = [i for i in comp.seeds if inv.leaves[i].role == PARAM]
         for i in comp.seeds:
+          user_placed = reasons[i] == USER_PLACED
           executor_leaves.discard(i)
           placement[i] = HOST_XLA
           if params:
@@ -513,8 +530,10 @@ def _cut(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
                 "layers read by a layer loop can be placed 'host_stream' instead")
           else:
             reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
-          log.warning("jaxtier: leaf %s falls back to host_xla: %s", inv.leaves[i].path,
-                      reasons[i])
+          # Warned where the user placed the leaf; for the planner's own candidates the
+          # solver decides next (most stay on the device), so only logged.
+          (log.warning if user_placed else log.info)(
+              "jaxtier: leaf %s falls back to host_xla: %s", inv.leaves[i].path, reasons[i])
         demoted = True
       else:
         masters |= comp_masters

@@ -201,6 +201,29 @@ def _role(path) -> str:
   return "optimizer step" if "['step']" in name else "optimizer state"
 
 
+def _check_host_memory(config: llama.LlamaConfig, config_name: str,
+                       optimizer_config: OptimizerConfig, seed: int, init_on_host: bool) -> None:
+  """Raises ValueError, before anything is allocated, when the initial state is built in host
+  memory (the CPU backend, or `init_on_host`) and needs more than 90% of what the host has
+  available (MemAvailable): building it would end in the kernel's OOM killer or an allocator
+  abort, not an error."""
+  if not (init_on_host or jax.default_backend() == "cpu"):
+    return
+  from jaxtier._src import planner  # pylint: disable=g-import-not-at-top
+  available = planner._mem_available_bytes()  # pylint: disable=protected-access
+  if available is None:
+    return
+  _, shapes, _ = make_train_state(config, optimizer_config, seed, abstract=True)
+  need = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+  if need > 0.9 * available:
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    raise ValueError(
+        f"run: the {config_name} state (params and optimizer state) needs {gib(need)} of host "
+        f"memory to build here, and this host has {gib(available)} available; use a smaller "
+        "--config (e.g. tiny or small), or a GPU machine whose host memory holds the state "
+        "(--init_on_host builds it there, --offload=auto places what does not fit the GPU).")
+
+
 def placement_table(state) -> str:
   """Bytes of ``state`` per role and memory kind, as printable lines."""
   rows: dict[tuple[str, str], list[int]] = {}
@@ -340,6 +363,7 @@ def run(
   optimizer_config = OptimizerConfig(
       learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
       clip_norm=1.0 if clip else None)
+  _check_host_memory(config, config_name, optimizer_config, seed, init_on_host)
   t_start = time.perf_counter()
   if init_on_host:
     with jax.default_device(jax.devices("cpu")[0]):
