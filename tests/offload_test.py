@@ -493,3 +493,19 @@ def test_policy_errors_name_the_pattern_or_leaf_and_keep_the_state():
   ref_state, ref = _train(jax.jit(_step_fn(TX)), _copy(state), 3)
   _, got = _train(step, placed, 3)
   np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
+def test_a_changed_state_leaf_is_named_when_the_retrace_fails():
+  # Like jax.jit, a call with other shapes re-traces; when the user's step then fails, the
+  # error says which state leaf changed since the plan (the user's own error stays first).
+  step = jaxtier.offload(_step_fn(TX))
+  state = step.place(_mlp_state(TX), _batch())
+  state, _ = step(state, _batch())
+  bad = dict(state, params=dict(state["params"], w1=jnp.zeros((16, 33))))
+  with pytest.raises(TypeError) as e:
+    step(bad, _batch())
+  notes = "\n".join(getattr(e.value, "__notes__", []))
+  assert "state leaf ['params']['w1'] was float32[16, 32], now float32[16, 33]" in notes, notes
+  # The placed state is still usable.
+  state, m = step(state, _batch(1))
+  assert np.isfinite(float(m["loss"]))

@@ -104,7 +104,17 @@ class OffloadedStep:
     sig = _signature(state, args)
     if self.plan is not None and sig == self._signature:
       return
-    inv = inv_lib.take_inventory(self._fn, state, args)
+    changes = "" if self.plan is None else _changes(self._signature, sig, state, args)
+    if changes:
+      log.info("jaxtier: the step's inputs changed since they were planned (%s): re-tracing "
+               "and re-planning, as jax.jit re-traces", changes)
+    try:
+      inv = inv_lib.take_inventory(self._fn, state, args)
+    except Exception as e:
+      if changes and hasattr(e, "add_note"):
+        e.add_note(f"jaxtier: the step was traced again because its inputs changed since they "
+                   f"were planned: {changes}")
+      raise
     platform = jc.platform_of(jax.tree_util.tree_leaves(state)[0]) if jax.tree_util.tree_leaves(
         state) else jax.default_backend()
     hardware = profile.load(platform=platform)
@@ -508,6 +518,23 @@ def _num_local_devices(state: Any) -> int:
     return 1
   here = jax.process_index()
   return max(1, sum(d.process_index == here for d in mesh.devices.flat))
+
+
+def _changes(old: Any, new: Any, state: Any, args: Sequence[Any], limit: int = 4) -> str:
+  """What differs between two `_signature`s, naming leaves by path ('' if nothing)."""
+  out = []
+  for what, tree, (old_def, old_leaves), (new_def, new_leaves) in (
+      ("state", state, old[0], new[0]), ("batch", tuple(args), old[1], new[1])):
+    if old_def != new_def:
+      out.append(f"the {what}'s pytree structure")
+      continue
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    for path, a, b in zip(paths, old_leaves, new_leaves):
+      if a != b:
+        fmt = lambda t: f"{t[1]}{list(t[0])}"
+        out.append(f"{what} leaf {path or '(root)'} was {fmt(a)}, now {fmt(b)}")
+  more = f" and {len(out) - limit} more" if len(out) > limit else ""
+  return "; ".join(out[:limit]) + more
 
 
 def _signature(state: Any, args: Sequence[Any]) -> Any:
