@@ -7,6 +7,7 @@ PlanError naming the largest leaves); `auto` under a device budget that the all-
 exceeds must run and train like `jax.jit`.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -53,17 +54,32 @@ def test_update_cost_formulas():
   t = cm.UpdateTraffic(host_read_bytes=GB, host_write_bytes=GB, device_in_bytes=GB // 2,
                        device_out_bytes=GB // 4)
   dha = cm.update_cost("host_dha", t, P)
-  # max(R / 100, W / 50, (R + W) / 80) GB/s = max(0.01, 0.02, 0.025) s.
-  assert dha.secs == pytest.approx(0.025) and dha.bound == "dha"
+  # Elements unknown: max(R / 100, W / 50, (R + W) / 60 (duplex), (R + W) / 80 (dha_rw)) GB/s
+  # = max(0.01, 0.02, 0.0333, 0.025) s.
+  assert dha.secs == pytest.approx(2 / 60) and dha.bound == "dha"
   assert (dha.h2d_bytes, dha.d2h_bytes) == (GB, GB)
+  # With the elements: the kernel's time N * t + (R + W) / u, t from the AdamW rate at 24
+  # bytes per element: t = 1 / 3e9 - 24 / u. 125e6 elements (16 B each), u = 121 GB/s.
+  n = 125 * 10**6
+  t_n = dataclasses.replace(t, elements=n)
+  per_elem = 1 / 3e9 - 24 / 121e9
+  kernel = n * per_elem + 2 * GB / 121e9
+  assert cm.update_cost("host_dha", t_n, P).secs == pytest.approx(max(2 / 60, kernel))
+  # The fitted default reproduces W2's AdamW rate (24 B/param) and the H200's 16 B/param one.
+  d = profile.DEFAULT_PROFILE
+  w2 = cm.UpdateTraffic(host_read_bytes=12 * n, host_write_bytes=12 * n, device_in_bytes=0,
+                        device_out_bytes=0, elements=n)
+  assert n / cm.update_cost("host_dha", w2, d).secs == pytest.approx(d.dha_adamw_params_per_sec)
+  moments = dataclasses.replace(w2, host_read_bytes=8 * n, host_write_bytes=8 * n)
+  assert n / cm.update_cost("host_dha", moments, d).secs == pytest.approx(3.34e9, rel=0.01)
   cpu = cm.update_cost("host_cpu", t, P)
   # M = R + W + 2 (D_in + D_out) = 3.5 GB at 32 GB/s; links: 0.5 GB / 40, 0.25 GB / 50.
   assert cpu.secs == pytest.approx(3.5 / 32) and cpu.bound == "host_cpu"
   assert (cpu.h2d_bytes, cpu.d2h_bytes) == (GB // 4, GB // 2)
   split = cm.update_cost("host_split", t, P, dha_fraction=0.8)
   dram = (0.8 * 2.0 + 0.2 * 3.5) / 100  # both executors' host DRAM traffic
-  assert split.secs == pytest.approx(max(0.8 * 0.025, 0.2 * 3.5 / 32, dram))
-  assert split.bound == "host_dram" and split.secs < min(dha.secs, cpu.secs)
+  assert split.secs == pytest.approx(max(0.8 * 2 / 60, 0.2 * 3.5 / 32, dram))
+  assert split.bound == "dha" and split.secs < min(dha.secs, cpu.secs)
   # On the CPU backend pinned_host is host memory: every byte once, at the CPU rate.
   on_cpu = cm.update_cost("host_dha", t, P, platform="cpu")
   assert on_cpu.secs == pytest.approx(2.75 / 32) and on_cpu.h2d_bytes == 0

@@ -302,12 +302,15 @@ class UpdateTraffic:
     host_write_bytes: host-resident results written in place.
     device_in_bytes: device operands read (gradients, device params, scalars).
     device_out_bytes: results written to the device (new params).
+    elements: elements the call updates (the length of its index range; 0: unknown, then
+      the DHA kernel is costed by bytes alone).
   """
 
   host_read_bytes: int
   host_write_bytes: int
   device_in_bytes: int
   device_out_bytes: int
+  elements: int = 0
 
 
 def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile, *,
@@ -317,9 +320,11 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
   GPU platform:
   - `host_dha`: the kernel reads the host operands and writes the host results over the link,
     zero-copy; device operands are read from HBM (free here).
-      secs = max(R / dha_read, W / dha_write, (R + W) / dha_rw)
-    with R, W = host read / write bytes and the rates in bytes/s. Link: R host->device,
-    W device->host.
+      secs = max(R / dha_read, W / dha_write, (R + W) / link_duplex, N * t + (R + W) / u)
+    with R, W = host read / write bytes, N the call's elements, and the kernel's own time
+    N * t + (R + W) / u (`HardwareProfile.dha_update_secs`: a per-element cost plus bytes at
+    the marginal rate u, fitted to H200 runs at 16, 24 and 28 bytes per element; without N,
+    (R + W) / dha_rw). Link: R host->device, W device->host.
   - `host_cpu`: the gradients (device_in, D_in) go down and the new params (device_out, D_out)
     up through pinned staging buffers, pipelined with the CPU's pass; the CPU streams
       M = R + W + 2 * (D_in + D_out) bytes of host DRAM
@@ -351,8 +356,10 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     return Cost(secs=secs, cpu_secs=secs, bound="host_cpu" if secs else "")
 
   def dha() -> Cost:
+    kernel = (profile.dha_update_secs(traffic.elements, r + w) if traffic.elements
+              else (r + w) / _gb(profile.dha_rw_gbps))
     secs = max(r / _gb(profile.dha_read_gbps), w / _gb(profile.dha_write_gbps),
-               (r + w) / _gb(profile.dha_rw_gbps))
+               (r + w) / _gb(profile.link_duplex_gbps), kernel)
     return Cost(secs=secs, h2d_bytes=r, d2h_bytes=w, dha_secs=secs, bound="dha")
 
   def cpu() -> Cost:

@@ -61,7 +61,10 @@ class HardwareProfile:
     host_dram_gbps: host memory bandwidth (STREAM triad, all CPU threads), GB/s.
     cpu_adamw_params_per_sec: AdamW update rate of the host CPU executor (fp32 master and
       moments on the host, bf16 gradient and param staged), params/s.
-    dha_adamw_params_per_sec: AdamW update rate of the DHA kernel, params/s.
+    dha_adamw_params_per_sec: AdamW update rate of the DHA kernel, params/s (fp32 master
+      and moments in pinned_host: 24 bytes per param over the link).
+    dha_update_gbps: the DHA update kernel's marginal rate per byte of host traffic, GB/s:
+      its time per call is elements x t + bytes / this rate (`dha_update_secs`).
     matmul_tflops: achieved bf16 matmul throughput (8192^3 GEMM), TFLOP/s.
     hbm_gbps: achieved HBM bandwidth (device-to-device copy, read + write counted), GB/s.
     hbm_bytes: device memory JAX's allocator may use (`memory_stats()['bytes_limit']`), bytes.
@@ -89,8 +92,14 @@ class HardwareProfile:
   host_dram_gbps: float = 80.5
   # W2 (host_update.json): host_cpu 2.03e9 params/s, transfers included.
   cpu_adamw_params_per_sec: float = 2.0e9
-  # W2: host_dha 2.30e9 params/s.
-  dha_adamw_params_per_sec: float = 2.3e9
+  # W2 (host_update.json, third session, the current kernel): host_dha 2.739e9 params/s.
+  dha_adamw_params_per_sec: float = 2.739e9
+  # The DHA update kernel's time per call is not bytes over one rate: on the H200 it moved
+  # 16 B/param (moments only) at 53 GB/s, 24 B/param (W2) at 66 GB/s and 28 B/param (a
+  # streamed param, its gradient and moments) at 72 GB/s. Per param it costs a fixed
+  # t = 0.167 ns plus bytes at 121 GB/s: that fits W2 and the 16 B runs (first and fourth
+  # sessions) and predicts the 28 B run within 3% (benchmarks/results/planner.json).
+  dha_update_gbps: float = 121.0
   # ~790 TFLOP/s on a bf16 8192^3 GEMM; training steps reach less (smaller and skinnier GEMMs).
   matmul_tflops: float = 700.0
   # ~4,050 GB/s device-to-device copy (read + write counted).
@@ -128,6 +137,17 @@ class HardwareProfile:
     """The numeric fields, {name: value} (for printing)."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
             if f.name not in _STR_FIELDS + _DICT_FIELDS}
+
+  def dha_update_secs(self, elements: float, host_bytes: float) -> float:
+    """Seconds of the DHA update kernel for a call over `elements` elements moving
+    `host_bytes` (read + written) of pinned host memory: elements x t + host_bytes / rate.
+
+    t, the per-element time, follows from the measured AdamW rate (24 bytes per param):
+    t = 1 / dha_adamw_params_per_sec - 24 / (dha_update_gbps * 1e9) (at least 0). The link's
+    caps apply separately (`cost_model.update_cost`).
+    """
+    per_elem = max(0.0, 1.0 / self.dha_adamw_params_per_sec - 24.0 / (self.dha_update_gbps * 1e9))
+    return float(elements) * per_elem + float(host_bytes) / (self.dha_update_gbps * 1e9)
 
   def cpu_update_gbps(self) -> float:
     """The CPU executor's effective host-DRAM streaming rate, GB/s.

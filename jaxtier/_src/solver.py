@@ -451,8 +451,10 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
       write += nbytes
     else:
       dev_out += nbytes
+  elements = int(np.prod(seed.shape, dtype=np.int64) * frac)
   return cm.UpdateTraffic(host_read_bytes=int(read), host_write_bytes=int(write),
-                          device_in_bytes=int(dev_in), device_out_bytes=int(dev_out))
+                          device_in_bytes=int(dev_in), device_out_bytes=int(dev_out),
+                          elements=elements)
 
 
 def _itemsize(dtype: Any) -> int:
