@@ -25,7 +25,10 @@ import jaxtier  # (imports jax first)
 from jaxtier.examples import train as train_lib
 
 COMMANDS = ("train", "plan", "calibrate")
-_JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools).")
+_JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
+                          "adds 'fits' (within its budgets) and 'refused' (null, or why the "
+                          "plan was refused); it exits 1 when the plan does not fit, as the "
+                          "text form does.")
 _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
                               "plan: plan for this platform's executors (default: this machine's).")
 _PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host bytes per leaf "
@@ -69,9 +72,15 @@ def plan_main() -> None:
   if _PLOT.value:
     path = plot_plan(plan, _PLOT.value, title=f"jaxtier plan: {flags.FLAGS.config} on "
                      f"{platform}, batch {batch} x seq {seq_len}")
+  # Within its budgets: not refused, and no budget the plan's notes say it misses.
+  fits = refused is None and not any(n.startswith("DOES NOT FIT") for n in plan.notes)
   if _JSON.value:
-    print(plan.to_json())
-    return
+    import json  # pylint: disable=g-import-not-at-top
+    out = json.loads(plan.to_json())
+    out["fits"] = fits
+    out["refused"] = None if refused is None else refused.removeprefix("jaxtier: ")
+    print(json.dumps(out, indent=1))
+    sys.exit(0 if fits else 1)  # as the text form: 1 for a refused or over-budget plan
   if platform == "gpu" and jax.default_backend() != "gpu":
     from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
     prof = profile.load(platform=platform, warn=False)
@@ -85,8 +94,7 @@ def plan_main() -> None:
     print(f"plot: {path}")
   if refused:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
-    sys.exit(1)
-  if any(n.startswith("DOES NOT FIT") for n in plan.notes):
+  if not fits:
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
 
 

@@ -1,0 +1,51 @@
+"""The command line (`python -m jaxtier train|plan|calibrate`): exit codes and what it prints.
+
+Each test runs the installed package in a subprocess (as a user would) with an empty profile
+cache, on small configs (a few seconds each).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(tmp_path, *args, timeout=120):
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "jaxtier", *args], capture_output=True,
+                        text=True, env=env, cwd=tmp_path, timeout=timeout)
+
+
+def test_plan_json_refused_exits_1_with_verdict(tmp_path):
+  # The 8b state's device bytes alone are over 10 GiB: the plan is refused. The text form
+  # prints REFUSED and exits 1; the JSON form exits 1 too and says so in fields.
+  flags = ["plan", "--config=8b", "--platform=gpu", "--device_budget=10GiB"]
+  text = _cli(tmp_path, *flags)
+  assert text.returncode == 1, text.stderr[-2000:]
+  assert "REFUSED: the state needs" in text.stdout
+  out = _cli(tmp_path, *flags, "--json")
+  assert out.returncode == 1, out.stderr[-2000:]
+  plan = json.loads(out.stdout)
+  assert plan["fits"] is False
+  assert plan["refused"].startswith("the state needs ") and "over the device budget" in (
+      plan["refused"])
+  # The existing keys stay.
+  assert plan["device_budget"] == 10 * 2**30 and plan["leaves"] and plan["notes"]
+
+
+def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
+  # 8 MiB holds the tiny decoder's state but not its step's peak: DOES NOT FIT, not refused.
+  out = _cli(tmp_path, "plan", "--config=tiny", "--device_budget=8MiB", "--json")
+  assert out.returncode == 1, out.stderr[-2000:]
+  plan = json.loads(out.stdout)
+  assert plan["fits"] is False and plan["refused"] is None
+  assert any(n.startswith("DOES NOT FIT") for n in plan["notes"])
+
+
+def test_plan_json_fitting_exits_0(tmp_path):
+  out = _cli(tmp_path, "plan", "--config=tiny", "--json")
+  assert out.returncode == 0, out.stderr[-2000:]
+  plan = json.loads(out.stdout)
+  assert plan["fits"] is True and plan["refused"] is None
