@@ -366,6 +366,38 @@ def test_load_profile_for_an_absent_platform_is_the_default(tmp_path):
   assert profile.load(profile.save(p, str(tmp_path / "p.json"))) == p
 
 
+def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch, caplog):
+  import dataclasses
+  import logging
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  path = profile.cache_path()
+  os.makedirs(os.path.dirname(path))
+  # What an older build stored: no format version, and an H200's matmul rate for this machine.
+  old = dataclasses.replace(profile.DEFAULT_PROFILE, cpu_adamw_params_per_sec=1.5e9,
+                            device_kind=jax.devices()[0].device_kind,
+                            source="calibrated on cpu (host measured, 2026-11-01)")
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(old), f)
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load() is profile.DEFAULT_PROFILE
+    assert profile.load() is profile.DEFAULT_PROFILE
+  stale = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+  assert len(stale) == 1, stale  # once per path
+  assert f"ignoring {path}: written by an older jaxtier" in stale[0]
+  assert "python -m jaxtier calibrate" in stale[0]
+  # An older version number is stale too; the current one loads.
+  with open(path, "w") as f:
+    json.dump({"format_version": profile.PROFILE_FORMAT_VERSION - 1,
+               **dataclasses.asdict(old)}, f)
+  assert profile.load() is profile.DEFAULT_PROFILE
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load(profile.save(old)) == old
+  assert not caplog.records
+  with open(path) as f:
+    assert json.load(f)["format_version"] == profile.PROFILE_FORMAT_VERSION
+
+
 # ---- the CLI --------------------------------------------------------------------------------
 
 def _cli(tmp_path, *args):
