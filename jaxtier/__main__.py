@@ -201,23 +201,33 @@ def calibrate_main() -> None:
   import json  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
+  from jaxtier._src import planner  # pylint: disable=g-import-not-at-top
   from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
-  prof = jaxtier.calibrate()
+  gpu = jax.default_backend() == "gpu"
+  # Without a GPU the warning below is the one said (not also calibrate()'s log line).
+  prof = profile.calibrate(warn=False)
   path = profile.save(prof)
   if _JSON.value:
     print(json.dumps(dataclasses.asdict(prof), indent=1))
     return
-  if jax.default_backend() != "gpu":
+  if not gpu:
     print("warning: no GPU here: the link, zero-copy and GPU executor figures are the H200 "
           "defaults (docs/design.md); the host side was measured, and matmul_tflops / hbm_gbps "
           "are this CPU's (the CPU backend's compute device)")
   default = profile.DEFAULT_PROFILE.rates()
   for name, value in prof.rates().items():
     mark = "" if value != default[name] else "  (default)"
-    print(f"{name:<28} {value:.4g}{mark}")
+    if name.endswith("_bytes"):
+      shown = f"{value:,} ({planner.format_bytes(value)})"
+    elif isinstance(value, int):
+      shown = str(value)
+    else:
+      shown = profile.format_rate(value)
+    print(f"{name:<28} {shown}{mark}")
   print(f"{'device_kind':<28} {prof.device_kind}")
   print(f"{'versions':<28} {prof.versions}")
-  print(f"split share of the DHA kernel: {profile.split_fraction(prof):.3f}")
+  if gpu:  # the split executor exists on a GPU only
+    print(f"split share of the DHA kernel: {profile.split_fraction(prof):.3f}")
   print(f"saved to {path}")
 
 

@@ -49,3 +49,18 @@ def test_plan_json_fitting_exits_0(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   plan = json.loads(out.stdout)
   assert plan["fits"] is True and plan["refused"] is None
+
+
+def test_calibrate_without_gpu_warns_once_with_readable_rates(tmp_path):
+  # JAX_PLATFORMS=cpu (set by _cli): the CPU backend is the compute device.
+  out = _cli(tmp_path, "calibrate")
+  assert out.returncode == 0, out.stderr[-2000:]
+  said = out.stdout + out.stderr
+  assert said.count("no GPU here") == 1, said  # one warning, not a log line and a print
+  assert "warning: no GPU here" in out.stdout
+  assert "split share" not in said  # the split executor needs a GPU
+  rates = dict(line.split(None, 1) for line in out.stdout.splitlines()
+               if line.split(None, 1)[0].endswith(("_gbps", "_tflops", "_per_sec")))
+  # This CPU's matmul rate, well below 1 TFLOP/s, with 3 significant digits (not "0").
+  matmul = rates["matmul_tflops"].split()[0]
+  assert 0 < float(matmul) < 50 and len(matmul.lstrip("0.").replace(".", "")) == 3, matmul

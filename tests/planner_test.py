@@ -366,6 +366,16 @@ def test_load_profile_for_an_absent_platform_is_the_default(tmp_path):
   assert profile.load(profile.save(p, str(tmp_path / "p.json"))) == p
 
 
+def test_rates_print_with_three_significant_digits():
+  assert [profile.format_rate(x) for x in (0.4377, 0.000412, 80.54, 700.0, 4000.0, 2.3e9)] == [
+      "0.438", "0.000412", "80.5", "700", "4000", "2.3e+09"]
+  prof = profile.HardwareProfile(matmul_tflops=0.4377, hbm_gbps=12.34)
+  costs = cm.StepCosts(flops=1.0, elementwise_bytes=1.0, transient_bytes=0,
+                       transient_source="test")
+  assert ("matmul FLOPs at 0.438 TFLOP/s plus elementwise bytes at 12.3 GB/s HBM"
+          in costs.compute_source(prof))
+
+
 def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch, caplog):
   import dataclasses
   import logging

@@ -147,6 +147,21 @@ class HardwareProfile:
 DEFAULT_PROFILE = HardwareProfile()
 
 
+def format_rate(value: float) -> str:
+  """`value` to 3 significant digits, for printing rates (GB/s, TFLOP/s, params/s).
+
+  Without an exponent from 1e-3 to below 1e6 (0.000412, 0.438, 80.5, 700, 4000), with one
+  elsewhere (2.3e+09).
+  """
+  if not value or not math.isfinite(value):
+    return f"{value:g}"
+  magnitude = math.floor(math.log10(abs(value)))
+  if -3 <= magnitude < 6:
+    digits = max(0, 2 - magnitude)
+    return f"{round(value, digits):.{digits}f}"
+  return f"{value:.3g}"
+
+
 def split_fraction(profile: HardwareProfile = DEFAULT_PROFILE) -> float:
   """The `dha_fraction` of the `split` executor: the DHA kernel's share of the elements.
 
@@ -500,7 +515,7 @@ def _versions() -> dict[str, str]:
 
 
 def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
-              measure_device: bool = True) -> HardwareProfile:
+              measure_device: bool = True, warn: bool = True) -> HardwareProfile:
   """Measures this machine and returns its `HardwareProfile` (store it with `save`).
 
   On a GPU: the link each way and in duplex, zero-copy read / write / read+write, the AdamW rate
@@ -515,6 +530,8 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
     num_params: elements per CPU executor run.
     measure_device: measure the compute device (the GPU side on a GPU, `measure_cpu_compute`
       on the CPU backend; else keep the defaults).
+    warn: log the warning that, without a GPU, the GPU figures stay the defaults (the CLI
+      prints its own).
 
   Returns:
     The profile; `source` says what was measured.
@@ -529,9 +546,10 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
     fields.update(measure_gpu(jax.devices("gpu")[0]))
     measured.append("gpu")
   elif backend != "gpu":
-    log.warning("jaxtier.calibrate: no GPU here: the link, zero-copy and GPU executor figures "
-                "stay the H200 defaults (docs/design.md); the host side, and this CPU's matmul "
-                "and memory rates as the compute device's, are measured")
+    if warn:
+      log.warning("jaxtier.calibrate: no GPU here: the link, zero-copy and GPU executor figures "
+                  "stay the H200 defaults (docs/design.md); the host side, and this CPU's "
+                  "matmul and memory rates as the compute device's, are measured")
     if measure_device:
       fields.update(measure_cpu_compute())
       measured.append("cpu compute")

@@ -420,8 +420,8 @@ def run(
         f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
-    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.1f} ms, measured "
-          f"{measured * 1e3:.1f} ms (calls 2-4)")
+    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms, measured "
+          f"{measured * 1e3:.3g} ms (calls 2-4)")
   return {
       "losses": losses,
       "step_times": step_times,
