@@ -44,6 +44,11 @@ def plan_main() -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  if _PLOT.value:
+    problem = _unwritable(_PLOT.value)
+    if problem:  # say so before planning, not in a traceback after the plan is printed
+      print(f"error: --plot={_PLOT.value}: {problem}", file=sys.stderr)
+      sys.exit(1)
   config = llama.CONFIGS[flags.FLAGS.config]
   if flags.FLAGS.remat_policy:
     config = dataclasses.replace(config, remat_policy=None if flags.FLAGS.remat_policy == "none"
@@ -96,6 +101,32 @@ def plan_main() -> None:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
   if not fits:
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
+
+
+def _unwritable(path: str) -> "str | None":
+  """Why the image file `path` cannot be written (no such directory, not writable, a format
+  matplotlib does not write), else None."""
+  import os  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    return "expected an image file name (e.g. plan.png), got a directory"
+  if not os.path.isdir(folder):
+    return f"the directory {folder} does not exist; create it or pick another path"
+  ext = os.path.splitext(path)[1].lstrip(".").lower()
+  if ext:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if ext not in formats:
+      return f"cannot draw a .{ext} image; use one of {', '.join(sorted(formats))}"
+  try:  # a real write: permission bits do not tell root (or /proc) the truth
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxtier-plot-check-"):
+      pass
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+      raise PermissionError(f"{path} is read-only")
+  except OSError as e:
+    return f"cannot write there ({e.strerror or e}); pick a writable path"
+  return None
 
 
 def leaf_group(path: str, role: str) -> str:

@@ -64,3 +64,16 @@ def test_calibrate_without_gpu_warns_once_with_readable_rates(tmp_path):
   # This CPU's matmul rate, well below 1 TFLOP/s, with 3 significant digits (not "0").
   matmul = rates["matmul_tflops"].split()[0]
   assert 0 < float(matmul) < 50 and len(matmul.lstrip("0.").replace(".", "")) == 3, matmul
+
+
+@pytest.mark.parametrize("where, says", [
+    ("missing/dir/plan.png", "does not exist"),
+    ("plan.xyz", "cannot draw a .xyz image"),
+    (".", "got a directory"),
+])
+def test_plan_plot_to_an_unwritable_path_fails_before_planning(tmp_path, where, says):
+  out = _cli(tmp_path, "plan", "--config=tiny", f"--plot={where}")
+  assert out.returncode == 1
+  assert f"error: --plot={where}: " in out.stderr and says in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert "jaxtier plan" not in out.stdout  # failed before planning, not after printing it
