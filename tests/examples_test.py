@@ -190,6 +190,15 @@ def test_run_offload_auto_passes_budgets(corpus):
     _run(corpus, steps=1, offload="optimizer_state_on_host", host_budget="1000")
 
 
+def test_run_offload_none_says_budgets_are_not_used(corpus, capsys):
+  _run(corpus, steps=1, offload="none", device_budget="1MiB")
+  out = capsys.readouterr().out
+  assert ("warning: --device_budget=1MiB not used: --offload=none runs jax.jit with all state "
+          "on the device") in out
+  _run(corpus, steps=1, offload="none")
+  assert "warning" not in capsys.readouterr().out
+
+
 def test_run_rejects_bad_arguments(corpus):
   with pytest.raises(ValueError, match="offload"):
     _run(corpus, offload="sometimes")

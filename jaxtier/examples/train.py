@@ -20,7 +20,6 @@ from typing import Any
 
 from absl import app
 from absl import flags
-from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -366,9 +365,14 @@ def run(
     print("state placement (jaxtier):")
     print(placement_table(state))
   else:
-    if _budget(device_budget) is not None or _budget(host_budget) is not None:
-      logging.warning("--offload=none runs jax.jit with all state on the device: "
-                      "--device_budget / --host_budget are not applied (use --offload=auto)")
+    given = [f"--{name}={value}" for name, value in (("device_budget", device_budget),
+                                                      ("host_budget", host_budget))
+             if _budget(value) is not None]
+    if given:
+      # On stdout with the run's other output: an absl log line on stderr went unseen.
+      print(f"warning: {' and '.join(given)} not used: --offload=none runs jax.jit with all "
+            "state on the device and applies no budget; use --offload=auto (or stream / "
+            "optimizer_state_on_host) for jaxtier to plan within it")
     step = jax.jit(train_step, donate_argnums=0)
     print("state placement (no offload):")
     print(placement_table(state))
