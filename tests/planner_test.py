@@ -523,3 +523,27 @@ def test_auto_streams_where_only_streaming_fits_and_its_plan_says_it_fits():
   assert not any(n.startswith("DOES NOT FIT") for n in plan.notes), plan.notes
   assert any(l.placement == "host_stream" for l in plan.leaves)
   assert plan.predicted_peak_hbm_bytes <= budget
+
+
+def test_does_not_fit_note_describes_the_plan_made():
+  # Under the CLI's `--offload=stream` policy the layers' params are host_stream (placed by the
+  # policy): the note must say so, not that this is "every optimizer-state leaf on the host".
+  import dataclasses
+  from jaxtier.examples import llama, train
+  config = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=2, d_model=32, num_heads=2,
+                               d_ff=64, max_seq_len=16)
+  _, abstract, step_fn = train.make_train_state(config, 1e-3, abstract=True)
+  tokens = jax.ShapeDtypeStruct((2, 17), jnp.int32)
+  for policy, host in ((train.stream_layers_policy,
+                        "optimizer-state leaves (host_cpu), 9 parameters (host_stream, placed "
+                        "by the policy) in pinned_host, the rest on the device"),
+                       ("auto", "optimizer-state leaves (host_cpu) in pinned_host, the rest on "
+                        "the device")):
+    state_only = jaxtier.plan(step_fn, abstract, tokens, policy=policy,
+                              device_budget=10**9).device_bytes
+    # Room for the device state, not for the step's transient buffers.
+    plan = jaxtier.plan(step_fn, abstract, tokens, policy=policy, device_budget=state_only + 1)
+    note = next(n for n in plan.notes if n.startswith("DOES NOT FIT"))
+    assert "this is its fallback plan: " in note and host in note, note
+    assert "every optimizer-state leaf on the host" not in note
+    assert f"exceeds the device budget of {planner.format_bytes(state_only + 1)}" in note
