@@ -205,6 +205,9 @@ def main(argv: list[str]) -> None:
   if argv[1] == "train":
     try:
       train_lib.main(argv[:1])
+    except train_lib.OverBudgetError as e:
+      print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
+      sys.exit(1)
     except (jaxtier.PlanError, OSError, ValueError) as e:
       # A refused plan, a missing data file, bad data or a bad setting: the message says what
       # and how to fix it; a traceback through the trainer would only hide it.

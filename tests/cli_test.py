@@ -6,6 +6,7 @@ cache, on small configs (a few seconds each).
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -77,3 +78,39 @@ def test_plan_plot_to_an_unwritable_path_fails_before_planning(tmp_path, where, 
   assert f"error: --plot={where}: " in out.stderr and says in out.stderr, out.stderr[-2000:]
   assert "Traceback" not in out.stderr
   assert "jaxtier plan" not in out.stdout  # failed before planning, not after printing it
+
+
+def _train(tmp_path, *args):
+  text = tmp_path / "text.txt"
+  if not text.exists():
+    text.write_text(json.__doc__ * 40)  # a small corpus: loading the default one takes seconds
+  return _cli(tmp_path, "train", "--config=tiny", "--steps=2", "--batch_size=2", "--seq_len=16",
+              f"--data={text}", *args)
+
+
+def test_train_over_the_budget_given_is_an_error_before_training(tmp_path):
+  # 2 MiB holds the streamed decoder's device state but not its step's peak.
+  out = _train(tmp_path, "--offload=stream", "--device_budget=2MiB")
+  assert out.returncode == 1, out.stderr[-2000:]
+  errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1, out.stderr[-2000:]
+  assert re.search(r"error: the plan does not fit: peak device memory [\d.]+ MiB predicted and "
+                   r"[\d.]+ MiB compiled, over the --device_budget of 2.00 MiB\. Fix: a larger "
+                   r"--device_budget \(at least [\d.]+ MiB\)", errors[0]), errors[0]
+  assert "--allow_over_budget" in errors[0] and "Traceback" not in out.stderr
+  assert "done: loss" not in out.stdout  # no step ran
+  assert not any(l.startswith("step ") for l in out.stdout.splitlines())
+  # The plan (printed first) says what it is: params streamed by the policy, not "every
+  # optimizer-state leaf on the host".
+  said = " ".join(out.stdout.split())
+  assert "DOES NOT FIT" in said and "rule-based plan (every optimizer-state leaf" not in said
+  assert "parameters (host_stream, placed by the policy) in pinned_host" in said
+
+
+def test_train_over_budget_runs_with_allow_over_budget_and_within_budget(tmp_path):
+  out = _train(tmp_path, "--offload=auto", "--device_budget=2MiB", "--allow_over_budget")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "DOES NOT FIT" in out.stdout and "done: loss" in out.stdout
+  out = _train(tmp_path, "--offload=auto", "--device_budget=1GiB")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "done: loss" in out.stdout and "error" not in out.stderr
