@@ -2,12 +2,15 @@
 
 Commands:
   train   train the example Flax NNX decoder on real text (flags: see `--helpfull`;
-          `--offload=auto` places state through `jaxtier.offload`).
+          `--offload=auto` places state through `jaxtier.offload`). A plan that misses the
+          `--device_budget` / `--host_budget` given is an error (exit 1) before the first
+          step, unless `--allow_over_budget`.
   plan    print the plan `jaxtier.offload` would make for an example config, without
           allocating it: per leaf its placement and why, the predicted step time, critical
           path and peak HBM (`--config`, `--batch_size`, `--seq_len`, `--device_budget`,
           `--host_budget`, `--offload` (the policy), `--remat_policy`, `--json`,
-          `--platform`, `--plot=plan.png`, `--stream`).
+          `--platform`, `--plot=plan.png`, `--stream`). Exit status 1 when the plan is refused
+          or over a budget (with `--json` too: its fields `fits` and `refused` say which).
   calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
           the profile as JSON in the user's cache directory (`--json` prints it).
