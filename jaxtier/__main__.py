@@ -2,12 +2,15 @@
 
 Commands:
   train   train the example Flax NNX decoder on real text (flags: see `--helpfull`;
-          `--offload=auto` places state through `jaxtier.offload`).
+          `--offload=auto` places state through `jaxtier.offload`). A plan that misses the
+          `--device_budget` / `--host_budget` given is an error (exit 1) before the first
+          step, unless `--allow_over_budget`.
   plan    print the plan `jaxtier.offload` would make for an example config, without
           allocating it: per leaf its placement and why, the predicted step time, critical
           path and peak HBM (`--config`, `--batch_size`, `--seq_len`, `--device_budget`,
           `--host_budget`, `--offload` (the policy), `--remat_policy`, `--json`,
-          `--platform`, `--plot=plan.png`, `--stream`).
+          `--platform`, `--plot=plan.png`, `--stream`). Exit status 1 when the plan is refused
+          or over a budget (with `--json` too: its fields `fits` and `refused` say which).
   calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
           the profile as JSON in the user's cache directory (`--json` prints it).
@@ -25,7 +28,10 @@ import jaxtier  # (imports jax first)
 from jaxtier.examples import train as train_lib
 
 COMMANDS = ("train", "plan", "calibrate")
-_JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools).")
+_JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
+                          "adds 'fits' (within its budgets) and 'refused' (null, or why the "
+                          "plan was refused); it exits 1 when the plan does not fit, as the "
+                          "text form does.")
 _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
                               "plan: plan for this platform's executors (default: this machine's).")
 _PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host bytes per leaf "
@@ -41,6 +47,11 @@ def plan_main() -> None:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  if _PLOT.value:
+    problem = _unwritable(_PLOT.value)
+    if problem:  # say so before planning, not in a traceback after the plan is printed
+      print(f"error: --plot={_PLOT.value}: {problem}", file=sys.stderr)
+      sys.exit(1)
   config = llama.CONFIGS[flags.FLAGS.config]
   if flags.FLAGS.remat_policy:
     config = dataclasses.replace(config, remat_policy=None if flags.FLAGS.remat_policy == "none"
@@ -69,9 +80,15 @@ def plan_main() -> None:
   if _PLOT.value:
     path = plot_plan(plan, _PLOT.value, title=f"jaxtier plan: {flags.FLAGS.config} on "
                      f"{platform}, batch {batch} x seq {seq_len}")
+  # Within its budgets: not refused, and no budget the plan's notes say it misses.
+  fits = refused is None and not any(n.startswith("DOES NOT FIT") for n in plan.notes)
   if _JSON.value:
-    print(plan.to_json())
-    return
+    import json  # pylint: disable=g-import-not-at-top
+    out = json.loads(plan.to_json())
+    out["fits"] = fits
+    out["refused"] = None if refused is None else refused.removeprefix("jaxtier: ")
+    print(json.dumps(out, indent=1))
+    sys.exit(0 if fits else 1)  # as the text form: 1 for a refused or over-budget plan
   if platform == "gpu" and jax.default_backend() != "gpu":
     from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
     prof = profile.load(platform=platform, warn=False)
@@ -85,9 +102,34 @@ def plan_main() -> None:
     print(f"plot: {path}")
   if refused:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
-    sys.exit(1)
-  if any(n.startswith("DOES NOT FIT") for n in plan.notes):
+  if not fits:
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
+
+
+def _unwritable(path: str) -> "str | None":
+  """Why the image file `path` cannot be written (no such directory, not writable, a format
+  matplotlib does not write), else None."""
+  import os  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    return "expected an image file name (e.g. plan.png), got a directory"
+  if not os.path.isdir(folder):
+    return f"the directory {folder} does not exist; create it or pick another path"
+  ext = os.path.splitext(path)[1].lstrip(".").lower()
+  if ext:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if ext not in formats:
+      return f"cannot draw a .{ext} image; use one of {', '.join(sorted(formats))}"
+  try:  # a real write: permission bits do not tell root (or /proc) the truth
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxtier-plot-check-"):
+      pass
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+      raise PermissionError(f"{path} is read-only")
+  except OSError as e:
+    return f"cannot write there ({e.strerror or e}); pick a writable path"
+  return None
 
 
 def leaf_group(path: str, role: str) -> str:
@@ -166,6 +208,9 @@ def main(argv: list[str]) -> None:
   if argv[1] == "train":
     try:
       train_lib.main(argv[:1])
+    except train_lib.OverBudgetError as e:
+      print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
+      sys.exit(1)
     except (jaxtier.PlanError, OSError, ValueError) as e:
       # A refused plan, a missing data file, bad data or a bad setting: the message says what
       # and how to fix it; a traceback through the trainer would only hide it.
@@ -193,23 +238,33 @@ def calibrate_main() -> None:
   import json  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
+  from jaxtier._src import planner  # pylint: disable=g-import-not-at-top
   from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
-  prof = jaxtier.calibrate()
+  gpu = jax.default_backend() == "gpu"
+  # Without a GPU the warning below is the one said (not also calibrate()'s log line).
+  prof = profile.calibrate(warn=False)
   path = profile.save(prof)
   if _JSON.value:
     print(json.dumps(dataclasses.asdict(prof), indent=1))
     return
-  if jax.default_backend() != "gpu":
+  if not gpu:
     print("warning: no GPU here: the link, zero-copy and GPU executor figures are the H200 "
           "defaults (docs/design.md); the host side was measured, and matmul_tflops / hbm_gbps "
           "are this CPU's (the CPU backend's compute device)")
   default = profile.DEFAULT_PROFILE.rates()
   for name, value in prof.rates().items():
     mark = "" if value != default[name] else "  (default)"
-    print(f"{name:<28} {value:.4g}{mark}")
+    if name.endswith("_bytes"):
+      shown = f"{value:,} ({planner.format_bytes(value)})"
+    elif isinstance(value, int):
+      shown = str(value)
+    else:
+      shown = profile.format_rate(value)
+    print(f"{name:<28} {shown}{mark}")
   print(f"{'device_kind':<28} {prof.device_kind}")
   print(f"{'versions':<28} {prof.versions}")
-  print(f"split share of the DHA kernel: {profile.split_fraction(prof):.3f}")
+  if gpu:  # the split executor exists on a GPU only
+    print(f"split share of the DHA kernel: {profile.split_fraction(prof):.3f}")
   print(f"saved to {path}")
 
 

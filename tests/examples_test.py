@@ -190,6 +190,30 @@ def test_run_offload_auto_passes_budgets(corpus):
     _run(corpus, steps=1, offload="optimizer_state_on_host", host_budget="1000")
 
 
+def test_run_over_budget_raises_before_training_unless_allowed(corpus, capsys):
+  with pytest.raises(train.OverBudgetError, match=r"the plan does not fit: peak device memory "
+                     r".* over the --device_budget of 1.00 MiB\. Fix: a larger --device_budget"):
+    _run(corpus, steps=1, offload="optimizer_state_on_host", device_budget="1MiB",
+         allow_over_budget=False)
+  out = capsys.readouterr().out
+  assert "jaxtier plan" in out and "done: loss" not in out  # planned, printed, no step ran
+  assert not any(line.startswith("step ") for line in out.splitlines())
+  # Without a budget given nothing is checked; with allow_over_budget (run's default) it trains.
+  assert len(_run(corpus, steps=1, offload="optimizer_state_on_host",
+                  allow_over_budget=False)["losses"]) == 1
+  assert len(_run(corpus, steps=1, offload="optimizer_state_on_host",
+                  device_budget="1MiB")["losses"]) == 1
+
+
+def test_run_offload_none_says_budgets_are_not_used(corpus, capsys):
+  _run(corpus, steps=1, offload="none", device_budget="1MiB")
+  out = capsys.readouterr().out
+  assert ("warning: --device_budget=1MiB not used: --offload=none runs jax.jit with all state "
+          "on the device") in out
+  _run(corpus, steps=1, offload="none")
+  assert "warning" not in capsys.readouterr().out
+
+
 def test_run_rejects_bad_arguments(corpus):
   with pytest.raises(ValueError, match="offload"):
     _run(corpus, offload="sometimes")

@@ -295,7 +295,8 @@ def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
   path = profile.save(p, str(tmp_path / "p.json"))
   assert profile.load(path) == p
   assert profile.load(str(tmp_path / "missing.json")) == profile.DEFAULT_PROFILE
-  (tmp_path / "bad.json").write_text(json.dumps({"warp_factor": 9}))
+  (tmp_path / "bad.json").write_text(json.dumps(
+      {"format_version": profile.PROFILE_FORMAT_VERSION, "warp_factor": 9}))
   with pytest.raises(ValueError, match=r"unknown fields \['warp_factor'\]"):
     profile.load(str(tmp_path / "bad.json"))
   env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))

@@ -382,6 +382,48 @@ def test_load_profile_for_an_absent_platform_is_the_default(tmp_path):
   assert profile.load(profile.save(p, str(tmp_path / "p.json"))) == p
 
 
+def test_rates_print_with_three_significant_digits():
+  assert [profile.format_rate(x) for x in (0.4377, 0.000412, 80.54, 700.0, 4000.0, 2.3e9)] == [
+      "0.438", "0.000412", "80.5", "700", "4000", "2.3e+09"]
+  prof = profile.HardwareProfile(matmul_tflops=0.4377, hbm_gbps=12.34)
+  costs = cm.StepCosts(flops=1.0, elementwise_bytes=1.0, transient_bytes=0,
+                       transient_source="test")
+  assert ("matmul FLOPs at 0.438 TFLOP/s plus elementwise bytes at 12.3 GB/s HBM"
+          in costs.compute_source(prof))
+
+
+def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch, caplog):
+  import dataclasses
+  import logging
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  path = profile.cache_path()
+  os.makedirs(os.path.dirname(path))
+  # What an older build stored: no format version, and an H200's matmul rate for this machine.
+  old = dataclasses.replace(profile.DEFAULT_PROFILE, cpu_adamw_params_per_sec=1.5e9,
+                            device_kind=jax.devices()[0].device_kind,
+                            source="calibrated on cpu (host measured, 2026-11-01)")
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(old), f)
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load() is profile.DEFAULT_PROFILE
+    assert profile.load() is profile.DEFAULT_PROFILE
+  stale = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+  assert len(stale) == 1, stale  # once per path
+  assert f"ignoring {path}: written by an older jaxtier" in stale[0]
+  assert "python -m jaxtier calibrate" in stale[0]
+  # An older version number is stale too; the current one loads.
+  with open(path, "w") as f:
+    json.dump({"format_version": profile.PROFILE_FORMAT_VERSION - 1,
+               **dataclasses.asdict(old)}, f)
+  assert profile.load() is profile.DEFAULT_PROFILE
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load(profile.save(old)) == old
+  assert not caplog.records
+  with open(path) as f:
+    assert json.load(f)["format_version"] == profile.PROFILE_FORMAT_VERSION
+
+
 # ---- the CLI --------------------------------------------------------------------------------
 
 def _cli(tmp_path, *args):
@@ -497,3 +539,27 @@ def test_auto_streams_where_only_streaming_fits_and_its_plan_says_it_fits():
   assert not any(n.startswith("DOES NOT FIT") for n in plan.notes), plan.notes
   assert any(l.placement == "host_stream" for l in plan.leaves)
   assert plan.predicted_peak_hbm_bytes <= budget
+
+
+def test_does_not_fit_note_describes_the_plan_made():
+  # Under the CLI's `--offload=stream` policy the layers' params are host_stream (placed by the
+  # policy): the note must say so, not that this is "every optimizer-state leaf on the host".
+  import dataclasses
+  from jaxtier.examples import llama, train
+  config = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=2, d_model=32, num_heads=2,
+                               d_ff=64, max_seq_len=16)
+  _, abstract, step_fn = train.make_train_state(config, 1e-3, abstract=True)
+  tokens = jax.ShapeDtypeStruct((2, 17), jnp.int32)
+  for policy, host in ((train.stream_layers_policy,
+                        "optimizer-state leaves (host_cpu), 9 parameters (host_stream, placed "
+                        "by the policy) in pinned_host, the rest on the device"),
+                       ("auto", "optimizer-state leaves (host_cpu) in pinned_host, the rest on "
+                        "the device")):
+    state_only = jaxtier.plan(step_fn, abstract, tokens, policy=policy,
+                              device_budget=10**9).device_bytes
+    # Room for the device state, not for the step's transient buffers.
+    plan = jaxtier.plan(step_fn, abstract, tokens, policy=policy, device_budget=state_only + 1)
+    note = next(n for n in plan.notes if n.startswith("DOES NOT FIT"))
+    assert "this is its fallback plan: " in note and host in note, note
+    assert "every optimizer-state leaf on the host" not in note
+    assert f"exceeds the device budget of {planner.format_bytes(state_only + 1)}" in note

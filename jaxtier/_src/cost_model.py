@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.profile import HardwareProfile
+from jaxtier._src.profile import format_rate
 
 # Of the bytes that elementwise ops and reductions produce or consume (counted per jaxpr
 # equation), the share that reaches HBM once XLA has fused chains of them into kernels. An
@@ -90,8 +91,8 @@ class StepCosts:
 
   def compute_source(self, profile: HardwareProfile) -> str:
     """How `compute_secs` was found, for the plan's notes."""
-    analytic = (f"matmul FLOPs at {profile.matmul_tflops:.0f} TFLOP/s plus elementwise bytes "
-                f"at {profile.hbm_gbps:.0f} GB/s HBM (profile)")
+    analytic = (f"matmul FLOPs at {format_rate(profile.matmul_tflops)} TFLOP/s plus "
+                f"elementwise bytes at {format_rate(profile.hbm_gbps)} GB/s HBM (profile)")
     if self.timed is None:
       return f"compute: {analytic}"
     t = self.timed

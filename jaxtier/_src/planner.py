@@ -408,7 +408,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, solver_budget)
     compiled, masters = _cut(inv, placement, reasons, executor_leaves, hardware, host_exec)
     if not sol.fits:
-      notes.append(_not_fitting(sol, solver_budget, host_limit, problem))
+      notes.append(_not_fitting(sol, solver_budget, host_limit, problem,
+                                placed=(inv, placement, user_fixed)))
     act_policy = sol.activation_policy
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement)
@@ -616,7 +617,13 @@ def _apply(sol: "solver.Solution", problem: "solver.Problem", inv: Inventory,
 
 
 def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int | None",
-                 problem: "solver.Problem | None" = None) -> str:
+                 problem: "solver.Problem | None" = None,
+                 placed: "tuple[Inventory, Mapping[int, str], set[int]] | None" = None) -> str:
+  """The DOES NOT FIT note: what the plan made is, and which budget it misses by how much.
+
+  `placed`: (inventory, final placement per leaf index, leaves the user's policy placed), to
+  describe the plan actually made (else: the rule-based plan's rule).
+  """
   pred = sol.prediction
   parts = []
   if problem is not None and host_limit is not None:
@@ -633,9 +640,21 @@ def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int 
   if host_limit is not None and pred.pinned_bytes > host_limit:
     parts.append(f"pinned bytes {format_bytes(pred.pinned_bytes)} exceed the host limit of "
                  f"{format_bytes(host_limit)}")
-  msg = ("DOES NOT FIT: no placement the planner can make fits the budgets; this is the "
-         "rule-based plan (every optimizer-state leaf on the host): " + "; ".join(
-             parts or ["over a budget"]))
+  what = "the rule-based plan (every optimizer-state leaf on the host)"
+  if placed is not None:
+    inv, where, by_user = placed
+    groups: dict[tuple[str, str, bool], int] = {}
+    for leaf in inv.leaves:
+      if where[leaf.index] in HOST_PLACEMENTS:
+        key = (leaf.role, where[leaf.index], leaf.index in by_user)
+        groups[key] = groups.get(key, 0) + 1
+    names = {OPTIMIZER_STATE: "optimizer-state leaves", PARAM: "parameters"}
+    host = [f"{n} {names.get(role, 'other leaves')} ({p}{', placed by the policy' if user else ''})"
+            for (role, p, user), n in sorted(groups.items())]
+    what = ("its fallback plan: " + (", ".join(host) + " in pinned_host, the rest on the device"
+                                     if host else "every leaf on the device"))
+  msg = (f"DOES NOT FIT: no placement the planner can make fits the budgets; this is {what}: "
+         + "; ".join(parts or ["over a budget"]))
   log.warning("jaxtier: %s", msg)
   return msg
 

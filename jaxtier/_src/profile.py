@@ -42,6 +42,12 @@ H200_HBM_BYTES = 143_771 * 2**20  # nvidia-smi total, MEASURED.md
 # otherwise (its documented default).
 JAX_MEM_FRACTION = 0.75
 
+# The format of a stored profile, kept in its JSON as "format_version". A stored profile of an
+# older format (or none: before versioning) is ignored by `load`: its figures may come from an
+# older calibration (e.g. version 1 stored no CPU compute figures, so a CPU plan used an H200's
+# 700 TFLOP/s). Bump it whenever what `calibrate` measures, or how, changes.
+PROFILE_FORMAT_VERSION = 2
+
 _STR_FIELDS = ("device_kind", "source")
 _DICT_FIELDS = ("versions",)
 
@@ -159,6 +165,21 @@ class HardwareProfile:
 
 
 DEFAULT_PROFILE = HardwareProfile()
+
+
+def format_rate(value: float) -> str:
+  """`value` to 3 significant digits, for printing rates (GB/s, TFLOP/s, params/s).
+
+  Without an exponent from 1e-3 to below 1e6 (0.000412, 0.438, 80.5, 700, 4000), with one
+  elsewhere (2.3e+09).
+  """
+  if not value or not math.isfinite(value):
+    return f"{value:g}"
+  magnitude = math.floor(math.log10(abs(value)))
+  if -3 <= magnitude < 6:
+    digits = max(0, 2 - magnitude)
+    return f"{round(value, digits):.{digits}f}"
+  return f"{value:.3g}"
 
 
 def split_fraction(profile: HardwareProfile = DEFAULT_PROFILE) -> float:
@@ -514,7 +535,7 @@ def _versions() -> dict[str, str]:
 
 
 def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
-              measure_device: bool = True) -> HardwareProfile:
+              measure_device: bool = True, warn: bool = True) -> HardwareProfile:
   """Measures this machine and returns its `HardwareProfile` (store it with `save`).
 
   On a GPU: the link each way and in duplex, zero-copy read / write / read+write, the AdamW rate
@@ -529,6 +550,8 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
     num_params: elements per CPU executor run.
     measure_device: measure the compute device (the GPU side on a GPU, `measure_cpu_compute`
       on the CPU backend; else keep the defaults).
+    warn: log the warning that, without a GPU, the GPU figures stay the defaults (the CLI
+      prints its own).
 
   Returns:
     The profile; `source` says what was measured.
@@ -543,9 +566,10 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
     fields.update(measure_gpu(jax.devices("gpu")[0]))
     measured.append("gpu")
   elif backend != "gpu":
-    log.warning("jaxtier.calibrate: no GPU here: the link, zero-copy and GPU executor figures "
-                "stay the H200 defaults (docs/design.md); the host side, and this CPU's matmul "
-                "and memory rates as the compute device's, are measured")
+    if warn:
+      log.warning("jaxtier.calibrate: no GPU here: the link, zero-copy and GPU executor figures "
+                  "stay the H200 defaults (docs/design.md); the host side, and this CPU's "
+                  "matmul and memory rates as the compute device's, are measured")
     if measure_device:
       fields.update(measure_cpu_compute())
       measured.append("cpu compute")
@@ -578,12 +602,14 @@ def cache_path(device_kind: "str | None" = None) -> str:
 
 
 def save(profile: HardwareProfile, path: "str | None" = None) -> str:
-  """Writes `profile` as JSON (default: `cache_path()`); returns the path."""
+  """Writes `profile` as JSON (default: `cache_path()`), with `PROFILE_FORMAT_VERSION` as
+  "format_version"; returns the path."""
   import json  # pylint: disable=g-import-not-at-top
   path = path or cache_path()
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w") as f:
-    json.dump(dataclasses.asdict(profile), f, indent=1)
+    json.dump({"format_version": PROFILE_FORMAT_VERSION, **dataclasses.asdict(profile)}, f,
+              indent=1)
   return path
 
 
@@ -599,10 +625,12 @@ def load(path: "str | None" = None, *, platform: "str | None" = None,
     platform: the platform being planned for ('cpu'/'gpu'); when it is not this machine's
       backend (planning for a GPU on a machine without one), the defaults are returned: a
       stored profile describes this machine's devices, not the absent GPU.
-    warn: log a warning (once per path) when the defaults are returned for want of a profile.
+    warn: log a warning (once per path) when the defaults are returned for want of a profile,
+      or because the stored one is stale.
 
   Returns:
-    The profile.
+    The profile; `DEFAULT_PROFILE` where none is stored, or where the stored one was written in
+    an older format (its "format_version" missing or below `PROFILE_FORMAT_VERSION`).
 
   Raises:
     ValueError: the file holds unknown fields or non-positive rates.
@@ -620,6 +648,15 @@ def load(path: "str | None" = None, *, platform: "str | None" = None,
     return DEFAULT_PROFILE
   with open(path) as f:
     data = json.load(f)
+  version = data.pop("format_version", None) if isinstance(data, dict) else None
+  if not isinstance(version, int) or version < PROFILE_FORMAT_VERSION:
+    if warn and path not in _WARNED:
+      _WARNED.add(path)
+      log.warning("jaxtier: ignoring %s: written by an older jaxtier (profile format %s, this "
+                  "one reads %d); planning with the defaults. Run `python -m jaxtier calibrate`.",
+                  path, version if version is not None else "unversioned",
+                  PROFILE_FORMAT_VERSION)
+    return DEFAULT_PROFILE
   names = {f.name for f in dataclasses.fields(HardwareProfile)}
   unknown = sorted(set(data) - names)
   if unknown:

@@ -20,7 +20,6 @@ from typing import Any
 
 from absl import app
 from absl import flags
-from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -33,11 +32,13 @@ from . import llama
 
 __all__ = [
     "OptimizerConfig",
+    "OverBudgetError",
     "RUN_DEFAULTS",
     "RunDefaults",
     "main",
     "make_optimizer",
     "make_train_state",
+    "over_budget",
     "run",
 ]
 
@@ -265,6 +266,62 @@ def _budget(value):
   return None if value in (None, "") else value
 
 
+class OverBudgetError(ValueError):
+  """`run(allow_over_budget=False)`: the plan does not fit the budget the caller gave.
+
+  Raised after planning (the plan is printed) and before the first step.
+  """
+
+
+def over_budget(plan, offload: str) -> "str | None":
+  """Why `plan` misses the device / host budget it was given, with the fix; None if it fits.
+
+  Over when a budget was given and: the compiled step's peak device memory (else the
+  predicted one) exceeds the device budget, the pinned bytes exceed the host budget, or the
+  plan's notes say DOES NOT FIT (unless that note is about a smaller budget re-planned for
+  and the compiled peak fits the one given).
+  """
+  from jaxtier._src.planner import format_bytes  # pylint: disable=g-import-not-at-top
+  if plan.device_budget is None and plan.host_budget is None:
+    return None
+  problems, fixes = [], []
+  predicted, compiled = plan.predicted_peak_hbm_bytes, plan.compiler_peak_hbm_bytes
+  peak = compiled if compiled is not None else predicted
+  replanned = (plan.device_budget is not None and plan.planned_device_budget is not None
+               and plan.planned_device_budget < plan.device_budget)
+  note_over = any(n.startswith("DOES NOT FIT") for n in plan.notes) and not (
+      replanned and compiled is not None)
+  device_over = plan.device_budget is not None and peak is not None and (
+      peak > plan.device_budget or note_over)
+  if device_over:
+    figures = " and ".join(
+        f"{format_bytes(b)} {what}" for b, what in ((predicted, "predicted"),
+                                                     (compiled, "compiled")) if b is not None)
+    problems.append(f"peak device memory {figures}, over the --device_budget of "
+                    f"{format_bytes(plan.device_budget)}")
+    fixes.append(f"a larger --device_budget (at least "
+                 f"{format_bytes(max(b for b in (predicted, compiled) if b is not None))})")
+  host_over = plan.host_budget is not None and plan.pinned_bytes > plan.host_budget
+  if host_over:
+    problems.append(f"pinned host memory {format_bytes(plan.pinned_bytes)}, over the "
+                    f"--host_budget of {format_bytes(plan.host_budget)}")
+    fixes.append("a larger --host_budget")
+  if note_over and not problems:
+    note = next(n for n in plan.notes if n.startswith("DOES NOT FIT"))
+    problems.append(note.split(": ", 1)[1])
+    fixes.append("larger budgets")
+  if not problems:
+    return None
+  if device_over:
+    more = [m for m in ("auto", "stream") if m != offload]
+    fixes.append(" or ".join(f"--offload={m}" for m in more) + " (more state in pinned_host)"
+                 if offload == "optimizer_state_on_host" else
+                 "--offload=stream (the layers' params streamed from pinned_host)"
+                 if offload == "auto" else "a smaller --batch_size or --seq_len")
+  return (f"the plan does not fit: {'; '.join(problems)}. Fix: {', or '.join(fixes)}; or "
+          "--allow_over_budget to train anyway")
+
+
 def run(
     *,
     config_name: str = "tiny",
@@ -284,6 +341,7 @@ def run(
     remat_policy: str | None = None,
     init_on_host: bool = False,
     progress: bool = True,
+    allow_over_budget: bool = True,
 ) -> dict[str, Any]:
   """Trains ``steps`` steps and reports the losses and the speed.
 
@@ -318,6 +376,9 @@ def run(
     init_on_host: build the initial state on the host CPU backend (for models
       whose state does not fit on the device); ``step.place`` then moves it.
     progress: show a tqdm progress bar.
+    allow_over_budget: if False, raise `OverBudgetError` before the first step when a
+      ``device_budget`` / ``host_budget`` was given and the plan does not fit it
+      (`over_budget`); if True, only the plan's notes and jaxtier's warnings say so.
 
   Returns:
     A dict with ``losses`` (one float per step), ``step_times`` (seconds per
@@ -331,6 +392,7 @@ def run(
 
   Raises:
     ValueError: for an unknown config or offload mode, bad sizes, or bad data.
+    OverBudgetError: the plan misses a budget given (only with ``allow_over_budget=False``).
   """
   if offload not in OFFLOAD_MODES:
     raise ValueError(f"run: expected offload in {OFFLOAD_MODES}, got {offload!r}.")
@@ -387,12 +449,20 @@ def run(
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
     print(step.plan)
+    over = None if allow_over_budget else over_budget(step.plan, offload)
+    if over:
+      raise OverBudgetError(over)
     print("state placement (jaxtier):")
     print(placement_table(state))
   else:
-    if _budget(device_budget) is not None or _budget(host_budget) is not None:
-      logging.warning("--offload=none runs jax.jit with all state on the device: "
-                      "--device_budget / --host_budget are not applied (use --offload=auto)")
+    given = [f"--{name}={value}" for name, value in (("device_budget", device_budget),
+                                                      ("host_budget", host_budget))
+             if _budget(value) is not None]
+    if given:
+      # On stdout with the run's other output: an absl log line on stderr went unseen.
+      print(f"warning: {' and '.join(given)} not used: --offload=none runs jax.jit with all "
+            "state on the device and applies no budget; use --offload=auto (or stream / "
+            "optimizer_state_on_host) for jaxtier to plan within it")
     step = jax.jit(train_step, donate_argnums=0)
     print("state placement (no offload):")
     print(placement_table(state))
@@ -444,8 +514,8 @@ def run(
         f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
-    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.1f} ms, measured "
-          f"{measured * 1e3:.1f} ms (calls 2-4)")
+    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms, measured "
+          f"{measured * 1e3:.3g} ms (calls 2-4)")
   return {
       "losses": losses,
       "step_times": step_times,
@@ -512,6 +582,9 @@ flags.register_validator("host_budget", _valid_size)
 _REMAT_POLICY = flags.DEFINE_string(
     "remat_policy", None, "Per-layer rematerialisation: 'none', or a "
     "jax.checkpoint_policies name; default: the config's.")
+_ALLOW_OVER_BUDGET = flags.DEFINE_bool(
+    "allow_over_budget", False, "Train even when the plan does not fit the --device_budget / "
+    "--host_budget given (by default that is an error before the first step).")
 _INIT_ON_HOST = flags.DEFINE_bool("init_on_host", False, "Build the initial state "
                                   "on the host CPU (models too big for the device).")
 
@@ -524,7 +597,8 @@ def main(argv: Sequence[str]) -> None:
       seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
       warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
       device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
-      remat_policy=_REMAT_POLICY.value, init_on_host=_INIT_ON_HOST.value)
+      remat_policy=_REMAT_POLICY.value, init_on_host=_INIT_ON_HOST.value,
+      allow_over_budget=_ALLOW_OVER_BUDGET.value)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""The command line (`python -m jaxtier train|plan|calibrate`): exit codes and what it prints.
+
+Each test runs the installed package in a subprocess (as a user would) with an empty profile
+cache, on small configs (a few seconds each).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(tmp_path, *args, timeout=120):
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "jaxtier", *args], capture_output=True,
+                        text=True, env=env, cwd=tmp_path, timeout=timeout)
+
+
+def test_plan_json_refused_exits_1_with_verdict(tmp_path):
+  # The 8b state's device bytes alone are over 10 GiB: the plan is refused. The text form
+  # prints REFUSED and exits 1; the JSON form exits 1 too and says so in fields.
+  flags = ["plan", "--config=8b", "--platform=gpu", "--device_budget=10GiB"]
+  text = _cli(tmp_path, *flags)
+  assert text.returncode == 1, text.stderr[-2000:]
+  assert "REFUSED: the state needs" in text.stdout
+  out = _cli(tmp_path, *flags, "--json")
+  assert out.returncode == 1, out.stderr[-2000:]
+  plan = json.loads(out.stdout)
+  assert plan["fits"] is False
+  assert plan["refused"].startswith("the state needs ") and "over the device budget" in (
+      plan["refused"])
+  # The existing keys stay.
+  assert plan["device_budget"] == 10 * 2**30 and plan["leaves"] and plan["notes"]
+
+
+def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
+  # 8 MiB holds the tiny decoder's state but not its step's peak: DOES NOT FIT, not refused.
+  out = _cli(tmp_path, "plan", "--config=tiny", "--device_budget=8MiB", "--json")
+  assert out.returncode == 1, out.stderr[-2000:]
+  plan = json.loads(out.stdout)
+  assert plan["fits"] is False and plan["refused"] is None
+  assert any(n.startswith("DOES NOT FIT") for n in plan["notes"])
+
+
+def test_plan_json_fitting_exits_0(tmp_path):
+  out = _cli(tmp_path, "plan", "--config=tiny", "--json")
+  assert out.returncode == 0, out.stderr[-2000:]
+  plan = json.loads(out.stdout)
+  assert plan["fits"] is True and plan["refused"] is None
+
+
+def test_calibrate_without_gpu_warns_once_with_readable_rates(tmp_path):
+  # JAX_PLATFORMS=cpu (set by _cli): the CPU backend is the compute device.
+  out = _cli(tmp_path, "calibrate")
+  assert out.returncode == 0, out.stderr[-2000:]
+  said = out.stdout + out.stderr
+  assert said.count("no GPU here") == 1, said  # one warning, not a log line and a print
+  assert "warning: no GPU here" in out.stdout
+  assert "split share" not in said  # the split executor needs a GPU
+  rates = dict(line.split(None, 1) for line in out.stdout.splitlines()
+               if line.split(None, 1)[0].endswith(("_gbps", "_tflops", "_per_sec")))
+  # This CPU's matmul rate, well below 1 TFLOP/s, with 3 significant digits (not "0").
+  matmul = rates["matmul_tflops"].split()[0]
+  assert 0 < float(matmul) < 50 and len(matmul.lstrip("0.").replace(".", "")) == 3, matmul
+
+
+@pytest.mark.parametrize("where, says", [
+    ("missing/dir/plan.png", "does not exist"),
+    ("plan.xyz", "cannot draw a .xyz image"),
+    (".", "got a directory"),
+])
+def test_plan_plot_to_an_unwritable_path_fails_before_planning(tmp_path, where, says):
+  out = _cli(tmp_path, "plan", "--config=tiny", f"--plot={where}")
+  assert out.returncode == 1
+  assert f"error: --plot={where}: " in out.stderr and says in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  assert "jaxtier plan" not in out.stdout  # failed before planning, not after printing it
+
+
+def _train(tmp_path, *args):
+  text = tmp_path / "text.txt"
+  if not text.exists():
+    text.write_text(json.__doc__ * 40)  # a small corpus: loading the default one takes seconds
+  return _cli(tmp_path, "train", "--config=tiny", "--steps=2", "--batch_size=2", "--seq_len=16",
+              f"--data={text}", *args)
+
+
+def test_train_over_the_budget_given_is_an_error_before_training(tmp_path):
+  # 2 MiB holds the streamed decoder's device state but not its step's peak.
+  out = _train(tmp_path, "--offload=stream", "--device_budget=2MiB")
+  assert out.returncode == 1, out.stderr[-2000:]
+  errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1, out.stderr[-2000:]
+  assert re.search(r"error: the plan does not fit: peak device memory [\d.]+ MiB predicted and "
+                   r"[\d.]+ MiB compiled, over the --device_budget of 2.00 MiB\. Fix: a larger "
+                   r"--device_budget \(at least [\d.]+ MiB\)", errors[0]), errors[0]
+  assert "--allow_over_budget" in errors[0] and "Traceback" not in out.stderr
+  assert "done: loss" not in out.stdout  # no step ran
+  assert not any(l.startswith("step ") for l in out.stdout.splitlines())
+  # The plan (printed first) says what it is: params streamed by the policy, not "every
+  # optimizer-state leaf on the host".
+  said = " ".join(out.stdout.split())
+  assert "DOES NOT FIT" in said and "rule-based plan (every optimizer-state leaf" not in said
+  assert "parameters (host_stream, placed by the policy) in pinned_host" in said
+
+
+def test_train_over_budget_runs_with_allow_over_budget_and_within_budget(tmp_path):
+  out = _train(tmp_path, "--offload=auto", "--device_budget=2MiB", "--allow_over_budget")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "DOES NOT FIT" in out.stdout and "done: loss" in out.stdout
+  out = _train(tmp_path, "--offload=auto", "--device_budget=1GiB")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "done: loss" in out.stdout and "error" not in out.stderr
