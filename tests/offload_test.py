@@ -509,3 +509,22 @@ def test_a_changed_state_leaf_is_named_when_the_retrace_fails():
   # The placed state is still usable.
   state, m = step(state, _batch(1))
   assert np.isfinite(float(m["loss"]))
+
+
+def test_a_step_that_changes_a_leafs_shape_is_refused_naming_it():
+  # Placement is per leaf and kept from step to step: a step whose update broadcasts a leaf to
+  # a new shape (here: a moment given a leading axis makes the param it updates grow) is
+  # refused at trace time with the leaf, both shapes and the likely cause (it used to reach
+  # the runtime, which aborted the process on a memory-kind mismatch).
+  step = jaxtier.offload(_step_fn(TX), policy={r"\['opt'\].*w2": "host_cpu"})
+  state = step.place(_mlp_state(TX), _batch())
+  state, _ = step(state, _batch())
+  opt = list(state["opt"])
+  w2 = state["params"]["w2"]
+  opt[0] = opt[0]._replace(mu=dict(opt[0].mu, w2=jnp.zeros((2, *w2.shape))))
+  bad = dict(state, opt=tuple(opt))
+  with pytest.raises(TypeError, match=r"returns state leaf \['params'\]\['w2'\] as "
+                     r"float32\[2, 32, 4\], but it came in as float32\[32, 4\].*broadcasting"):
+    step(bad, _batch())
+  state, m = step(state, _batch(1))  # the placed state still trains
+  assert np.isfinite(float(m["loss"]))

@@ -106,8 +106,8 @@ class OffloadedStep:
       return
     changes = "" if self.plan is None else _changes(self._signature, sig, state, args)
     if changes:
-      log.info("jaxtier: the step's inputs changed since they were planned (%s): re-tracing "
-               "and re-planning, as jax.jit re-traces", changes)
+      log.warning("jaxtier: the step's inputs changed since they were planned (%s): re-tracing "
+                  "and re-planning, as jax.jit re-traces", changes)
     try:
       inv = inv_lib.take_inventory(self._fn, state, args)
     except Exception as e:

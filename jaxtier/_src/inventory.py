@@ -151,6 +151,17 @@ def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
         f"{api}: expected the step to return (new_state, metrics) with new_state structured "
         f"like its first argument; got output structure {out_treedef}. Return the updated "
         "state as the first element.")
+  # Each leaf keeps its placement from step to step (its buffer is donated to, and returned
+  # in, the same memory kind): a leaf whose shape or dtype the step changes cannot.
+  for (path, leaf), new in zip(flat, jax.tree_util.tree_leaves(out_shape[0])):
+    if tuple(np.shape(leaf)) != tuple(new.shape) or leaf.dtype != new.dtype:
+      raise TypeError(
+          f"{api}: the step returns state leaf {jax.tree_util.keystr(path)} as "
+          f"{dtype_name(new.dtype)}{list(new.shape)}, but it came in as "
+          f"{dtype_name(leaf.dtype)}{list(np.shape(leaf))}; jaxtier keeps each state leaf where "
+          "it was placed, step after step, so a step must return every leaf with the shape and "
+          "dtype it was given (check for broadcasting or a dtype promotion in the update of "
+          "this leaf, or of the leaves it is computed from).")
   jaxpr = closed.jaxpr
   n_state = len(flat)
   roles = _roles(jaxpr, flat)
