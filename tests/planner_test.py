@@ -563,3 +563,18 @@ def test_does_not_fit_note_describes_the_plan_made():
     assert "this is its fallback plan: " in note and host in note, note
     assert "every optimizer-state leaf on the host" not in note
     assert f"exceeds the device budget of {planner.format_bytes(state_only + 1)}" in note
+
+
+def test_refusal_names_the_host_limit_when_it_binds_and_budget_above_the_gpu_is_noted():
+  # The 8b decoder against a 10 GiB device budget for an absent H200 (pinnable: the default
+  # profile's 64 GiB): offloading everything movable would pin 87 GiB, so the refusal says the
+  # host limit binds, not only "raise device_budget"; a budget above the GPU's memory is noted.
+  from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
+  _, state, step = train.make_train_state("8b", 1e-3, abstract=True)
+  batch = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+  with pytest.raises(jaxtier.PlanError, match=r"over the device budget of 10\.00 GiB.*But the "
+                     r"host limit binds first: moving every leaf it may move to the host would "
+                     r"pin [0-9.]+ GiB, over the host limit of 64\.00 GiB"):
+    jaxtier.plan(step, state, batch, device_budget="10GiB", platform="gpu")
+  plan = jaxtier.plan(step, state, batch, device_budget="200GiB", platform="gpu")
+  assert any("device budget 200.00 GiB is above this GPU's memory" in n for n in plan.notes)

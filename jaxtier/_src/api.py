@@ -409,7 +409,7 @@ class OffloadedStep:
       predicted = self.plan.predicted_step_secs
       log.info("jaxtier: step time measured %.4g ms (median of %d)%s", measured * 1e3,
                MEASURED_STEPS, "" if not predicted else
-               f", predicted {predicted * 1e3:.4g} ms ({predicted / measured:.3g}x)")
+               f", predicted {predicted * 1e3:.4g} ms ({predicted / measured:.3g} of measured)")
 
   def lower(self, state: Any, *args: Any):
     """`jax.stages.Lowered` of the step's compute program (forward, backward, streaming).

@@ -385,6 +385,11 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
            f"transient device bytes (gradients, activations, workspace): "
            f"{costs.transient_source}",
            costs.compute_source(hardware)]
+  if (device_budget is not None and platform == "gpu"
+      and device_budget > hardware.hbm_bytes):
+    notes.append(f"device budget {format_bytes(device_budget)} is above this GPU's memory "
+                 f"({format_bytes(hardware.hbm_bytes)}, profile: {hardware.source}): the plan "
+                 "may fit the budget and still not fit the device")
   if solver_budget is None and platform == "gpu":
     solver_budget, why = default_device_budget(hardware)
     notes.append(f"device budget: none given; planned against {format_bytes(solver_budget)} "
@@ -704,13 +709,21 @@ def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
           f"{_largest(host, host_bytes)}. Fix: {fix}.")
   if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
     dev = [l for l in plan.leaves if l.memory_kind == "device"]
+    # Where offloading more would pin more than the host may, the notes say so: the binding
+    # limit is then the host's, and a policy alone cannot help.
+    host_note = next((m.group(0) for n in plan.notes
+                      for m in [re.search(r"moving every leaf it may move[^;]*", n)] if m), None)
     raise PlanError(
         f"jaxtier: the state needs {format_bytes(plan.device_bytes)} ({plan.device_bytes} bytes) "
         f"of device memory after offloading, over the device budget of "
         f"{format_bytes(plan.device_budget)} ({plan.device_budget} bytes). Largest device "
         f"leaves: {_largest(dev, lambda l: l.nbytes)}. Fix: raise device_budget, or place "
         f"more leaves on the host with a policy (e.g. policy={{{_prefix_regex(dev)!r}: "
-        "'host_xla'}).")
+        "'host_xla'})." + ("" if host_note is None else
+                          f" But the host limit binds first: {host_note} (the smaller of "
+                          "host_budget and what the host can pin; on a GPU "
+                          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB raises XLA's pinned pool, if the "
+                          "host has the memory)"))
 
 
 def pinnable_bytes(platform: str, num_local_devices: int = 1) -> "int | None":
