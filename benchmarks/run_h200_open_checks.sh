@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The checks the third session could not run (device time spent), in two device calls of under
-# 10 minutes each. Usage (device tool, repo root):
+# The streaming and planner checks, in two device calls of under 10 minutes each (run in the
+# fourth session: benchmarks/results/README.md). Usage (device tool, repo root):
 #   bash benchmarks/run_h200_open_checks.sh stream   # build; streaming + optimizer GPU tests
-#       (the compute program compiled without XLA's host-offload passes; the optimizer table
-#       offloaded vs optax, issue 3); W1 again (issue 4: does the option keep its figures);
-#       the 1b decoder streamed vs device-resident (issue 4)
+#       (the optimizer table offloaded vs optax); W1; the 1b decoder streamed vs
+#       device-resident
 #   bash benchmarks/run_h200_open_checks.sh w5       # build; W5's three cases (issue 5)
 source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
 if [ "${1:-stream}" = "w5" ]; then
