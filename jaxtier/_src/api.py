@@ -245,8 +245,8 @@ class OffloadedStep:
     # (jax 0.11) it paired a device param with a same-shaped pinned_host moment, which XLA's
     # verifier rejects.
     mesh = jc.common_mesh((state, args))
-    arg_sh = [jc.named_sharding(x, getattr(getattr(x, "sharding", None), "memory_kind", None)
-                                or "device", mesh) for x in jax.tree_util.tree_leaves(args)]
+    arg_sh = [jc.named_sharding(x, _memory_kind(x) or "device", mesh)
+              for x in jax.tree_util.tree_leaves(args)]
     self._arg_kinds = [sh.memory_kind for sh in arg_sh]
     out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
     compute = jax.jit(
@@ -270,7 +270,7 @@ class OffloadedStep:
     """Raises ValueError naming an argument (not the state) whose memory kind is not the one
     the step was compiled for (jax.jit's own error names neither the argument nor the fix)."""
     for (path, x), want in zip(jax.tree_util.tree_flatten_with_path(args)[0], self._arg_kinds):
-      have = getattr(getattr(x, "sharding", None), "memory_kind", None)
+      have = _memory_kind(x)
       if have is not None and have != want:
         raise ValueError(
             f"jaxtier.offload: argument {jax.tree_util.keystr(path)} (after the state) is in "
@@ -649,8 +649,9 @@ def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platfor
       time_scans=solves and _time_scans(platform))
 
 
-def _memory_kind(aval: Any) -> "str | None":
-  return getattr(getattr(aval, "sharding", None), "memory_kind", None)
+def _memory_kind(x: Any) -> "str | None":
+  """The memory kind of an array's (or aval's) sharding, None if it has none."""
+  return getattr(getattr(x, "sharding", None), "memory_kind", None)
 
 
 def _time_scans(platform: str) -> bool:

@@ -621,6 +621,11 @@ def _apply(sol: "solver.Solution", problem: "solver.Problem", inv: Inventory,
                     "the device during the step anyway (no peak saved); kept on the device")
 
 
+# The DOES NOT FIT note's clause for a host limit that binds before the device budget;
+# `_admit` quotes it from the plan's notes in its refusal.
+_HOST_LIMIT_CLAUSE = "moving every leaf it may move to the host would pin"
+
+
 def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int | None",
                  problem: "solver.Problem | None" = None,
                  placed: "tuple[Inventory, Mapping[int, str], set[int]] | None" = None) -> str:
@@ -637,8 +642,8 @@ def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int 
     most = problem.fixed_pinned_bytes + sum(it.pinned_nbytes for it in problem.updates) + sum(
         p.nbytes for p in problem.params if set(p.options) - {solver.DEVICE})
     if most > host_limit:
-      parts.append(f"moving every leaf it may move to the host would pin {format_bytes(most)}, "
-                   f"over the host limit of {format_bytes(host_limit)}")
+      parts.append(f"{_HOST_LIMIT_CLAUSE} {format_bytes(most)}, over the host limit of "
+                   f"{format_bytes(host_limit)}")
   if budget is not None and pred.peak_hbm_bytes > budget:
     parts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} exceeds the "
                  f"device budget of {format_bytes(budget)}")
@@ -712,7 +717,8 @@ def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
     # Where offloading more would pin more than the host may, the notes say so: the binding
     # limit is then the host's, and a policy alone cannot help.
     host_note = next((m.group(0) for n in plan.notes
-                      for m in [re.search(r"moving every leaf it may move[^;]*", n)] if m), None)
+                      for m in [re.search(re.escape(_HOST_LIMIT_CLAUSE) + "[^;]*", n)] if m),
+                     None)
     raise PlanError(
         f"jaxtier: the state needs {format_bytes(plan.device_bytes)} ({plan.device_bytes} bytes) "
         f"of device memory after offloading, over the device budget of "

@@ -90,6 +90,7 @@ class StreamSchedule:
 
 EMPTY = StreamSchedule({}, (), {})
 
+
 def stream_reason(jaxpr: Any, index: int) -> str:
   """Why state leaf `index` cannot be placed `host_stream` ('' when it can).
 

@@ -313,11 +313,11 @@ def over_budget(plan, offload: str) -> "str | None":
   if not problems:
     return None
   if device_over:
-    more = [m for m in ("auto", "stream") if m != offload]
-    fixes.append(" or ".join(f"--offload={m}" for m in more) + " (more state in pinned_host)"
-                 if offload == "optimizer_state_on_host" else
-                 "--offload=stream (the layers' params streamed from pinned_host)"
-                 if offload == "auto" else "a smaller --batch_size or --seq_len")
+    fixes.append({
+        "optimizer_state_on_host": "--offload=auto or --offload=stream (more state in "
+                                   "pinned_host)",
+        "auto": "--offload=stream (the layers' params streamed from pinned_host)",
+    }.get(offload, "a smaller --batch_size or --seq_len"))
   return (f"the plan does not fit: {'; '.join(problems)}. Fix: {', or '.join(fixes)}; or "
           "--allow_over_budget to train anyway")
 
