@@ -5,7 +5,20 @@
 #       (the optimizer table offloaded vs optax); W1; the 1b decoder streamed vs
 #       device-resident
 #   bash benchmarks/run_h200_open_checks.sh w5       # build; W5's three cases (issue 5)
+#   bash benchmarks/run_h200_open_checks.sh calibrated  # build; `python -m jaxtier calibrate`
+#       (stores this machine's profile), then W5 planned with that profile ($OUT/calibrated/)
 source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
+if [ "${1:-stream}" = "calibrated" ]; then
+  timeout 150 python3 -m jaxtier calibrate > "$OUT/calibrate.log" 2>&1
+  grep -vE "^\[.*\] [IW]1[0-9]{3}" "$OUT/calibrate.log" | tail -24
+  stamp "calibrated"
+  mkdir -p "$OUT/calibrated"
+  timeout 400 python3 benchmarks/planner_bench.py --num_layers=6 --steps=5 --warmup=2 \
+      --skip_cli --out="$OUT/calibrated" > "$OUT/calibrated/planner.log" 2>&1
+  tail -8 "$OUT/calibrated/planner.log"
+  stamp "all done"
+  exit 0
+fi
 if [ "${1:-stream}" = "w5" ]; then
   timeout 540 python3 benchmarks/planner_bench.py --num_layers=6 --steps=5 --warmup=2 \
       --skip_cli --out="$OUT" > "$OUT/planner.log" 2>&1
