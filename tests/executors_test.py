@@ -237,6 +237,14 @@ def test_fit_dha_update_recovers_the_kernel_model():
   assert profile.fit_dha_update(0.0, 2e9) is None
 
 
+def test_measure_gpu_adamw_runs_each_traffic_mix():
+  # On the GPU it times the kernel; here the same programs (memory kinds, aliases, donation)
+  # run on the CPU backend's handler: each mix compiles and runs.
+  rates = profile.measure_gpu_adamw(jax.devices()[0], 1 << 12, reps=1)
+  assert set(rates) == {hu.HOST_DHA, hu.HOST_CPU, profile.DHA_MOMENTS_ONLY}
+  assert all(r > 0 for r in rates.values())
+
+
 # ---- GPU: executors against the DHA kernel, bit for bit -----------------------------------------
 
 _DHA = {}
