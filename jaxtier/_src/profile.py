@@ -45,8 +45,8 @@ JAX_MEM_FRACTION = 0.75
 # The format of a stored profile, kept in its JSON as "format_version". A stored profile of an
 # older format (or none: before versioning) is ignored by `load`: its figures may come from an
 # older calibration (e.g. version 1 stored no CPU compute figures, so a CPU plan used an H200's
-# 700 TFLOP/s; version 2 did not measure dha_update_gbps). Bump it whenever what `calibrate` measures, or how, changes.
-PROFILE_FORMAT_VERSION = 3
+# 700 TFLOP/s). Bump it whenever what `calibrate` measures, or how, changes.
+PROFILE_FORMAT_VERSION = 2
 
 _STR_FIELDS = ("device_kind", "source")
 _DICT_FIELDS = ("versions",)
@@ -70,8 +70,7 @@ class HardwareProfile:
     dha_adamw_params_per_sec: AdamW update rate of the DHA kernel, params/s (fp32 master
       and moments in pinned_host: 24 bytes per param over the link).
     dha_update_gbps: the DHA update kernel's marginal rate per byte of host traffic, GB/s:
-      its time per call is elements x t + bytes / this rate (`dha_update_secs`). Calibrated
-      from the kernel's AdamW rate at 24 and 16 bytes per param (`fit_dha_update`).
+      its time per call is elements x t + bytes / this rate (`dha_update_secs`).
     matmul_tflops: achieved bf16 matmul throughput (8192^3 GEMM), TFLOP/s.
     hbm_gbps: achieved HBM bandwidth (device-to-device copy, read + write counted), GB/s.
     hbm_bytes: device memory JAX's allocator may use (`memory_stats()['bytes_limit']`), bytes.
@@ -262,8 +261,6 @@ def adamw_program(*, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 
 ADAMW_ALIASES = (0, 1, 2, -1)
-# `measure_gpu_adamw`'s key for the DHA kernel's rate with the master on the device.
-DHA_MOMENTS_ONLY = "host_dha_moments_only"
 
 
 def measure_cpu_adamw(num_params: int = 1 << 24, *, reps: int = 3) -> float:
@@ -382,9 +379,7 @@ def measure_gpu(device: Any, *, nbytes: int = 1 << 30, reps: int = 5,
     operand -> device result), write (device operand -> aliased, donated pinned_host result),
     read + write (a pinned_host leaf copied onto itself in place; both directions counted);
   - AdamW update rate of each executor (`adamw_program`, `update_params` fp32 params: master,
-    mu, nu in pinned_host, bf16 gradient on the device, new bf16 param to the device), and of
-    the DHA kernel with the master on the device, which gives `dha_update_gbps`
-    (`fit_dha_update`);
+    mu, nu in pinned_host, bf16 gradient on the device, new bf16 param to the device);
   - bf16 matmul 8192^3 (TFLOP/s); HBM bandwidth (x + 1 over `nbytes`, read + write counted);
   - `memory_stats()['bytes_limit']` of the device.
 
@@ -458,14 +453,6 @@ def measure_gpu(device: Any, *, nbytes: int = 1 << 30, reps: int = 5,
   rates = measure_gpu_adamw(device, update_params, reps=reps)
   out["dha_adamw_params_per_sec"] = rates[hu.HOST_DHA]
   out["cpu_adamw_params_per_sec"] = rates[hu.HOST_CPU]
-  gbps = fit_dha_update(rates[hu.HOST_DHA], rates[DHA_MOMENTS_ONLY])
-  if gbps is not None:
-    out["dha_update_gbps"] = gbps
-  elif rates[DHA_MOMENTS_ONLY]:
-    log.warning("jaxtier.calibrate: the DHA kernel ran %s params/s at 24 B/param and %s at "
-                "16 B/param: no per-byte rate fits both; dha_update_gbps stays %s",
-                format_rate(rates[hu.HOST_DHA]), format_rate(rates[DHA_MOMENTS_ONLY]),
-                format_rate(DEFAULT_PROFILE.dha_update_gbps))
   stats = device.memory_stats() or {}
   if stats.get("bytes_limit"):
     out["hbm_bytes"] = int(stats["bytes_limit"])
@@ -499,9 +486,7 @@ def measure_gpu_adamw(device: Any, num_params: int, *, reps: int = 3) -> dict[st
   """AdamW rate of the host_dha and host_cpu executors on `device`, params/s each.
 
   fp32 master, mu and nu in pinned_host (donated, updated in place), a bf16 gradient on the
-  device, the new bf16 param written to the device: the traffic of a real step (24 bytes per
-  param of pinned host traffic). Also, under the key `DHA_MOMENTS_ONLY`, the DHA kernel's rate
-  with the master on the device (16 bytes per param of host traffic).
+  device, the new bf16 param written to the device: the traffic of a real step.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -519,27 +504,6 @@ def measure_gpu_adamw(device: Any, num_params: int, *, reps: int = 3) -> dict[st
   g = jax.jit(lambda: jnp.full((n,), 0.01, jnp.bfloat16), out_shardings=dev)()
   scalars = [jax.device_put(jnp.full((1,), v, jnp.float32), dev) for v in (1e-3, 0.1, 0.001)]
   rates = {}
-  # The DHA kernel once more with the master on the device: the moments alone cross the link
-  # (16 B per param instead of 24), the second traffic mix that `fit_dha_update` needs. As in a
-  # planned step, only the host operands are updated in place: the new master is a new device
-  # buffer (XLA gives every result of a call that aliases a host buffer the host memory space).
-  f16 = jax.jit(lambda master, mu, nu, g, lr, bc1, bc2: tuple(hu.host_update(
-      prog, [master, mu, nu, g, lr, bc1, bc2], shapes, [-1, 1, 2, -1],
-      executor=hu.HOST_DHA)), donate_argnums=(1, 2),
-      in_shardings=(dev, host, host, dev, dev, dev, dev), out_shardings=(dev, host, host, dev))
-  state16 = {"s": [jax.device_put(x, s) for x, s in zip(init(), (dev, host, host))]}
-
-  def run16():
-    out = f16(*state16["s"], g, *scalars)
-    jax.block_until_ready(out)
-    state16["s"] = list(out[:3])
-  try:
-    rates[DHA_MOMENTS_ONLY] = n / _median_secs(run16, reps)
-  except Exception as e:  # pylint: disable=broad-except  (a secondary figure: keep the rest)
-    log.warning("jaxtier.calibrate: the DHA kernel's run with the master on the device failed "
-                "(%s: %s); dha_update_gbps stays the default", type(e).__name__, e)
-    rates[DHA_MOMENTS_ONLY] = 0.0
-  del state16
   for executor in (hu.HOST_DHA, hu.HOST_CPU):
     def step(master, mu, nu, g, lr, bc1, bc2, executor=executor):
       return tuple(hu.host_update(prog, [master, mu, nu, g, lr, bc1, bc2], shapes,
@@ -556,24 +520,6 @@ def measure_gpu_adamw(device: Any, num_params: int, *, reps: int = 3) -> dict[st
     rates[executor] = n / _median_secs(run, reps)
     del state
   return rates
-
-
-def fit_dha_update(rate24: float, rate16: float) -> "float | None":
-  """The DHA update kernel's marginal rate per byte of host traffic, GB/s, from two runs.
-
-  The kernel's time per param is t + B / u (`HardwareProfile.dha_update_secs`). Measured at
-  B = 24 (master and moments in pinned_host: `rate24` params/s) and B = 16 (master on the
-  device: `rate16`): u = 8 B / (1 / rate24 - 1 / rate16). Returns None when the two runs do
-  not fit that form (the 24 B run not slower, or u outside 10 - 1000 GB/s): noise, or a
-  kernel bound elsewhere; the caller keeps the default.
-  """
-  if not rate24 > 0 or not rate16 > 0:
-    return None
-  extra = 1.0 / rate24 - 1.0 / rate16
-  if extra <= 0:
-    return None
-  gbps = 8.0 / extra / 1e9
-  return gbps if 10.0 <= gbps <= 1000.0 else None
 
 
 def _versions() -> dict[str, str]:
