@@ -8,9 +8,9 @@ that its peak device memory is its own:
 - `optimizer_offload`: a device budget halfway between the rule-based plan's predicted peak
   (every optimizer-state leaf in pinned_host) and the all-device plan's: the all-device plan
   exceeds it, the rule-based plan fits it, and `auto` must find a plan that fits and runs.
-- `streaming`: a budget halfway between the rule-based plan's peak and the peak of a plan that
-  streams every layer parameter (`host_stream`; else the rule-based peak x
-  `--stream_budget_ratio`): only streaming parameters can fit it. If this build's plan has no `host_stream`
+- `streaming`: a budget halfway between the compiled peaks of the rule-based plan and of a plan
+  that streams every layer parameter (`host_stream`; else the rule-based peak x
+  `--stream_budget_ratio`): by the compiler's figures only streaming parameters can fit it. If this build's plan has no `host_stream`
   leaf (streaming not available yet, or not chosen), the case degrades: it runs the
   rule-based plan without the budget and says so in the JSON (`degraded`).
 
@@ -106,24 +106,56 @@ def child(args) -> dict:
   rule = jaxtier.plan(step_fn, abstract, tokens, policy="optimizer_state_on_host")
   rec["all_device_predicted_peak_hbm_bytes"] = all_device.predicted_peak_hbm_bytes
   rec["rule_based_predicted_peak_hbm_bytes"] = rule.predicted_peak_hbm_bytes
+  # The state is built on the host CPU backend and staged in pinned_host memory of the device
+  # (a NamedSharding on it): `place` then moves to HBM only what the plan puts there, so the
+  # device's peak is the planned step's.
+  t0 = time.perf_counter()
+  with jax.default_device(jax.devices("cpu")[0]):
+    _, state, step_fn = train.make_train_state(config, 1e-3)
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  staging = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("d",)), PartitionSpec(),
+                          memory_kind="pinned_host")
+  state = jax.tree.map(lambda x: jax.device_put(x, staging), state)
+  jax.block_until_ready(state)
+  rec["init_secs"] = time.perf_counter() - t0
+  rng = np.random.default_rng(0)
+  batches = [jax.device_put(rng.integers(0, config.vocab_size,
+                                        (args.batch_size, args.seq_len + 1), dtype=np.int32),
+                            jax.devices()[0]) for _ in range(2)]
+  t0 = time.perf_counter()
+
+  def compiled_peak(policy):
+    """The compiled peak of `offload`'s plan under `policy` (no budget), nothing placed:
+    `lower` plans and compiles the step; the state stays staged."""
+    probe = jaxtier.offload(step_fn, policy=policy)
+    probe.lower(state, batches[0])
+    return probe.plan.compiler_peak_hbm_bytes or probe.plan.predicted_peak_hbm_bytes
+
   budget = None
   if case == "optimizer_offload":
     budget = (all_device.predicted_peak_hbm_bytes + rule.predicted_peak_hbm_bytes) // 2
   elif case == "streaming":
-    # Halfway between the rule-based plan's peak and that of a plan streaming every layer
-    # param (optimizer state on the host too): only streaming fits it, and streaming does.
+    # Halfway between the compiled peaks of the rule-based plan and of a plan streaming every
+    # layer param (optimizer state on the host too): by the compiler's own figures only
+    # streaming fits it (the cost model's pre-compile estimate of the rule-based plan is
+    # higher than its compiled peak, and `offload` refines its plan with the compiled figure).
     host_exec = "host_cpu" if jax.default_backend() == "cpu" else "host_dha"
-    stream_all = jaxtier.plan(
-        step_fn, abstract, tokens,
-        policy=lambda path, leaf: ("host_stream" if leaf.role == "param" and "['layers']" in path
-                                   else host_exec if leaf.role == "optimizer_state" else None))
+    stream_policy = lambda path, leaf: (
+        "host_stream" if leaf.role == "param" and "['layers']" in path
+        else host_exec if leaf.role == "optimizer_state" else None)
+    stream_all = jaxtier.plan(step_fn, abstract, tokens, policy=stream_policy)
     rec["stream_all_predicted_peak_hbm_bytes"] = stream_all.predicted_peak_hbm_bytes
-    if stream_all.predicted_peak_hbm_bytes < rule.predicted_peak_hbm_bytes:
-      budget = (stream_all.predicted_peak_hbm_bytes + rule.predicted_peak_hbm_bytes) // 2
+    rule_peak = compiled_peak("optimizer_state_on_host")
+    stream_peak = compiled_peak(stream_policy)
+    rec["rule_based_compiled_peak_hbm_bytes"] = rule_peak
+    rec["stream_all_compiled_peak_hbm_bytes"] = stream_peak
+    if stream_peak < rule_peak:
+      budget = (stream_peak + rule_peak) // 2
     else:
-      budget = int(rule.predicted_peak_hbm_bytes * args.stream_budget_ratio)
+      budget = int(rule_peak * args.stream_budget_ratio)
   rec["device_budget_bytes"] = budget
-  rec["rule_based_fits_budget"] = bool(budget is None or rule.predicted_peak_hbm_bytes <= budget)
+  rec["rule_based_fits_budget"] = bool(budget is None or rec.get(
+      "rule_based_compiled_peak_hbm_bytes", rule.predicted_peak_hbm_bytes) <= budget)
   rec["all_device_fits_budget"] = bool(
       budget is None or all_device.predicted_peak_hbm_bytes <= budget)
   planned = jaxtier.plan(step_fn, abstract, tokens, device_budget=budget, activations=acts)
@@ -144,22 +176,6 @@ def child(args) -> dict:
     policy = "auto"
   rec["activation_policy_recommended"] = planned.activation_policy
 
-  # The state is built on the host CPU backend and staged in pinned_host memory of the device
-  # (a NamedSharding on it): `place` then moves to HBM only what the plan puts there, so the
-  # device's peak is the planned step's.
-  t0 = time.perf_counter()
-  with jax.default_device(jax.devices("cpu")[0]):
-    _, state, step_fn = train.make_train_state(config, 1e-3)
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  staging = NamedSharding(Mesh(np.asarray(jax.devices()[:1]), ("d",)), PartitionSpec(),
-                          memory_kind="pinned_host")
-  state = jax.tree.map(lambda x: jax.device_put(x, staging), state)
-  jax.block_until_ready(state)
-  rec["init_secs"] = time.perf_counter() - t0
-  rng = np.random.default_rng(0)
-  batches = [jax.device_put(rng.integers(0, config.vocab_size,
-                                        (args.batch_size, args.seq_len + 1), dtype=np.int32),
-                            jax.devices()[0]) for _ in range(2)]
   t0 = time.perf_counter()
   step = jaxtier.offload(step_fn, device_budget=budget, policy=policy)
   state = step.place(state, batches[0])

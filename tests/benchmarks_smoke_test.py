@@ -40,3 +40,5 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
   assert "error" not in data, data.get("error")
   for name, run in data.get("runs", {}).items():  # e2e_smoke: one entry per variant
     assert "error" not in run, (name, run["error"])
+  for name, case in data.get("cases", {}).items():  # planner_bench: one entry per case
+    assert "error" not in case, (name, case["error"])

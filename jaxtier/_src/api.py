@@ -33,6 +33,12 @@ class _Missing:
 MISSING: Any = _Missing()
 # Re-plans after the compiled step's peak device memory came out over the budget.
 MAX_REPLANS = 2
+# A verified plan whose compiled peak is this fraction of its device budget (or more) below
+# its predicted peak is refined once (`OffloadedStep._refine`).
+REFINE_MIN_OVERESTIMATE = 0.02
+# The shares of the measured overestimate credited, tried in turn until a refined plan's
+# compiled peak is within the budget (each try compiles the step once more).
+REFINE_CREDIT_SHARES = (1.0, 0.5)
 # Calls 2 .. 1 + MEASURED_STEPS of an offloaded step are timed (synchronised) and reported
 # against the plan's prediction (`Plan.measured_step_secs`).
 MEASURED_STEPS = 3
@@ -145,7 +151,69 @@ class OffloadedStep:
       if smaller is None:
         break
       previous, budget = (self.plan, compiled), smaller
+    self._refine(inv, sig, state, args, costs, lambda c: planner.make_plan(
+        inv, platform=platform, policy=self._options.policy, device_budget=budget,
+        host_budget=self._options.host_budget,
+        pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
+        hardware=hardware, step_costs=c, streamable=streamable))
     log.debug("jaxtier plan:\n%s", self.plan)
+
+  def _refine(self, inv: Any, sig: Any, state: Any, args: Sequence[Any],
+              costs: "cost_model.StepCosts", replan: Callable[..., Any]) -> None:
+    """Re-plans with what compiling the plan taught: the update temporaries it freed.
+
+    The transient bytes come from the device-only step, whose peak holds the optimizer
+    update's temporaries; a step whose updates run on the host does not. When the compiled
+    peak of the installed plan is below its predicted peak by more than
+    REFINE_MIN_OVERESTIMATE of the budget, the difference per byte of optimizer state on the
+    host becomes `StepCosts.update_credit` and the solver runs again under the same budget.
+    The new plan is kept only if it is predicted faster and its compiled peak is within the
+    budget; if it is over, half the credit is tried (REFINE_CREDIT_SHARES); otherwise the
+    verified plan stays.
+    """
+    plan, compiled = self.plan, self._compiled
+    policy = self._options.policy
+    if isinstance(policy, str) and policy in ("none", planner.OPTIMIZER_STATE_ON_HOST):
+      return
+    budget, peak = plan.planned_device_budget, plan.compiler_peak_hbm_bytes
+    predicted = plan.predicted_peak_hbm_bytes
+    if budget is None or peak is None or predicted is None or peak > budget:
+      return
+    over = predicted - peak
+    moved = sum(l.nbytes for l in plan.leaves
+                if l.role == inv_lib.OPTIMIZER_STATE and l.placement != planner.DEVICE)
+    if over <= REFINE_MIN_OVERESTIMATE * budget or moved <= 0:
+      return
+    for share in REFINE_CREDIT_SHARES:
+      credit = costs.update_credit + share * over / moved
+      try:
+        refined, refined_compiled = replan(dataclasses.replace(costs, update_credit=credit))
+      except planner.PlanError as e:
+        log.debug("jaxtier: refining the plan failed: %r", e)
+        break
+      if (refined.predicted_step_secs is None or plan.predicted_step_secs is None
+          or refined.predicted_step_secs >= plan.predicted_step_secs * 0.99):
+        break  # a smaller credit gives a plan nearer the first: not faster either
+      refined = dataclasses.replace(refined, device_budget=plan.device_budget, notes=(
+          *refined.notes, f"refined: the first plan's peak was predicted "
+          f"{planner.format_bytes(predicted)} and compiled to {planner.format_bytes(peak)}; "
+          f"the transient bytes are credited {credit:.3g} bytes per byte of optimizer state "
+          f"updated on the host (its update's temporaries); the first plan predicted "
+          f"{plan.predicted_step_secs * 1e3:.2f} ms per step"))
+      self._install(inv, refined, refined_compiled, sig, state, args)
+      self._verify(state, args, MAX_REPLANS, refining=True)
+      new_peak = self.plan.compiler_peak_hbm_bytes
+      if new_peak is not None and new_peak <= budget:
+        log.info("jaxtier: plan refined with the compiled step's peak: predicted step %.2f ms "
+                 "(was %.2f ms)", self.plan.predicted_step_secs * 1e3,
+                 plan.predicted_step_secs * 1e3)
+        return
+      log.info("jaxtier: a refined plan's compiled peak (%s) is over the budget (%s)",
+               "unknown" if new_peak is None else planner.format_bytes(new_peak),
+               planner.format_bytes(budget))
+    if self.plan is not plan:
+      log.info("jaxtier: keeping the first plan")
+      self._install(inv, plan, compiled, sig, state, args)
 
   def _install(self, inv: Any, plan: "planner.Plan", compiled: list[Any], sig: Any, state: Any,
                args: Sequence[Any]) -> None:
@@ -154,12 +222,13 @@ class OffloadedStep:
     self._masters, self._master_sources = [], ()
     self._build(state, args)
 
-  def _verify(self, state: Any, args: Sequence[Any], attempt: int) -> "int | None":
+  def _verify(self, state: Any, args: Sequence[Any], attempt: int,
+              refining: bool = False) -> "int | None":
     """Compiles the planned step and compares the compiler's peak with the budget planned for.
 
     Records the compiler's figure in the plan. Returns a smaller device budget to re-plan with
     when the compiler's peak exceeds it and the solver may still move leaves (at most
-    MAX_REPLANS times), else None.
+    MAX_REPLANS times), else None (always None when `refining`: the caller decides).
     """
     plan = self.plan
     if plan.predicted_peak_hbm_bytes is None:
@@ -197,7 +266,7 @@ class OffloadedStep:
     log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
              plan.predicted_peak_hbm_bytes, fig.peak_bytes,
              "" if budget is None else f", budget {budget} bytes")
-    if ok:
+    if ok or refining:
       return None
     # Re-planning helps only where the solver believed its plan fit (else it already offloaded
     # all it could) and may move leaves.
@@ -415,10 +484,13 @@ class OffloadedStep:
     """`jax.stages.Lowered` of the step's compute program (forward, backward, streaming).
 
     This is the program that holds the device memory: `.compile().memory_analysis()` gives
-    its peak. The fused host updates run in a second program (`lower_update`).
+    its peak. The fused host updates run in a second program (`lower_update`). The state need
+    not be placed yet: its leaves are lowered with the plan's shardings.
     """
     self._ensure_plan(state, args)
-    dev, host = self._leaf_groups(jax.tree_util.tree_leaves(state))
+    leaves = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+              for x, sh in zip(jax.tree_util.tree_leaves(state), self._shardings(state))]
+    dev, host = self._leaf_groups(leaves)
     return self._compute.lower(dev, host, jax.tree_util.tree_leaves(args), self._scratch_avals())
 
   def lower_update(self, state: Any, *args: Any):

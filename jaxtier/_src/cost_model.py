@@ -71,6 +71,10 @@ class StepCosts:
     num_devices: devices the step runs on (FLOPs and bytes are divided by it).
     timed: the step's top-level scans whose bodies were timed on this device
       (`time_scan_bodies`), or None: then all compute is the analytic `compute_secs`.
+    update_credit: device bytes of `transient_bytes` freed per byte of optimizer state whose
+      update leaves the device (its update's temporaries: the device-only step holds them at
+      its peak, a step whose update runs on the host does not). 0 until a compiled plan
+      measures it (`OffloadedStep` refines its plan with it: docs/design.md).
   """
 
   flops: float
@@ -79,6 +83,7 @@ class StepCosts:
   transient_source: str
   num_devices: int = 1
   timed: "TimedScans | None" = None
+  update_credit: float = 0.0
 
   def compute_secs(self, profile: HardwareProfile) -> float:
     """Seconds of compute per step: timed scan bodies x their lengths, plus the analytic

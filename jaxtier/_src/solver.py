@@ -121,6 +121,9 @@ class Problem:
       placed off the device outside `params`: they never sit whole on the device).
     fixed_buffer_bytes: the double buffers (layer weights and gradients, x 2) of parameters
       already placed `host_stream` outside `params` (0 if none).
+    update_credit: transient device bytes freed per device byte of an `UpdateItem` on the
+      host (`cm.StepCosts.update_credit`; 0: none assumed). At most the transient bytes
+      beyond the gradients are freed in all.
     other_compute_secs: compute outside the parameters' stages, seconds.
     layer_flops_secs: seconds of compute the parameters' stages hold (sum of their
       compute_secs; the activation policy's extra FLOPs scale them).
@@ -136,6 +139,7 @@ class Problem:
   fixed_costs: tuple[cm.Cost, ...] = ()
   transient_bytes: int
   fixed_buffer_bytes: int = 0
+  update_credit: float = 0.0
   other_compute_secs: float
   activations: "cm.ActivationModel | None" = None
   device_budget: "int | None" = None
@@ -223,6 +227,16 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cm.Activatio
   for u, item in enumerate(updates):
     if u not in host_updates and u not in tied:
       base += item.device_nbytes
+  # The update temporaries of the items on the host (the knapsack counts only these: a
+  # parameter's choice may send its own item to the host too, credited after it).
+  credit_cap = max(0, problem.transient_bytes - sum(p.grad_nbytes for p in problem.params))
+
+  def credit(on_host) -> int:
+    if problem.update_credit <= 0:
+      return 0
+    freed = problem.update_credit * sum(updates[u].device_nbytes for u in on_host)
+    return int(min(credit_cap, freed))
+  base -= credit(host_updates)
   any_host_param = allow_host_params and any(len(p.options) > 1 or p.options[0] != DEVICE
                                              for p in problem.params)
   buffers = problem.fixed_buffer_bytes
@@ -289,6 +303,7 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cm.Activatio
   results = max((max(0, updates[u].result_nbytes - off_device.get(u, 0)) for u in on_host),
                 default=0)
   peak = base + used + (buffers if streamed else 0) + results
+  peak -= credit(on_host) - credit(host_updates)
   pinned = problem.fixed_pinned_bytes + sum(updates[u].pinned_nbytes for u in on_host)
   pinned += sum(p.nbytes for p in problem.params if params[p.index] != DEVICE)
   layers = sum((opt[1] for opt in chosen), cm.ZERO)
@@ -594,6 +609,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
   return Problem(params=tuple(items), updates=tuple(updates), fixed_device_bytes=fixed_device,
                  fixed_pinned_bytes=fixed_pinned, fixed_costs=tuple(fixed_costs),
                  transient_bytes=transient, fixed_buffer_bytes=fixed_buffers,
+                 update_credit=float(step_costs.update_credit),
                  other_compute_secs=0.0 if elements else total, activations=activations,
                  device_budget=device_budget, host_budget=host_budget, profile=profile,
                  platform=platform)
