@@ -5,9 +5,19 @@
 #       (the optimizer table offloaded vs optax); W1; the 1b decoder streamed vs
 #       device-resident
 #   bash benchmarks/run_h200_open_checks.sh w5       # build; W5's three cases (issue 5)
+#   bash benchmarks/run_h200_open_checks.sh planner_tests  # build; planner, offload and
+#       executor tests on the GPU
 #   bash benchmarks/run_h200_open_checks.sh calibrated  # build; `python -m jaxtier calibrate`
 #       (stores this machine's profile), then W5 planned with that profile ($OUT/calibrated/)
 source "$(dirname "$0")/h200_build.sh"  # options, OUT, ROOT, stamp; builds jaxtier
+if [ "${1:-stream}" = "planner_tests" ]; then
+  cd /tmp
+  timeout 480 python3 -m pytest -q -p no:cacheprovider "$ROOT/tests/planner_test.py" \
+      "$ROOT/tests/offload_test.py" "$ROOT/tests/executors_test.py" > "$OUT/planner_gpu_tests.log" 2>&1
+  grep -E "^FAILED|^ERROR|passed|failed" "$OUT/planner_gpu_tests.log" | tail -12
+  stamp "all done"
+  exit 0
+fi
 if [ "${1:-stream}" = "calibrated" ]; then
   timeout 150 python3 -m jaxtier calibrate > "$OUT/calibrate.log" 2>&1
   grep -vE "^\[.*\] [IW]1[0-9]{3}" "$OUT/calibrate.log" | tail -24
