@@ -356,10 +356,11 @@ def test_auto_under_a_budget_the_device_plan_exceeds_runs_like_jit():
 def test_named_rule_and_user_policy_under_the_solver():
   rule = jaxtier.plan(STEP, _mlp(), _batch(), policy="optimizer_state_on_host")
   assert {l.placement for l in rule.leaves if l.role == "optimizer_state"} == {HOST_EXEC}
-  # A user-placed leaf stays put; the solver places the rest (here: everything fits).
+  # A user-placed leaf stays put, with the executor the user named; the solver places the
+  # rest (here: everything fits).
   plan = jaxtier.plan(STEP, _mlp(), _batch(), policy={r"\.nu\['w2'\]": "host_cpu"})
   p = {l.path: l for l in plan.leaves}
-  assert p["['opt'][0].nu['w2']"].placement == HOST_EXEC
+  assert p["['opt'][0].nu['w2']"].placement == "host_cpu"
   assert p["['opt'][0].nu['w2']"].reason.startswith(planner.USER_PLACED)
   assert p["['opt'][0].mu['w1']"].placement == "device"
 
@@ -615,10 +616,10 @@ def test_does_not_fit_note_describes_the_plan_made():
   _, abstract, step_fn = train.make_train_state(config, 1e-3, abstract=True)
   tokens = jax.ShapeDtypeStruct((2, 17), jnp.int32)
   for policy, host in ((train.stream_layers_policy,
-                        "optimizer-state leaves (host_cpu), 9 parameters (host_stream, placed "
-                        "by the policy) in pinned_host, the rest on the device"),
-                       ("auto", "optimizer-state leaves (host_cpu) in pinned_host, the rest on "
-                        "the device")):
+                        f"optimizer-state leaves ({HOST_EXEC}), 9 parameters (host_stream, "
+                        "placed by the policy) in pinned_host, the rest on the device"),
+                       ("auto", f"optimizer-state leaves ({HOST_EXEC}) in pinned_host, the "
+                        "rest on the device")):
     state_only = jaxtier.plan(step_fn, abstract, tokens, policy=policy,
                               device_budget=10**9).device_bytes
     # Room for the device state, not for the step's transient buffers.
