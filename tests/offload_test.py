@@ -407,6 +407,41 @@ def test_gpu_plan_keeps_the_chosen_executor_per_fused_call():
   assert {l.placement for l in auto.leaves} == {"device"}
 
 
+def test_metrics_of_host_updated_leaves_come_back_on_the_device():
+  # A metric that is an updated host leaf (a moment), an elementwise function of one, or a
+  # param: the host update produces the first two in pinned_host. With the state a tuple
+  # (params first), JAX paired such a metric with a donated pinned_host input buffer while
+  # its sharding said device, and the process aborted (SIGABRT) on the first step. Metrics now
+  # come back on the device and equal jax.jit's.
+  tx = optax.adamw(1e-3)
+  loss_grad = jax.value_and_grad(_loss)
+
+  def step_fn(state, batch):
+    params, opt = state
+    loss, g = loss_grad(params, *batch)
+    u, opt = tx.update(g, opt, params)
+    params = optax.apply_updates(params, u)
+    return (params, opt), {"loss": loss, "mu": opt[0].mu["b"], "nu2": opt[0].nu["w1"] * 2.0,
+                           "w2": params["w2"]}
+
+  def fresh():
+    s = _mlp_state(tx)
+    return (s["params"], s["opt"])
+
+  ref_state = fresh()
+  ref = jax.jit(step_fn)
+  step = jaxtier.offload(step_fn, policy="optimizer_state_on_host")
+  state = step.place(fresh(), _batch())
+  assert {l.memory_kind for l in step.plan.leaves if ".mu[" in l.path} == {"pinned_host"}
+  for i in range(2):
+    ref_state, m1 = ref(ref_state, _batch(i))
+    state, m2 = step(state, _batch(i))
+    for k in ("loss", "mu", "nu2", "w2"):
+      assert m2[k].sharding.memory_kind == "device", k
+      np.testing.assert_allclose(np.asarray(m2[k]), np.asarray(m1[k]), rtol=1e-5, atol=1e-7,
+                                 err_msg=k)
+
+
 def test_failed_step_leaves_state_usable():
   # A step that fails while being traced (here: for a new batch shape) has donated nothing:
   # the caller's state is intact and the next good call proceeds from it.

@@ -325,12 +325,21 @@ class OffloadedStep:
         out_shardings=(out_sh(split.compute_outs[:split.num_first]), [None] * split.num_feeds,
                        out_sh(split.compute_outs[split.num_first:]), scratch_sh))
 
+    # A metric the update program returns (an updated leaf, or an elementwise function of one,
+    # computed by a host update) comes out of the custom call in pinned_host: the step's
+    # outputs other than the state are on the device, as under jax.jit (replicated over the
+    # state's mesh: XLA copies them there).
+    metric_mesh = mesh if mesh is not None else (state_sh[0].mesh if state_sh else None)
+    metric_sh = (None if metric_mesh is None
+                 else NamedSharding(metric_mesh, PartitionSpec(), memory_kind="device"))
+    update_out_sh = [state_sh[j] if j < n_state else metric_sh for j in split.update_outs]
+
     def make_update(feed_sh):
       return jax.jit(
           split.update, donate_argnums=(0, 2),
           in_shardings=([state_sh[i] for i in split.updated_host],
                         [state_sh[i] for i in split.read_host], master_sh, feed_sh, scratch_sh),
-          out_shardings=(out_sh(split.update_outs), master_sh))
+          out_shardings=(update_out_sh, master_sh))
 
     self._split, self._compute, self._make_update, self._update = (
         split, compute, make_update, None)

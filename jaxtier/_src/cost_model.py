@@ -810,7 +810,9 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
   try:
     def spec(x, kind):
       sharding = jc.named_sharding(x, kind, mesh) if mesh is not None else None
-      return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+      # A Python scalar argument has no dtype: JAX's own for it (x64 off: float32, int32).
+      dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
+      return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
     avals = [spec(x, "device") for x in state] + [
         spec(x, getattr(getattr(x, "sharding", None), "memory_kind", None) or "device")
         for x in args]
