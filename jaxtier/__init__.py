@@ -8,6 +8,7 @@ Public API (everything else lives in `jaxtier._src` and may change):
 import jax as _jax  # noqa: F401  (jax must be imported before jaxtier's extension: MEASURED.md)
 
 from jaxtier._src.api import offload as offload
+from jaxtier._src.api import calibrate as calibrate
 from jaxtier._src.api import OffloadedStep as OffloadedStep
 from jaxtier._src.api import plan as plan
 from jaxtier._src.inventory import LeafInfo as LeafInfo
@@ -15,7 +16,6 @@ from jaxtier._src.planner import AdmissionError as AdmissionError
 from jaxtier._src.planner import LeafPlan as LeafPlan
 from jaxtier._src.planner import Plan as Plan
 from jaxtier._src.planner import PlanError as PlanError
-from jaxtier._src.profile import calibrate as calibrate
 from jaxtier._src.profile import HardwareProfile as HardwareProfile
 
 __version__ = "0.1.0"

@@ -298,6 +298,19 @@ def test_hlo_guard_gpu(gpu, executor, fraction):
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == 1
 
 
+def test_public_calibrate_stores_the_profile_where_the_planner_loads_it(tmp_path, monkeypatch):
+  import jaxtier
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  measured = jaxtier.calibrate(measure_device=False, num_params=1 << 14)
+  assert "calibrated" in measured.source
+  assert profile.load() == measured  # the default cache path of this device and jax version
+  elsewhere = str(tmp_path / "p.json")
+  again = jaxtier.calibrate(path=elsewhere, measure_device=False, num_params=1 << 14)
+  assert profile.load(elsewhere) == again
+  assert jaxtier.calibrate(save=False, measure_cpu=False, measure_device=False) == (
+      profile.DEFAULT_PROFILE)
+
+
 def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
   import json
   import os

@@ -669,6 +669,33 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
   return OffloadedStep(fun, options)
 
 
+def calibrate(*, save: bool = True, path: "str | None" = None,
+              **options: Any) -> profile.HardwareProfile:
+  """Measures this machine's `HardwareProfile` and stores it where the planner finds it.
+
+  What is measured, and how, is `jaxtier._src.profile.calibrate` (on a GPU: the link each way
+  and in duplex, zero-copy read / write / read+write, both host-update executors' AdamW rates,
+  bf16 matmul, HBM bandwidth and capacity; everywhere: host DRAM bandwidth, the CPU executor,
+  the pinnable host memory; without a GPU the GPU figures stay the H200 defaults, with a
+  warning). Units: GB/s, params/s, TFLOP/s, bytes.
+
+  Args:
+    save: store the profile as JSON (default: yes), in the user's cache directory keyed by
+      device kind and jax version (`$XDG_CACHE_HOME/jaxtier/profile-<device>-jax<version>.json`)
+      or at `path`. `offload` and `plan` load it from there.
+    path: where to store it instead.
+    **options: passed to the measurement (`measure_cpu`, `measure_device`, `num_params`).
+
+  Returns:
+    The measured profile.
+  """
+  measured = profile.calibrate(**options)
+  if save:
+    where = profile.save(measured, path)
+    log.info("jaxtier.calibrate: profile stored at %s", where)
+  return measured
+
+
 def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
          host_budget: Any = None, policy: Any = "auto", platform: "str | None" = None,
          streamable: Any = None, dha_readable: Any = frozenset(),
