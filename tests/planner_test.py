@@ -606,6 +606,25 @@ def test_offload_refines_its_plan_with_the_compiled_peak_and_keeps_it_within_bud
     np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-5)
 
 
+def test_host_stream_pattern_matching_optimizer_state_puts_it_on_the_host():
+  # The README's example pattern r"\['layers'\]" matches the layers' params and also their
+  # optimizer state (its paths mirror the params'): the params are streamed, the state is
+  # placed on the host with the platform's executor (it used to be refused: "no scan reads
+  # it layer by layer").
+  from jaxtier.examples import llama, train
+  config = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=2)
+  _, abstract, step_fn = train.make_train_state(config, 1e-3, abstract=True)
+  tokens = jax.ShapeDtypeStruct((2, config.max_seq_len + 1), jnp.int32)
+  plan = jaxtier.plan(step_fn, abstract, tokens, policy={r"\['layers'\]": "host_stream"})
+  layers = [l for l in plan.leaves if "['layers']" in l.path]
+  assert {l.placement for l in layers if l.role == "param"} == {"host_stream"}
+  states = [l for l in layers if l.role == "optimizer_state"]
+  assert states and {l.placement for l in states} == {HOST_EXEC}
+  assert all("optimizer state is not streamed" in l.reason for l in states)
+  assert {l.placement for l in plan.leaves if "['layers']" not in l.path
+          and l.role == "param"} == {"device"}
+
+
 def test_does_not_fit_note_describes_the_plan_made():
   # Under the CLI's `--offload=stream` policy the layers' params are host_stream (placed by the
   # policy): the note must say so, not that this is "every optimizer-state leaf on the host".

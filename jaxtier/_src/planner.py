@@ -298,6 +298,13 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
     if placement not in PLACEMENTS:
       raise PlanError(f"jaxtier.offload: leaf {leaf.path}: unknown placement {placement!r}; "
                       f"expected one of {', '.join(PLACEMENTS)}")
+    if placement == HOST_STREAM and leaf.role == OPTIMIZER_STATE:
+      # A pattern for the layers' params also matches their optimizer state, whose paths
+      # mirror them: that state is not read by the layer loop; it lives on the host, updated
+      # in place by the fused host update, as a streamed param's optimizer state must.
+      placement = host_exec
+      out[i] = (placement, f"{USER_PLACED} as host_stream: optimizer state is not streamed; "
+                "it lives in pinned_host, updated in place by the fused host update")
     if placement == HOST_STREAM:
       why = streaming.stream_reason(inv.closed_jaxpr.jaxpr, i)
       if why:
@@ -305,7 +312,9 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
             f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) cannot be "
             f"placed 'host_stream': {why}. Streaming serves a stack of layers read by a layer "
             "loop (`jax.lax.scan`, `nnx.scan`) one slice per iteration; place this leaf "
-            "'host_xla' (copied whole for the step) or keep it on the device.")
+            "'host_xla' (copied whole for the step) or keep it on the device"
+            + (" (a policy pattern matched it: anchor the pattern to the params, e.g. "
+               r"r'^\[0\]\['layers'\]')" if isinstance(policy, Mapping) else "") + ".")
     if placement in HOST_PLACEMENTS and not leaf.is_float:
       raise PlanError(
           f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) would be placed "
