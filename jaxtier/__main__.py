@@ -62,7 +62,9 @@ def plan_main() -> None:
   _, state, step = train_lib.make_train_state(config, 1e-3, abstract=True)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   platform = _PLATFORM.value or jax.default_backend()
-  policy = flags.FLAGS.offload if flags.FLAGS.offload != "none" else "none"
+  # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).
+  policy = {"stream": train_lib.stream_layers_policy}.get(flags.FLAGS.offload,
+                                                          flags.FLAGS.offload)
   streamable = frozenset()
   if _STREAM.value:
     streamable = frozenset(i for i, leaf in enumerate(jax.tree_util.tree_leaves(state))

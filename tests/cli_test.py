@@ -52,6 +52,18 @@ def test_plan_json_fitting_exits_0(tmp_path):
   assert plan["fits"] is True and plan["refused"] is None
 
 
+def test_plan_offload_stream_plans_as_train_runs_it(tmp_path):
+  # --offload=stream is one of the flag's values (train's): plan places the layers' params
+  # host_stream as train does (it used to pass the string on to jaxtier.plan, which refused it
+  # after a help dump).
+  out = _cli(tmp_path, "plan", "--config=tiny", "--offload=stream", "--json")
+  assert out.returncode == 0, out.stderr[-2000:]
+  plan = json.loads(out.stdout)
+  placed = {l["path"]: l["placement"] for l in plan["leaves"]}
+  streamed = [p for p, where in placed.items() if where == "host_stream"]
+  assert streamed and all("['layers']" in p for p in streamed)
+
+
 def test_calibrate_without_gpu_warns_once_with_readable_rates(tmp_path):
   # JAX_PLATFORMS=cpu (set by _cli): the CPU backend is the compute device.
   out = _cli(tmp_path, "calibrate")
