@@ -151,3 +151,40 @@ def test_planner_budgets_per_device_on_dp_fsdp_tp_meshes(tmp_path):
   # The per-device peak shrinks with the shards: FSDP and TP hold less than DP.
   assert out["fsdp"]["full_peak"] < out["dp"]["full_peak"]
   assert out["tp"]["full_peak"] < out["dp"]["full_peak"]
+
+
+EXPLICIT_SCRIPT = PRELUDE + textwrap.dedent("""
+    # A mesh with Explicit axes (sharding in types; jax.make_mesh's default in recent jax).
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    k1, k2, k3 = jax.random.split(jax.random.PRNGKey(0), 3)
+    params = {"w1": jax.random.normal(k1, (64, 32)) * .1, "w2": jax.random.normal(k2, (32, 8)) * .1}
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    state = {"params": params, "opt": tx.init(params)}
+    xb = jax.device_put(jax.random.normal(k3, (16, 64)), NamedSharding(mesh, P("d")))
+    yb = jax.device_put(jnp.sin(xb[:, :8]), NamedSharding(mesh, P("d")))
+    try:
+      jaxtier.offload(step, policy="optimizer_state_on_host").place(state, (xb, yb))
+      error = ""
+    except ValueError as e:
+      error = str(e)
+    # Nothing was placed or donated: the state still trains under jax.jit.
+    _, m = jax.jit(step)(state, (xb, yb))
+    print("RESULT" + json.dumps({"error": error, "loss": float(m["loss"])}))
+""")
+
+
+def test_explicit_mesh_axes_are_refused_up_front_naming_the_fix(tmp_path):
+  # jaxtier traces the step on shapes and lowers it with the leaves' shardings: with Explicit
+  # axes the re-bound matmuls asked for an out_sharding deep inside the lowering
+  # (ShardingTypeError). It says so before tracing, naming the leaf and the fix.
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run([sys.executable, "-c", EXPLICIT_SCRIPT], capture_output=True, text=True,
+                     env=env, cwd=tmp_path, timeout=600)
+  line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
+  assert p.returncode == 0 and line, p.stderr[-3000:]
+  out = json.loads(line[0][len("RESULT"):])
+  assert ("jaxtier.offload: state leaf ['opt'][0].mu['w1'] is sharded over a mesh with "
+          "Explicit axes ('d',)") in out["error"], out["error"]
+  assert "axis_types=(jax.sharding.AxisType.Auto,)" in out["error"], out["error"]
+  assert out["loss"] > 0

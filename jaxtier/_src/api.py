@@ -456,9 +456,12 @@ class OffloadedStep:
     except Exception as e:
       self._scratch = []  # donated to the failed program; fresh buffers next time
       if hasattr(e, "add_note"):
+        deleted = sum(x.is_deleted() for x in dev if isinstance(x, jax.Array))
         e.add_note("jaxtier: the step failed before its host updates ran: the state's "
-                   "pinned_host leaves are intact and usable; its device leaves were donated "
-                   "to the failed program (as with jax.jit(donate_argnums=...)).")
+                   "pinned_host leaves are intact and usable; " + (
+                       f"{deleted} of its {len(dev)} device leaves were donated to the failed "
+                       "program (as with jax.jit(donate_argnums=...))." if deleted else
+                       "its device leaves were not consumed (the program did not run)."))
       raise
     update_outs = []
     if self._compiled:

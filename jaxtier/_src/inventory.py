@@ -137,6 +137,16 @@ def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
       `(new_state, metrics)` with the state's structure.
   """
   flat = check_leaves(api, state, allow_abstract=(api == "jaxtier.plan"))
+  for what, tree in (("state leaf", state), ("argument", tuple(args))):
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      axes = jc.explicit_axes(x)
+      if axes:
+        raise ValueError(
+            f"{api}: {what} {jax.tree_util.keystr(path)} is sharded over a mesh with Explicit "
+            f"axes {axes} (sharding in types, jax.make_mesh's default); jaxtier traces the step "
+            "on shapes and lowers it with the leaves' shardings, which needs Auto axes. Make "
+            "the mesh with axis_types=(jax.sharding.AxisType.Auto,) for each of its axes, e.g. "
+            "jax.make_mesh((n,), ('d',), axis_types=(jax.sharding.AxisType.Auto,)).")
   # Trace on shapes alone: a state already placed in pinned_host (a re-plan after a new batch
   # shape, or a second wrapper) would otherwise trace host-memory avals into the user's ops.
   abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if hasattr(x, "dtype") else x

@@ -86,6 +86,17 @@ def memory_space_of(x: Any) -> Any:
   return getattr(jax.typeof(x), "memory_space", jax.memory.Space.Device)
 
 
+def explicit_axes(x: Any) -> tuple[str, ...]:
+  """The axes of array `x`'s mesh that are `jax.sharding.AxisType.Explicit` (sharding in
+  types: `jax.make_mesh`'s default in recent jax), () when none or on a jax without them."""
+  mesh = getattr(getattr(x, "sharding", None), "mesh", None)
+  types = getattr(mesh, "axis_types", None)
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  if not types or explicit is None:
+    return ()
+  return tuple(n for n, t in zip(mesh.axis_names, types) if t == explicit)
+
+
 def common_mesh(trees: Any) -> "Mesh | None":
   """The largest mesh among the `NamedSharding`s of the arrays in `trees` (None if there is none)."""
   best = None
