@@ -625,6 +625,24 @@ def test_host_stream_pattern_matching_optimizer_state_puts_it_on_the_host():
           and l.role == "param"} == {"device"}
 
 
+def test_cpu_plan_without_budget_is_checked_against_the_hosts_available_memory(monkeypatch):
+  # No device budget on the CPU backend, but its memory is the host's RAM: a plan that needs
+  # more than is available says DOES NOT FIT (the 8b config on a 23 GiB machine said it fit).
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend's check")
+  plan = jaxtier.plan(STEP, _mlp(), _batch())
+  assert not any(n.startswith("DOES NOT FIT") for n in plan.notes)
+  need = plan.predicted_peak_hbm_bytes + plan.pinned_bytes
+  monkeypatch.setattr(planner, "_mem_available_bytes", lambda: need - 1)
+  plan = jaxtier.plan(STEP, _mlp(), _batch())
+  note = next(n for n in plan.notes if n.startswith("DOES NOT FIT"))
+  assert f"the plan needs {planner.format_bytes(need)}" in note
+  assert "--platform=gpu" in note
+  monkeypatch.setattr(planner, "_mem_available_bytes", lambda: need)
+  plan = jaxtier.plan(STEP, _mlp(), _batch())
+  assert not any(n.startswith("DOES NOT FIT") for n in plan.notes)
+
+
 def test_does_not_fit_note_describes_the_plan_made():
   # Under the CLI's `--offload=stream` policy the layers' params are host_stream (placed by the
   # policy): the note must say so, not that this is "every optimizer-state leaf on the host".

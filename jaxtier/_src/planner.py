@@ -442,6 +442,21 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
            "as given (the policy's fixed placements included)")
     log.warning("jaxtier: %s", msg)
     notes.append(msg)
+  import jax  # pylint: disable=g-import-not-at-top
+  if solver_budget is None and platform == "cpu" and jax.default_backend() == "cpu":
+    # No device budget on the CPU backend, but its device and pinned_host memory are both this
+    # host's RAM: a plan that needs more than is available is said not to fit.
+    available = _mem_available_bytes()
+    need = pred.peak_hbm_bytes + pred.pinned_bytes
+    if available is not None and need > available:
+      msg = (f"DOES NOT FIT: on the CPU backend device and pinned_host memory are this host's "
+             f"RAM: the plan needs {format_bytes(need)} (peak {format_bytes(pred.peak_hbm_bytes)}"
+             f" + pinned {format_bytes(pred.pinned_bytes)}), over the "
+             f"{format_bytes(available)} available now (no device budget was given); plan for "
+             "the GPU with --platform=gpu (python -m jaxtier plan) or platform='gpu' "
+             "(jaxtier.plan)")
+      log.warning("jaxtier: %s", msg)
+      notes.append(msg)
   if activations is not None:
     chosen = act_policy or activations.traced
     act_label = f"{chosen} (jax.checkpoint_policies.{activations.checkpoint_policy[chosen]})"
