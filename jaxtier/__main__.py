@@ -105,6 +105,15 @@ def plan_main() -> None:
   if refused:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
   if not fits:
+    # The library's fixes name Python policies; these are the command line's.
+    hints = [] if _STREAM.value or flags.FLAGS.offload == "stream" else [
+        "--stream (the planner may stream the layers' params from pinned_host)"]
+    hints.append("a larger --device_budget or --host_budget")
+    if platform == "gpu":
+      hints.append("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> to raise XLA's pinned pool (64 GiB "
+                   "by default) where the host has the memory")
+    hints.append("a smaller --batch_size or --config")
+    print("from the command line: " + "; ".join(hints))
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
 
 

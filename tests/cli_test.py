@@ -26,6 +26,9 @@ def test_plan_json_refused_exits_1_with_verdict(tmp_path):
   text = _cli(tmp_path, *flags)
   assert text.returncode == 1, text.stderr[-2000:]
   assert "REFUSED: the state needs" in text.stdout
+  # The fixes in command-line terms (the library's name Python policies).
+  assert "from the command line: --stream (the planner may stream" in text.stdout
+  assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB>" in text.stdout
   out = _cli(tmp_path, *flags, "--json")
   assert out.returncode == 1, out.stderr[-2000:]
   plan = json.loads(out.stdout)

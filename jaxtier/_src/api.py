@@ -260,8 +260,9 @@ class OffloadedStep:
       return None
     self.plan = dataclasses.replace(
         plan, compiler_peak_hbm_bytes=fig.peak_bytes,
-        notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (arguments: "
-                            f"device {device_args}, pinned_host {host} bytes)",))
+        notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (the "
+                            f"arguments by their shardings: device {device_args}, pinned_host "
+                            f"{host} bytes)",))
     budget = plan.planned_device_budget
     log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
              plan.predicted_peak_hbm_bytes, fig.peak_bytes,

@@ -648,9 +648,10 @@ class MemoryFigures:
 
   def describe(self) -> str:
     """One line of the figures, in bytes."""
-    return (f"argument {self.argument_bytes} (pinned_host {self.host_argument_bytes}), output "
-            f"{self.output_bytes}, alias {self.alias_bytes}, temp {self.temp_bytes}, XLA peak "
-            f"{self.xla_peak_bytes}: peak {self.peak_bytes} bytes")
+    return (f"argument {self.argument_bytes} (host, as XLA reports it: "
+            f"{self.host_argument_bytes}), output {self.output_bytes}, alias "
+            f"{self.alias_bytes}, temp {self.temp_bytes}, XLA peak {self.xla_peak_bytes}: peak "
+            f"{self.peak_bytes} bytes")
 
 
 def memory_figures(compiled: Any) -> "MemoryFigures | None":
