@@ -270,7 +270,7 @@ def cli_without_gpu(args, out_dir: str) -> dict:
       f.write(p.stdout + ("\n--- stderr ---\n" + p.stderr[-3000:] if p.stderr else ""))
     res[config] = {"returncode": p.returncode, "secs": time.perf_counter() - t0,
                    "says_no_gpu": "no GPU here" in p.stdout,
-                   "says_default_profile": "default (H200) hardware profile" in p.stdout,
+                   "says_default_profile": "the default hardware profile: an H200 machine" in p.stdout,
                    "refused": "REFUSED" in p.stdout, "output": os.path.basename(path)}
   return res
 

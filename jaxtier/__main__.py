@@ -94,9 +94,10 @@ def plan_main() -> None:
   if platform == "gpu" and jax.default_backend() != "gpu":
     from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
     prof = profile.load(platform=platform, warn=False)
-    print(f"note: no GPU here; planning for a GPU with the "
-          f"{'default (H200) hardware profile' if prof.is_default else 'stored hardware profile'}"
-          f" ({prof.source}); pinnable host memory from that profile")
+    which = ("the default hardware profile: an H200 machine as measured for jaxtier "
+             "(docs/design.md)" if prof.is_default else f"the stored hardware profile, {prof.source}")
+    print(f"note: no GPU here; planning for a GPU with {which}; pinnable host memory from that "
+          "profile")
   print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
         f"seq {seq_len}, remat_policy {config.remat_policy}")
   print(plan)

@@ -503,6 +503,14 @@ def test_step_failing_at_run_time_leaves_host_leaves_intact():
   jax.effects_barrier()
 
 
+def test_policy_of_no_known_form_is_refused_when_wrapping():
+  # As a bad budget is: at `offload(...)`, not at the first call.
+  for bad in ("stream", None, 3):
+    with pytest.raises(jaxtier.PlanError, match=r"expected policy 'auto', 'none', "
+                       r"'optimizer_state_on_host', a callable .* got " + repr(bad)):
+      jaxtier.offload(_step_fn(TX), policy=bad)
+
+
 def test_policy_errors_name_the_pattern_or_leaf_and_keep_the_state():
   # A bad regex, a policy callable that raises and a pattern that matches nothing: each is
   # reported with what the user wrote (and the leaf), and nothing is placed or donated.

@@ -462,7 +462,7 @@ def test_plan_cli_gpu_on_cpu_says_default_profile_and_plots(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout
   if jax.default_backend() != "gpu":
-    assert "no GPU here" in text and "default (H200) hardware profile" in text
+    assert "no GPU here" in text and "the default hardware profile: an H200 machine" in text
   assert re.search(r"predicted step: [0-9.]+ ms, critical path: \w+", text)
   assert "predicted peak HBM:" in text and "DOES NOT FIT" not in text
   assert "activations: remat (jax.checkpoint_policies.nothing_saveable); the traced step uses " \

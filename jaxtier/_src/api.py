@@ -76,6 +76,7 @@ class OffloadOptions:
                        f"{self.donate_argnums!r}; host-resident leaves are updated in place, "
                        "which consumes the state passed in (use the returned state)")
     object.__setattr__(self, "donate_argnums", donate)
+    planner.check_policy_form(self.policy, "jaxtier.offload")
 
 
 class OffloadedStep:
@@ -651,7 +652,9 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
       leaf to pinned_host, updated there), 'none' (all on device), a callable
       `(path, LeafInfo) -> placement | None`, or a `{regex: placement}` dict matched against
       leaf paths (leaves it leaves to None/no match are planned as 'auto'). Placements:
-      'device', 'host_dha', 'host_cpu', 'host_split', 'host_xla'.
+      'device', 'host_dha', 'host_cpu', 'host_split', 'host_xla', 'host_stream' (a stack of
+      layers read by a layer loop; a stream pattern's match on optimizer state puts that
+      state on the host).
     donate_argnums: arguments donated to the step; must include 0.
 
   Returns:
@@ -659,6 +662,9 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
 
   Raises:
     ValueError: a budget <= 0 or not a size, or donate_argnums without 0.
+    jaxtier.PlanError (a ValueError): a policy that is none of the forms above. Errors that
+      need the traced step (a bad regex, an unknown placement, a budget the state cannot fit)
+      are raised by `place` or the first call, naming the leaf.
 
   Example:
     >>> step = jaxtier.offload(train_step)            # doctest: +SKIP

@@ -252,6 +252,17 @@ def _budget(b: "int | None") -> str:
   return "" if b is None else f" of {format_bytes(b)}"
 
 
+def check_policy_form(policy: Any, api: str) -> None:
+  """Raises PlanError unless `policy` is a named policy, a callable or a mapping."""
+  if isinstance(policy, str) and policy in ("auto", "none", OPTIMIZER_STATE_ON_HOST):
+    return
+  if callable(policy) or isinstance(policy, Mapping):
+    return
+  raise PlanError(f"{api}: expected policy 'auto', 'none', '{OPTIMIZER_STATE_ON_HOST}', a "
+                  f"callable (path, leaf) -> placement or a {{regex: placement}} dict, got "
+                  f"{policy!r}")
+
+
 def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tuple[str, str]]:
   """Placement asked by the policy for each leaf, with its reason."""
   out: dict[int, tuple[str, str]] = {}
@@ -284,9 +295,7 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
       hit = next((p for pat, p in policy.items() if re.search(pat, leaf.path)), None)
       out[leaf.index] = auto if hit is None else (hit, USER_PLACED)
     else:
-      raise PlanError(f"jaxtier.offload: expected policy 'auto', 'none', "
-                      f"'{OPTIMIZER_STATE_ON_HOST}', a callable "
-                      f"(path, leaf) -> placement or a {{regex: placement}} dict, got {policy!r}")
+      check_policy_form(policy, "jaxtier.offload")
   if isinstance(policy, Mapping):
     for pat in policy:
       if not any(re.search(pat, leaf.path) for leaf in inv.leaves):
