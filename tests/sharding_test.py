@@ -60,14 +60,19 @@ SCRIPT = PRELUDE + textwrap.dedent("""
 """)
 
 
-def test_data_parallel_and_fsdp_meshes(tmp_path):
+def _run(script: str, tmp_path) -> dict:
+  """Runs `script` in a fresh interpreter (its own 8-device XLA_FLAGS); returns its RESULT."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  p = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+  p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                      cwd=tmp_path, timeout=600)
   line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
   assert p.returncode == 0 and line, p.stderr[-3000:]
-  out = json.loads(line[0][len("RESULT"):])
+  return json.loads(line[0][len("RESULT"):])
+
+
+def test_data_parallel_and_fsdp_meshes(tmp_path):
+  out = _run(SCRIPT, tmp_path)
   for name, r in out.items():
     assert max(abs(a - b) / abs(b) for a, b in zip(r["got"], r["ref"])) < 1e-5, name
     assert r["params_equal"], name
@@ -124,13 +129,7 @@ PLAN_SCRIPT = PRELUDE + textwrap.dedent("""
 def test_planner_budgets_per_device_on_dp_fsdp_tp_meshes(tmp_path):
   # Bytes per device are per shard; a per-device budget below the all-device peak moves the
   # biggest moments (per shard) to pinned_host, keeping their sharding spec; training matches.
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  p = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], capture_output=True, text=True,
-                     env=env, cwd=tmp_path, timeout=600)
-  line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
-  assert p.returncode == 0 and line, p.stderr[-3000:]
-  out = json.loads(line[0][len("RESULT"):])
+  out = _run(PLAN_SCRIPT, tmp_path)
   w1 = 256 * 512 * 4
   expect = {"dp": (w1, "P()", "PartitionSpec()"),
             "fsdp": (w1 // 8, "P('d',)", "PartitionSpec('d',)"),
@@ -177,13 +176,7 @@ def test_explicit_mesh_axes_are_refused_up_front_naming_the_fix(tmp_path):
   # jaxtier traces the step on shapes and lowers it with the leaves' shardings: with Explicit
   # axes the re-bound matmuls asked for an out_sharding deep inside the lowering
   # (ShardingTypeError). It says so before tracing, naming the leaf and the fix.
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  p = subprocess.run([sys.executable, "-c", EXPLICIT_SCRIPT], capture_output=True, text=True,
-                     env=env, cwd=tmp_path, timeout=600)
-  line = [l for l in p.stdout.splitlines() if l.startswith("RESULT")]
-  assert p.returncode == 0 and line, p.stderr[-3000:]
-  out = json.loads(line[0][len("RESULT"):])
+  out = _run(EXPLICIT_SCRIPT, tmp_path)
   assert ("jaxtier.offload: state leaf ['opt'][0].mu['w1'] is sharded over a mesh with "
           "Explicit axes ('d',)") in out["error"], out["error"]
   assert "axis_types=(jax.sharding.AxisType.Auto,)" in out["error"], out["error"]
