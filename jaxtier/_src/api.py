@@ -33,8 +33,8 @@ class _Missing:
 MISSING: Any = _Missing()
 # Re-plans after the compiled step's peak device memory came out over the budget.
 MAX_REPLANS = 2
-# A verified plan whose compiled peak is this fraction of its device budget (or more) below
-# its predicted peak is refined once (`OffloadedStep._refine`).
+# A verified plan whose compiled peak is more than this fraction of its device budget below
+# its predicted peak is refined (`OffloadedStep._refine`).
 REFINE_MIN_OVERESTIMATE = 0.02
 # The shares of the measured overestimate credited, tried in turn until a refined plan's
 # compiled peak is within the budget (each try compiles the step once more).
@@ -128,14 +128,18 @@ class OffloadedStep:
     streamable = _streamable(inv)
     costs = _step_costs(inv, state, args, platform, self._options.policy)
     budget = self._options.device_budget
+
+    def make(step_costs):
+      return planner.make_plan(
+          inv, platform=platform, policy=self._options.policy, device_budget=budget,
+          host_budget=self._options.host_budget,
+          pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
+          hardware=hardware, step_costs=step_costs, streamable=streamable)
+
     previous = None
     for attempt in range(MAX_REPLANS + 1):
       try:
-        plan, compiled = planner.make_plan(
-            inv, platform=platform, policy=self._options.policy, device_budget=budget,
-            host_budget=self._options.host_budget,
-            pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
-            hardware=hardware, step_costs=costs, streamable=streamable)
+        plan, compiled = make(costs)
       except planner.PlanError as e:
         if previous is None:
           raise
@@ -152,11 +156,7 @@ class OffloadedStep:
       if smaller is None:
         break
       previous, budget = (self.plan, compiled), smaller
-    self._refine(inv, sig, state, args, costs, lambda c: planner.make_plan(
-        inv, platform=platform, policy=self._options.policy, device_budget=budget,
-        host_budget=self._options.host_budget,
-        pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
-        hardware=hardware, step_costs=c, streamable=streamable))
+    self._refine(inv, sig, state, args, costs, make)
     log.debug("jaxtier plan:\n%s", self.plan)
 
   def _refine(self, inv: Any, sig: Any, state: Any, args: Sequence[Any],
