@@ -630,17 +630,22 @@ def test_cpu_plan_without_budget_is_checked_against_the_hosts_available_memory(m
   # more than is available says DOES NOT FIT (the 8b config on a 23 GiB machine said it fit).
   if jax.default_backend() != "cpu":
     pytest.skip("the CPU backend's check")
+  # The state's arrays already exist in that RAM: the plan needs only the rest; a state of
+  # ShapeDtypeStructs (planning a model not allocated) needs all of it.
   plan = jaxtier.plan(STEP, _mlp(), _batch())
   assert not any(n.startswith("DOES NOT FIT") for n in plan.notes)
-  need = plan.predicted_peak_hbm_bytes + plan.pinned_bytes
-  monkeypatch.setattr(planner, "_mem_available_bytes", lambda: need - 1)
-  plan = jaxtier.plan(STEP, _mlp(), _batch())
-  note = next(n for n in plan.notes if n.startswith("DOES NOT FIT"))
-  assert f"the plan needs {planner.format_bytes(need)}" in note
-  assert "--platform=gpu" in note
-  monkeypatch.setattr(planner, "_mem_available_bytes", lambda: need)
-  plan = jaxtier.plan(STEP, _mlp(), _batch())
-  assert not any(n.startswith("DOES NOT FIT") for n in plan.notes)
+  resident = sum(x.nbytes for x in jax.tree.leaves(_mlp()))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _mlp())
+  total = plan.predicted_peak_hbm_bytes + plan.pinned_bytes
+  for state, need in ((_mlp(), total - resident), (abstract, total)):
+    monkeypatch.setattr(planner, "_mem_available_bytes", lambda: need - 1)
+    plan = jaxtier.plan(STEP, state, _batch())
+    note = next(n for n in plan.notes if n.startswith("DOES NOT FIT"))
+    assert f"the plan needs {planner.format_bytes(need)} more" in note, note
+    assert "--platform=gpu" in note
+    monkeypatch.setattr(planner, "_mem_available_bytes", lambda: need)
+    plan = jaxtier.plan(STEP, state, _batch())
+    assert not any(n.startswith("DOES NOT FIT") for n in plan.notes)
 
 
 def test_does_not_fit_note_describes_the_plan_made():

@@ -134,7 +134,8 @@ class OffloadedStep:
           inv, platform=platform, policy=self._options.policy, device_budget=budget,
           host_budget=self._options.host_budget,
           pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
-          hardware=hardware, step_costs=step_costs, streamable=streamable)
+          hardware=hardware, step_costs=step_costs, streamable=streamable,
+          resident_bytes=_resident_bytes(state))
 
     previous = None
     for attempt in range(MAX_REPLANS + 1):
@@ -745,7 +746,8 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
       inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
       host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,
       step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
-      streamable=streamable, dha_readable=dha_readable, activations=activations)
+      streamable=streamable, dha_readable=dha_readable, activations=activations,
+      resident_bytes=_resident_bytes(state))
   if platform != here:
     result = dataclasses.replace(result, notes=result.notes + (
         f"planned for {platform} on a machine without one ({here}): "
@@ -765,6 +767,12 @@ def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platfor
       inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
       state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves,
       time_scans=solves and _time_scans(platform))
+
+
+def _resident_bytes(state: Any) -> int:
+  """Bytes of the state's leaves that exist as arrays (not `jax.ShapeDtypeStruct`s)."""
+  return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(state)
+             if isinstance(x, (jax.Array, np.ndarray)))
 
 
 def _memory_kind(x: Any) -> "str | None":

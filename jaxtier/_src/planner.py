@@ -342,8 +342,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               step_costs: "cost_model.StepCosts | None" = None,
               streamable: "frozenset[int] | set[int]" = frozenset(),
               dha_readable: "frozenset[int] | set[int]" = frozenset(),
-              activations: "cost_model.ActivationModel | None" = None
-              ) -> tuple[Plan, list[Any]]:
+              activations: "cost_model.ActivationModel | None" = None,
+              resident_bytes: int = 0) -> tuple[Plan, list[Any]]:
   """Plans every leaf of `inv` and checks the budgets.
 
   Under policy 'auto' (and for the leaves a callable / mapping policy leaves to 'auto') the
@@ -370,6 +370,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     streamable: parameter leaves the lowering can stream (`host_stream`).
     dha_readable: parameter leaves a zero-copy read kernel can serve (`host_dha`).
     activations: the model's activation options (None: the traced policy, not modelled).
+    resident_bytes: bytes of the state already allocated in this host's memory (the CPU
+      backend's arrays), taken off what a plan without a device budget needs there.
 
   Returns:
     (plan, compiled components): the second is what the lowering runs.
@@ -455,14 +457,17 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   if solver_budget is None and platform == "cpu" and jax.default_backend() == "cpu":
     # No device budget on the CPU backend, but its device and pinned_host memory are both this
     # host's RAM: a plan that needs more than is available is said not to fit.
+    # The state's arrays that already exist are in that RAM: not available, but not needed
+    # again either.
     available = _mem_available_bytes()
-    need = pred.peak_hbm_bytes + pred.pinned_bytes
+    need = pred.peak_hbm_bytes + pred.pinned_bytes - resident_bytes
     if available is not None and need > available:
       msg = (f"DOES NOT FIT: on the CPU backend device and pinned_host memory are this host's "
-             f"RAM: the plan needs {format_bytes(need)} (peak {format_bytes(pred.peak_hbm_bytes)}"
-             f" + pinned {format_bytes(pred.pinned_bytes)}), over the "
-             f"{format_bytes(available)} available now (no device budget was given); plan for "
-             "the GPU with --platform=gpu (python -m jaxtier plan) or platform='gpu' "
+             f"RAM: the plan needs {format_bytes(need)} more (peak "
+             f"{format_bytes(pred.peak_hbm_bytes)} + pinned {format_bytes(pred.pinned_bytes)}"
+             f"{f' - the state already allocated, {format_bytes(resident_bytes)}' if resident_bytes else ''}"
+             f"), over the {format_bytes(available)} available now (no device budget was given); "
+             "plan for the GPU with --platform=gpu (python -m jaxtier plan) or platform='gpu' "
              "(jaxtier.plan)")
       log.warning("jaxtier: %s", msg)
       notes.append(msg)
