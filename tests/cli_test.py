@@ -55,6 +55,15 @@ def test_plan_json_fitting_exits_0(tmp_path):
   assert plan["fits"] is True and plan["refused"] is None
 
 
+def test_plan_for_an_absent_gpu_says_where_the_pinnable_limit_comes_from(tmp_path):
+  # The 13b moments need 95 GiB pinned; the limit is the profile's (no GPU here), not this
+  # host's free memory.
+  out = _cli(tmp_path, "plan", "--config=13b", "--platform=gpu")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert ("over what the hardware profile says the GPU's host can pin (no GPU here) of "
+          "64.00 GiB") in out.stdout
+
+
 def test_plan_offload_stream_plans_as_train_runs_it(tmp_path):
   # --offload=stream is one of the flag's values (train's): plan places the layers' params
   # host_stream as train does (it used to pass the string on to jaxtier.plan, which refused it

@@ -736,18 +736,21 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   hardware = profile.load(platform=platform)
   if streamable is None:
     streamable = _streamable(inv)
+  pinnable_what = planner.HERE_PINNABLE
   if platform == here:
     pinnable = planner.pinnable_bytes(platform, _num_local_devices(state))
   else:  # planning for an absent GPU: what its profile says the host could pin, or XLA's
     # pinned-pool cap when the caller sets it (to plan for a host where it is raised).
     cap = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
     pinnable = int(float(cap) * 2**30) if cap else hardware.pinnable_bytes
+    pinnable_what = ("XLA's pinned pool as XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB sets it" if cap
+                     else "what the hardware profile says the GPU's host can pin (no GPU here)")
   result, _ = planner.make_plan(
       inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
       host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,
       step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
       streamable=streamable, dha_readable=dha_readable, activations=activations,
-      resident_bytes=_resident_bytes(state))
+      resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what)
   if platform != here:
     result = dataclasses.replace(result, notes=result.notes + (
         f"planned for {platform} on a machine without one ({here}): "

@@ -59,6 +59,8 @@ DEVICE_MARGIN = 0.05
 
 log = logging.getLogger("jaxtier")
 USER_PLACED = "placed by the user's policy"
+# What `pinnable_bytes` is, in a refusal, when it was measured on this host.
+HERE_PINNABLE = "each local device's share of what this host can pin now"
 
 Policy = str | Callable[[str, LeafInfo], "str | None"] | Mapping[str, str]
 
@@ -343,7 +345,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               streamable: "frozenset[int] | set[int]" = frozenset(),
               dha_readable: "frozenset[int] | set[int]" = frozenset(),
               activations: "cost_model.ActivationModel | None" = None,
-              resident_bytes: int = 0) -> tuple[Plan, list[Any]]:
+              resident_bytes: int = 0, pinnable_what: str = HERE_PINNABLE
+              ) -> tuple[Plan, list[Any]]:
   """Plans every leaf of `inv` and checks the budgets.
 
   Under policy 'auto' (and for the leaves a callable / mapping policy leaves to 'auto') the
@@ -372,6 +375,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     activations: the model's activation options (None: the traced policy, not modelled).
     resident_bytes: bytes of the state already allocated in this host's memory (the CPU
       backend's arrays), taken off what a plan without a device budget needs there.
+    pinnable_what: where `pinnable_bytes` comes from, for the refusal's message (default: this
+      host's free memory).
 
   Returns:
     (plan, compiled components): the second is what the lowering runs.
@@ -504,7 +509,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               activation_policy=act_label, planned_device_budget=solver_budget,
               notes=tuple(notes))
   try:
-    _admit(plan, pinnable_bytes)
+    _admit(plan, pinnable_bytes, pinnable_what)
   except PlanError as e:
     e.plan = plan
     raise
@@ -732,13 +737,14 @@ def _prefix_regex(leaves: list[LeafPlan]) -> str:
   return "^" + re.escape(m.group(1) if m else top)
 
 
-def _admit(plan: Plan, pinnable_bytes: "int | None") -> None:
+def _admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE
+           ) -> None:
   host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
   host_bytes = lambda l: (l.nbytes if l.memory_kind == "pinned_host" else 0) + l.master_nbytes
   for limit, what, fix in (
       (plan.host_budget, "the host budget", "raise host_budget, or keep more leaves on the "
        "device (policy)"),
-      (pinnable_bytes, "each local device's share of what this host can pin now", "free host "
+      (pinnable_bytes, pinnable_what, "free host "
        "memory, keep more leaves on the device (policy), or shard replicated host leaves over "
        "the mesh" + ("; on a GPU, XLA's pinned pool is capped by "
                      "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
