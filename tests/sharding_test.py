@@ -181,3 +181,37 @@ def test_explicit_mesh_axes_are_refused_up_front_naming_the_fix(tmp_path):
           "Explicit axes ('d',)") in out["error"], out["error"]
   assert "axis_types=(jax.sharding.AxisType.Auto,)" in out["error"], out["error"]
   assert out["loss"] > 0
+
+
+STREAM_SCRIPT = PRELUDE + textwrap.dedent("""
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    def scan_loss(p, x, y):
+      h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["layers"])
+      return jnp.mean((h - y) ** 2)
+    def scan_step(state, batch):
+      l, g = jax.value_and_grad(scan_loss)(state["params"], *batch)
+      u, o = tx.update(g, state["opt"], state["params"])
+      return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": l}
+    params = {"layers": jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (3, 16, 16)) * .1,
+                                       NamedSharding(mesh, P()))}
+    state = {"params": params, "opt": tx.init(params)}
+    xb = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (16, 16)), NamedSharding(mesh, P("d")))
+    batch = (xb, jnp.sin(xb))
+    try:
+      jaxtier.offload(scan_step, policy={r"\\['params'\\]\\['layers'\\]": "host_stream"}).place(
+          state, batch)
+      error = ""
+    except jaxtier.PlanError as e:
+      error = str(e)
+    _, m = jax.jit(scan_step)(state, batch)  # nothing placed or donated
+    print("RESULT" + json.dumps({"error": error, "loss": float(m["loss"])}))
+""")
+
+
+def test_host_stream_on_a_multi_device_mesh_is_refused_naming_why(tmp_path):
+  # The streaming custom calls run on one device; XLA's SPMD partitioner refused them at the
+  # first step ("Side-effect HLO must have sharding"). Planning says so first.
+  out = _run(STREAM_SCRIPT, tmp_path)
+  assert ("leaf ['params']['layers'] (float32[3, 16, 16]) cannot be placed 'host_stream': the "
+          "state is sharded over a mesh of 8 devices") in out["error"], out["error"]
+  assert out["loss"] > 0

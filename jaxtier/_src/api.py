@@ -125,7 +125,7 @@ class OffloadedStep:
     platform = jc.platform_of(jax.tree_util.tree_leaves(state)[0]) if jax.tree_util.tree_leaves(
         state) else jax.default_backend()
     hardware = profile.load(platform=platform)
-    streamable = _streamable(inv)
+    streamable = _streamable(inv, state)
     costs = _step_costs(inv, state, args, platform, self._options.policy)
     budget = self._options.device_budget
 
@@ -135,7 +135,7 @@ class OffloadedStep:
           host_budget=self._options.host_budget,
           pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
           hardware=hardware, step_costs=step_costs, streamable=streamable,
-          resident_bytes=_resident_bytes(state))
+          resident_bytes=_resident_bytes(state), stream_blocked=_stream_blocked(state))
 
     previous = None
     for attempt in range(MAX_REPLANS + 1):
@@ -559,8 +559,21 @@ def _put(x: Any, sharding: Any, leaf: "planner.LeafPlan") -> Any:
         f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.") from e
 
 
-def _streamable(inv: inv_lib.Inventory) -> set[int]:
+def _stream_blocked(state: Any) -> str:
+  """Why no leaf of `state` may be streamed ('' when they may): the streaming custom calls
+  run on one device; XLA's SPMD partitioner refuses them in a program over several
+  ("Side-effect HLO must have sharding")."""
+  mesh = jc.common_mesh(state)
+  if mesh is None or mesh.size <= 1:
+    return ""
+  return (f"the state is sharded over a mesh of {mesh.size} devices, and streaming runs on one "
+          "device only (its custom calls are not partitioned by XLA's SPMD pass yet)")
+
+
+def _streamable(inv: inv_lib.Inventory, state: Any) -> set[int]:
   """Parameter leaves the lowering can serve `host_stream` (`streaming.stream_reason`)."""
+  if _stream_blocked(state):
+    return set()
   return {l.index for l in inv.leaves if l.role == inv_lib.PARAM
           and not streaming.stream_reason(inv.closed_jaxpr.jaxpr, l.index)}
 
@@ -735,7 +748,7 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
   hardware = profile.load(platform=platform)
   if streamable is None:
-    streamable = _streamable(inv)
+    streamable = _streamable(inv, state)
   pinnable_what = planner.HERE_PINNABLE
   if platform == here:
     pinnable = planner.pinnable_bytes(platform, _num_local_devices(state))
@@ -750,7 +763,8 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
       host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,
       step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
       streamable=streamable, dha_readable=dha_readable, activations=activations,
-      resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what)
+      resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what,
+      stream_blocked=_stream_blocked(state))
   if platform != here:
     result = dataclasses.replace(result, notes=result.notes + (
         f"planned for {platform} on a machine without one ({here}): "

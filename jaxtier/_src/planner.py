@@ -265,8 +265,10 @@ def check_policy_form(policy: Any, api: str) -> None:
                   f"{policy!r}")
 
 
-def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tuple[str, str]]:
-  """Placement asked by the policy for each leaf, with its reason."""
+def _requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: str = ""
+               ) -> dict[int, tuple[str, str]]:
+  """Placement asked by the policy for each leaf, with its reason (`stream_blocked`: why no
+  leaf may be streamed here, '' when they may)."""
   out: dict[int, tuple[str, str]] = {}
   if isinstance(policy, Mapping):
     for pat in policy:
@@ -317,7 +319,7 @@ def _requested(inv: Inventory, policy: Policy, host_exec: str) -> dict[int, tupl
       out[i] = (placement, f"{USER_PLACED} as host_stream: optimizer state is not streamed; "
                 "it lives in pinned_host, updated in place by the fused host update")
     if placement == HOST_STREAM:
-      why = streaming.stream_reason(inv.closed_jaxpr.jaxpr, i)
+      why = stream_blocked or streaming.stream_reason(inv.closed_jaxpr.jaxpr, i)
       if why:
         raise PlanError(
             f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) cannot be "
@@ -345,8 +347,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               streamable: "frozenset[int] | set[int]" = frozenset(),
               dha_readable: "frozenset[int] | set[int]" = frozenset(),
               activations: "cost_model.ActivationModel | None" = None,
-              resident_bytes: int = 0, pinnable_what: str = HERE_PINNABLE
-              ) -> tuple[Plan, list[Any]]:
+              resident_bytes: int = 0, pinnable_what: str = HERE_PINNABLE,
+              stream_blocked: str = "") -> tuple[Plan, list[Any]]:
   """Plans every leaf of `inv` and checks the budgets.
 
   Under policy 'auto' (and for the leaves a callable / mapping policy leaves to 'auto') the
@@ -377,6 +379,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       backend's arrays), taken off what a plan without a device budget needs there.
     pinnable_what: where `pinnable_bytes` comes from, for the refusal's message (default: this
       host's free memory).
+    stream_blocked: why no leaf may be placed `host_stream` here ('' when they may): a policy
+      asking for it is refused with this reason.
 
   Returns:
     (plan, compiled components): the second is what the lowering runs.
@@ -388,7 +392,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   """
   host_exec = HOST_DHA if platform == "gpu" else HOST_CPU
   hardware = hardware or profile.DEFAULT_PROFILE
-  req = _requested(inv, policy, host_exec)
+  req = _requested(inv, policy, host_exec, stream_blocked)
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
   # host_stream leaves are read by the layer loops through the streaming calls and updated
   # in place by a fused host update, like the executor placements.
