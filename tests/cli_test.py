@@ -64,6 +64,18 @@ def test_plan_for_an_absent_gpu_says_where_the_pinnable_limit_comes_from(tmp_pat
           "64.00 GiB") in out.stdout
 
 
+def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tmp_path):
+  # The compiled step came out over 7 MiB twice; the re-plans ran against smaller internal
+  # budgets (2.32 MiB at the end), which nothing fits. The plan that ran fits the user's 7 MiB
+  # compiled: its notes do not say DOES NOT FIT against the internal budget.
+  out = _cli(tmp_path, "train", "--config=tiny", "--batch_size=1", "--seq_len=32",
+             "--device_budget=7MiB", "--remat_policy=nothing_saveable", "--steps=2")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "re-planned (" in out.stdout
+  notes = [l for l in out.stdout.splitlines() if l.startswith("note:")]
+  assert notes and not any("DOES NOT FIT" in n for n in notes), notes
+
+
 def test_plan_offload_stream_plans_as_train_runs_it(tmp_path):
   # --offload=stream is one of the flag's values (train's): plan places the layers' params
   # host_stream as train does (it used to pass the string on to jaxtier.plan, which refused it

@@ -149,9 +149,15 @@ class OffloadedStep:
         self._install(inv, *previous, sig, state, args)
         break
       if attempt:  # planned against a smaller budget than the user's: show theirs
+        # The solver's verdict against that internal budget is not the plan's against the
+        # user's (the compiled check below judges that): it stays a note, not DOES NOT FIT.
+        internal = planner.format_bytes(budget)
+        notes = tuple(f"against the re-plan budget of {internal}, not yours: "
+                      f"{n.removeprefix('DOES NOT FIT: ')}" if n.startswith("DOES NOT FIT")
+                      else n for n in plan.notes)
         plan = dataclasses.replace(plan, device_budget=self._options.device_budget, notes=(
-            *plan.notes, f"re-planned ({attempt}) against {planner.format_bytes(budget)}: the "
-            "compiled step's peak was over the budget"))
+            *notes, f"re-planned ({attempt}) against {internal}: the compiled step's peak was "
+            "over the budget"))
       self._install(inv, plan, compiled, sig, state, args)
       smaller = self._verify(state, args, attempt)
       if smaller is None:
