@@ -19,6 +19,7 @@ Commands:
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 from absl import app
@@ -101,6 +102,14 @@ def plan_main() -> None:
   print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
         f"seq {seq_len}, remat_policy {config.remat_policy}")
   print(plan)
+  # The plan may fit only with another activation policy than the model's: `train` runs the
+  # model's unless told (its fit is checked against the step it compiles).
+  other = re.search(r"\(jax\.checkpoint_policies\.(\w+)\); the traced step uses",
+                    plan.activation_policy)
+  if other:
+    print(f"note: this plan assumes the activation policy {other.group(1)}, not the model's: "
+          f"train with --remat_policy={other.group(1)} to run it (the model's own policy holds "
+          "more activations than planned)")
   if _PLOT.value:
     print(f"plot: {path}")
   if refused:
@@ -109,7 +118,7 @@ def plan_main() -> None:
     # The library's fixes name Python policies; these are the command line's.
     hints = [] if _STREAM.value or flags.FLAGS.offload == "stream" else [
         "--stream (the planner may stream the layers' params from pinned_host)"]
-    hints.append("a larger --device_budget or --host_budget")
+    hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
     if platform == "gpu":
       hints.append("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> to raise XLA's pinned pool (64 GiB "
                    "by default) where the host has the memory")

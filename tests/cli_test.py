@@ -76,6 +76,16 @@ def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tm
   assert notes and not any("DOES NOT FIT" in n for n in notes), notes
 
 
+def test_plan_that_assumes_another_activation_policy_says_how_to_train_it(tmp_path):
+  # Under 7 MiB the planner picks remat (nothing_saveable) for the tiny decoder, which keeps
+  # its activations: the plan fits only if train is told to remat.
+  out = _cli(tmp_path, "plan", "--config=tiny", "--batch_size=1", "--seq_len=32",
+             "--device_budget=7MiB")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert ("note: this plan assumes the activation policy nothing_saveable, not the model's: "
+          "train with --remat_policy=nothing_saveable") in out.stdout
+
+
 def test_plan_offload_stream_plans_as_train_runs_it(tmp_path):
   # --offload=stream is one of the flag's values (train's): plan places the layers' params
   # host_stream as train does (it used to pass the string on to jaxtier.plan, which refused it
