@@ -65,11 +65,14 @@ def test_plan_for_an_absent_gpu_says_where_the_pinnable_limit_comes_from(tmp_pat
 
 
 def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tmp_path):
-  # The compiled step came out over 7 MiB twice; the re-plans ran against smaller internal
-  # budgets (2.32 MiB at the end), which nothing fits. The plan that ran fits the user's 7 MiB
-  # compiled: its notes do not say DOES NOT FIT against the internal budget.
+  # The compiled step comes out over 7 MiB; the re-plans run against smaller internal
+  # budgets (2-4 MiB), which nothing fits. The solver's verdict against those is not the
+  # plan's against the user's budget (the compiled check, whose verdict train prints as its
+  # error when over): the notes do not say DOES NOT FIT. (--allow_over_budget: the plan is
+  # printed either way.)
   out = _cli(tmp_path, "train", "--config=tiny", "--batch_size=1", "--seq_len=32",
-             "--device_budget=7MiB", "--remat_policy=nothing_saveable", "--steps=2")
+             "--device_budget=7MiB", "--remat_policy=nothing_saveable", "--steps=2",
+             "--allow_over_budget")
   assert out.returncode == 0, out.stderr[-2000:]
   assert "re-planned (" in out.stdout
   notes = [l for l in out.stdout.splitlines() if l.startswith("note:")]

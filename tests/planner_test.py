@@ -648,6 +648,21 @@ def test_cpu_plan_without_budget_is_checked_against_the_hosts_available_memory(m
     assert not any(n.startswith("DOES NOT FIT") for n in plan.notes)
 
 
+def test_dead_code_in_the_step_does_not_change_the_plan():
+  # A value the step computes from a moment and never returns is dropped, as jax.jit drops
+  # it: it used to read as a non-elementwise use of the moment (a reduce_sum), which sent the
+  # moment to host_xla and the plan over its budget.
+  def dead(state, batch):
+    unused = jnp.sum(state["opt"][0].mu["w1"])  # noqa: F841
+    return STEP(state, batch)
+
+  full = jaxtier.plan(STEP, _mlp(), _batch(), policy="optimizer_state_on_host")
+  with_dead = jaxtier.plan(dead, _mlp(), _batch(), policy="optimizer_state_on_host")
+  assert [l.placement for l in with_dead.leaves] == [l.placement for l in full.leaves]
+  assert {l.path: l.placement for l in with_dead.leaves}["['opt'][0].mu['w1']"] == HOST_EXEC
+  assert with_dead.predicted_peak_hbm_bytes == full.predicted_peak_hbm_bytes
+
+
 def test_does_not_fit_note_describes_the_plan_made():
   # Under the CLI's `--offload=stream` policy the layers' params are host_stream (placed by the
   # policy): the note must say so, not that this is "every optimizer-state leaf on the host".

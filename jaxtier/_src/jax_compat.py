@@ -143,7 +143,8 @@ _INLINABLE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_c
 
 
 def inline_calls(closed: Any) -> Any:
-  """Re-traces `closed` (a ClosedJaxpr) with nested pure calls (jit, custom_jvp/vjp) inlined.
+  """Re-traces `closed` (a ClosedJaxpr) with nested pure calls (jit, custom_jvp/vjp) inlined,
+  dead equations dropped (`dce`).
 
   Also forwards scan outputs that are inputs passed through unchanged (Flax's `nnx.scan` and
   a remat'ed layer stack hand the stacked params back out of the scan): their users read the
@@ -189,7 +190,20 @@ def inline_calls(closed: Any) -> Any:
     return [read(v) for v in j.outvars]
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-  return jax.make_jaxpr(lambda *args: eval_inlined(jaxpr, consts, list(args)))(*avals)
+  inlined = jax.make_jaxpr(lambda *args: eval_inlined(jaxpr, consts, list(args)))(*avals)
+  return dce(inlined)
+
+
+def dce(closed: Any) -> Any:
+  """`closed` without the equations no output depends on (and no effect needs), every input
+  kept: as jax.jit drops them, so that a value the step computes and never returns (a metric
+  left unused) does not read as a use of a state leaf."""
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=g-import-not-at-top
+  jaxpr = closed.jaxpr
+  pruned, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+  if len(pruned.eqns) == len(jaxpr.eqns):
+    return closed
+  return type(closed)(pruned, list(closed.consts))
 
 
 def _forward_scan_passthrough(eqn: Any, invals: list[Any], outs: list[Any]) -> list[Any]:
