@@ -125,17 +125,19 @@ class OffloadedStep:
     platform = jc.platform_of(jax.tree_util.tree_leaves(state)[0]) if jax.tree_util.tree_leaves(
         state) else jax.default_backend()
     hardware = profile.load(platform=platform)
-    streamable = _streamable(inv, state)
+    blocked = _stream_blocked(state)
+    streamable = set() if blocked else _streamable(inv)
     costs = _step_costs(inv, state, args, platform, self._options.policy)
     budget = self._options.device_budget
+    # The same for every (re-)plan of this trace.
+    fixed = dict(platform=platform, policy=self._options.policy,
+                 host_budget=self._options.host_budget,
+                 pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
+                 hardware=hardware, streamable=streamable,
+                 resident_bytes=_resident_bytes(state), stream_blocked=blocked)
 
     def make(step_costs):
-      return planner.make_plan(
-          inv, platform=platform, policy=self._options.policy, device_budget=budget,
-          host_budget=self._options.host_budget,
-          pinnable_bytes=planner.pinnable_bytes(platform, _num_local_devices(state)),
-          hardware=hardware, step_costs=step_costs, streamable=streamable,
-          resident_bytes=_resident_bytes(state), stream_blocked=_stream_blocked(state))
+      return planner.make_plan(inv, device_budget=budget, step_costs=step_costs, **fixed)
 
     previous = None
     for attempt in range(MAX_REPLANS + 1):
@@ -576,10 +578,8 @@ def _stream_blocked(state: Any) -> str:
           "device only (its custom calls are not partitioned by XLA's SPMD pass yet)")
 
 
-def _streamable(inv: inv_lib.Inventory, state: Any) -> set[int]:
+def _streamable(inv: inv_lib.Inventory) -> set[int]:
   """Parameter leaves the lowering can serve `host_stream` (`streaming.stream_reason`)."""
-  if _stream_blocked(state):
-    return set()
   return {l.index for l in inv.leaves if l.role == inv_lib.PARAM
           and not streaming.stream_reason(inv.closed_jaxpr.jaxpr, l.index)}
 
@@ -753,8 +753,11 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
   hardware = profile.load(platform=platform)
-  if streamable is None:
-    streamable = _streamable(inv, state)
+  blocked = _stream_blocked(state)
+  if blocked:  # none, whatever the caller allows
+    streamable = frozenset()
+  elif streamable is None:
+    streamable = _streamable(inv)
   pinnable_what = planner.HERE_PINNABLE
   if platform == here:
     pinnable = planner.pinnable_bytes(platform, _num_local_devices(state))
@@ -770,7 +773,7 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
       step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
       streamable=streamable, dha_readable=dha_readable, activations=activations,
       resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what,
-      stream_blocked=_stream_blocked(state))
+      stream_blocked=blocked)
   if platform != here:
     result = dataclasses.replace(result, notes=result.notes + (
         f"planned for {platform} on a machine without one ({here}): "

@@ -28,6 +28,7 @@ import re
 import warnings
 from typing import Any, Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -462,7 +463,6 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
            "as given (the policy's fixed placements included)")
     log.warning("jaxtier: %s", msg)
     notes.append(msg)
-  import jax  # pylint: disable=g-import-not-at-top
   if solver_budget is None and platform == "cpu" and jax.default_backend() == "cpu":
     # No device budget on the CPU backend, but its device and pinned_host memory are both this
     # host's RAM: a plan that needs more than is available is said not to fit.
@@ -601,7 +601,6 @@ def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str
   the profile's `hbm_bytes` when planning for a GPU that is not here, less DEVICE_MARGIN for
   fragmentation and compiler workspace the model does not see.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   limit, where = hardware.hbm_bytes, f"the profile's HBM ({hardware.device_kind})"
   if jax.default_backend() == "gpu":
     stats = jax.devices()[0].memory_stats() or {}
