@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dha.h"
+#include "ffi_helpers.h"
 #include "handlers.h"
 #include "program.h"
 #include "xla/ffi/api/ffi.h"

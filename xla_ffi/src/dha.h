@@ -17,7 +17,7 @@
 
 #include <string>
 
-#include "program.h"  // JT_RETURN_IF_ERROR, DtypeName
+#include "ffi_helpers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxtier::dha {
@@ -25,28 +25,7 @@ namespace jaxtier::dha {
 inline constexpr char kGatherName[] = "jaxtier_dha_gather";
 inline constexpr char kMatmulName[] = "jaxtier_dha_matmul";
 
-// "Invalid <what> for <where> to <op>. Expected <expected>, got <got>."
-inline xla::ffi::Error Invalid(const char* op, const std::string& what, const std::string& where,
-                               const std::string& expected, const std::string& got) {
-  return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
-                         "Invalid " + what + " for " + where + " to " + op + ". Expected " +
-                             expected + ", got " + got + ".");
-}
-
-inline std::string DimsString(xla::ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i > 0) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
-
-inline bool IsFloatStorage(xla::ffi::DataType t) {
-  return t == xla::ffi::DataType::F32 || t == xla::ffi::DataType::BF16 ||
-         t == xla::ffi::DataType::F16;
-}
-
+// Bytes of one element of a float storage dtype (IsFloatStorage).
 inline int ElementBytes(xla::ffi::DataType t) { return t == xla::ffi::DataType::F32 ? 4 : 2; }
 
 // ---------------------------------------------------------------------------------------------
@@ -64,16 +43,12 @@ struct GatherShape {
 inline xla::ffi::Error CheckGather(const xla::ffi::AnyBuffer& table,
                                    const xla::ffi::Buffer<xla::ffi::S32>& ids,
                                    const xla::ffi::AnyBuffer& out, GatherShape* shape) {
-  using host_update::internal::DtypeName;
   const auto tdims = table.dimensions();
   if (tdims.size() != 2) {
     return Invalid(kGatherName, "rank", "input 0 (table)", "a 2-D table [V, D]",
                    DimsString(tdims));
   }
-  if (!IsFloatStorage(table.element_type())) {
-    return Invalid(kGatherName, "dtype", "input 0 (table)", "float32, bfloat16 or float16",
-                   DtypeName(table.element_type()));
-  }
+  JT_RETURN_IF_ERROR(CheckFloatStorage(kGatherName, "input 0 (table)", table.element_type()));
   if (out.element_type() != table.element_type()) {
     return Invalid(kGatherName, "dtype", "result 0", DtypeName(table.element_type()) +
                    " (the table's)", DtypeName(out.element_type()));
@@ -96,8 +71,8 @@ inline xla::ffi::Error CheckGather(const xla::ffi::AnyBuffer& table,
 
 // ---------------------------------------------------------------------------------------------
 // matmul: operands x [M, R] and w ([K, N] or stacked [L, K, N]), one dtype (f32 or bf16);
-// results y [M, O] of that dtype and the fp32 partial sums (CheckMatmulPartial); attributes `index` (int64: the layer of a stacked w; 0 for a
-// 2-D w) and `transpose` (int32 0/1).
+// results y [M, O] of that dtype and the fp32 partial sums (CheckMatmulPartial); attributes
+// `index` (int64: the layer of a stacked w; 0 for a 2-D w) and `transpose` (int32 0/1).
 //   transpose = 0:  R = K, O = N, y = x @ w[index]      (B[r, o] = w[index][r, o])
 //   transpose = 1:  R = N, O = K, y = x @ w[index]^T    (B[r, o] = w[index][o, r])
 // Accumulation is fp32; y is rounded once (round to nearest even).
@@ -113,7 +88,6 @@ struct MatmulShape {
 inline xla::ffi::Error CheckMatmul(const xla::ffi::AnyBuffer& x, const xla::ffi::AnyBuffer& w,
                                    const xla::ffi::AnyBuffer& y, int64_t index, int32_t transpose,
                                    MatmulShape* shape) {
-  using host_update::internal::DtypeName;
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y.dimensions();
@@ -174,7 +148,6 @@ inline xla::ffi::Error CheckMatmul(const xla::ffi::AnyBuffer& x, const xla::ffi:
 // sizes it (dha.matmul_partial_shape) and drops it. Sets *splits to S, or 1.
 inline xla::ffi::Error CheckMatmulPartial(const xla::ffi::AnyBuffer& partial,
                                           const MatmulShape& s, int64_t* splits) {
-  using host_update::internal::DtypeName;
   if (partial.element_type() != xla::ffi::DataType::F32) {
     return Invalid(kMatmulName, "dtype", "result 1 (partial sums)", "float32",
                    DtypeName(partial.element_type()));

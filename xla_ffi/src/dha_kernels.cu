@@ -37,8 +37,8 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda_check.h"
 #include "dha.h"
+#include "ffi_helpers.h"
 #include "handlers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,17 +47,13 @@ namespace ffi = xla::ffi;
 namespace jaxtier {
 namespace {
 
-// Same checks as the other CUDA handlers (cuda_check.h), with the call first.
-#define JT_DHA_CUDA_RETURN_IF_ERROR(expr, op, what) JT_CUDA_CHECK(op, expr, what)
-
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 ffi::Error NumSms(const char* op, int* num_sms) {
   int device = 0;
-  JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), op, "cudaGetDevice");
-  JT_DHA_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device), op,
-      "cudaDeviceGetAttribute(MultiProcessorCount)");
+  JT_CUDA_CHECK(op, cudaGetDevice(&device), "");
+  JT_CUDA_CHECK(op, cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device),
+                "the SM count of device " + std::to_string(device));
   if (*num_sms < 1) *num_sms = 1;
   return ffi::Error::Success();
 }
@@ -106,7 +102,7 @@ ffi::Error LaunchGather(cudaStream_t stream, const void* table, const int32_t* i
   DhaGatherKernel<V><<<static_cast<unsigned>(blocks), kGatherThreads, 0, stream>>>(
       static_cast<const V*>(table), ids, static_cast<V*>(out), s.num_ids, s.num_rows,
       s.row_bytes / static_cast<int64_t>(sizeof(V)));
-  JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), dha::kGatherName, "kernel launch");
+  JT_CUDA_CHECK(dha::kGatherName, cudaGetLastError(), "launch of DhaGatherKernel");
   return ffi::Error::Success();
 }
 
@@ -374,18 +370,17 @@ ffi::Error LaunchMatmul(cudaStream_t stream, const dha::MatmulShape& s, const vo
   const int64_t m_chunks = CeilDiv(s.m, Tl::kMT);
   const int64_t stages = CeilDiv(s.r, Tl::kBR);
   if (m_chunks > 65535 || col_tiles > 0x7fffffff) {
-    return dha::Invalid(op, "shape", "input 0 (x)",
-                        "at most 65535 * " + std::to_string(Tl::kMT) + " rows and " +
-                            std::to_string(int64_t{0x7fffffff} * Tl::kBO) + " columns",
-                        "[" + std::to_string(s.m) + ", " + std::to_string(s.r) + "] -> " +
-                            std::to_string(s.o) + " columns");
+    return Invalid(op, "shape", "input 0 (x)",
+                   "at most 65535 * " + std::to_string(Tl::kMT) + " rows and " +
+                       std::to_string(int64_t{0x7fffffff} * Tl::kBO) + " columns",
+                   "[" + std::to_string(s.m) + ", " + std::to_string(s.r) + "] -> " +
+                       std::to_string(s.o) + " columns");
   }
   // The split of R over blockIdx.y: as many ranges of stages as the partial sums have rows
   // (Python sized them for about 4 blocks per SM), never more than there are stages.
   if (max_splits > kMaxGridY) {
-    return dha::Invalid(op, "shape", "result 1 (partial sums)",
-                        "at most " + std::to_string(kMaxGridY) + " splits",
-                        std::to_string(max_splits));
+    return Invalid(op, "shape", "result 1 (partial sums)",
+                   "at most " + std::to_string(kMaxGridY) + " splits", std::to_string(max_splits));
   }
   const int64_t mo = s.m * s.o;
   int64_t splits = std::max<int64_t>(1, std::min<int64_t>(max_splits, stages));
@@ -407,22 +402,22 @@ ffi::Error LaunchMatmul(cudaStream_t stream, const dha::MatmulShape& s, const vo
   if (splits > 1) args.partial = partial;  // rows [0, splits) of it
   auto kernel = DhaMatmulKernel<S, kTX, kRM, kTrans>;
   if (Tl::kSmemBytes > 48 * 1024) {
-    JT_DHA_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(Tl::kSmemBytes)),
-        op, "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+    JT_CUDA_CHECK(op,
+                  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(Tl::kSmemBytes)),
+                  std::to_string(Tl::kSmemBytes) + " bytes of shared memory for DhaMatmulKernel");
   }
   const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(splits),
                   static_cast<unsigned>(m_chunks));
   kernel<<<grid, kThreads, Tl::kSmemBytes, stream>>>(args);
-  JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), op, "kernel launch");
+  JT_CUDA_CHECK(op, cudaGetLastError(), "launch of DhaMatmulKernel");
   if (splits > 1) {
     int num_sms = 1;
     JT_RETURN_IF_ERROR(NumSms(op, &num_sms));
     const int64_t blocks = std::min<int64_t>(CeilDiv(mo, kThreads), int64_t{num_sms} * 8);
     DhaReduceKernel<S><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
         args.partial, static_cast<S*>(y), mo, splits);
-    JT_DHA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), op, "reduction kernel launch");
+    JT_CUDA_CHECK(op, cudaGetLastError(), "launch of DhaReduceKernel");
   }
   return ffi::Error::Success();
 }
@@ -451,9 +446,10 @@ ffi::Error DhaMatmulCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
   if (s.m == 0 || s.o == 0) return ffi::Error::Success();
   const size_t esize = dha::ElementBytes(s.dtype);
   if (s.r == 0) {
-    JT_DHA_CUDA_RETURN_IF_ERROR(
+    JT_CUDA_CHECK(
+        dha::kMatmulName,
         cudaMemsetAsync(y->untyped_data(), 0, static_cast<size_t>(s.m * s.o) * esize, stream),
-        dha::kMatmulName, "cudaMemsetAsync (empty reduction)");
+        "y of an empty reduction");
     return ffi::Error::Success();
   }
   const void* wl = static_cast<const char*>(w.untyped_data()) + s.w_offset * esize;

@@ -11,7 +11,7 @@
 // x86-64, AVX2 and AVX-512 (target_clones, chosen at load time); every fp32 operation rounds on
 // its own (no FMA contraction, -ffp-contract=off), so every variant gives the same bits.
 //
-// The same executor (BuildCpuPlan + RunCpuPlan, host_update_cpu.h) serves the CUDA handler's
+// The same executor (BuildCpuPlan + RunCpuPlan, program.h) serves the CUDA handler's
 // `host_cpu` and `split` executors, from host functions on jaxtier's streams. The CPU handler
 // takes the `executor` / `dha_fraction` attributes (validated) and ignores them: it is the host
 // CPU executor already.
@@ -31,8 +31,8 @@
 #include <xmmintrin.h>
 #endif
 
+#include "ffi_helpers.h"
 #include "handlers.h"
-#include "host_update_cpu.h"
 #include "program.h"
 #include "xla/ffi/api/ffi.h"
 

@@ -34,8 +34,8 @@
 #include <utility>
 #include <vector>
 
+#include "ffi_helpers.h"
 #include "handlers.h"
-#include "host_update_cpu.h"
 #include "program.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,6 +46,7 @@ namespace {
 
 using host_update::HostUpdateParams;
 using host_update::Instruction;
+using host_update::kOpName;  // the op that errors name
 
 constexpr int kThreadsPerBlock = 256;
 
@@ -90,36 +91,24 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-ffi::Error CudaError(const std::string& what, cudaError_t e) {
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jaxtier_host_update: ") + what +
-                                                   " failed: " + cudaGetErrorName(e) + ": " +
-                                                   cudaGetErrorString(e));
-}
-
-#define JT_CUDA_RETURN_IF_ERROR(expr, what)                            \
-  do {                                                                 \
-    const cudaError_t jt_cuda_error = (expr);                          \
-    if (jt_cuda_error != cudaSuccess) return CudaError(what, jt_cuda_error); \
-  } while (0)
-
 // Blocks that fill the device, computed once per device.
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_resident_blocks[kMaxDevices];
 
 ffi::Error ResidentBlocks(int* blocks) {
   int device = 0;
-  JT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  JT_CUDA_CHECK(kOpName, cudaGetDevice(&device), "");
   std::atomic<int>* slot = device < kMaxDevices ? &g_resident_blocks[device] : nullptr;
   if (slot != nullptr && (*blocks = slot->load(std::memory_order_relaxed)) > 0) {
     return ffi::Error::Success();
   }
   int num_sms = 0, per_sm = 0;
-  JT_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
-      "querying the device (cudaDeviceGetAttribute)");
-  JT_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                              &per_sm, HostUpdateKernel, kThreadsPerBlock, 0),
-                          "querying the device (cudaOccupancyMaxActiveBlocksPerMultiprocessor)");
+  JT_CUDA_CHECK(kOpName, cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
+                "the SM count of device " + std::to_string(device));
+  JT_CUDA_CHECK(kOpName,
+                cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, HostUpdateKernel,
+                                                              kThreadsPerBlock, 0),
+                "blocks of HostUpdateKernel per SM");
   *blocks = num_sms * (per_sm > 0 ? per_sm : 1);
   if (slot != nullptr) slot->store(*blocks, std::memory_order_relaxed);
   return ffi::Error::Success();
@@ -133,7 +122,7 @@ ffi::Error LaunchKernel(cudaStream_t stream, const HostUpdateParams& params) {
   const int64_t needed = (params.n + kThreadsPerBlock - 1) / kThreadsPerBlock;
   const int grid = static_cast<int>(needed < resident ? needed : resident);
   HostUpdateKernel<<<grid, kThreadsPerBlock, 0, stream>>>(params);
-  JT_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "kernel launch");
+  JT_CUDA_CHECK(kOpName, cudaGetLastError(), "launch of HostUpdateKernel");
   return ffi::Error::Success();
 }
 
@@ -182,12 +171,11 @@ struct DeviceResources {
 
 ffi::Error DeviceResources::Init() {
   for (cudaStream_t& s : streams) {
-    JT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
-                            "cudaStreamCreateWithFlags");
+    JT_CUDA_CHECK(kOpName, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                  "a jaxtier stream of the host CPU executor");
   }
   for (cudaEvent_t* e : {&start, &ready, &done[0], &done[1], &done[2]}) {
-    JT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(e, cudaEventDisableTiming),
-                            "cudaEventCreateWithFlags");
+    JT_CUDA_CHECK(kOpName, cudaEventCreateWithFlags(e, cudaEventDisableTiming), "");
   }
   static_assert(kNumStreams == 3, "Init lists the done events");
   return ffi::Error::Success();
@@ -196,42 +184,41 @@ ffi::Error DeviceResources::Init() {
 ffi::Error DeviceResources::EnsureStaging(int64_t bytes) {
   if (staging_bytes >= bytes) return ffi::Error::Success();
   for (cudaStream_t s : streams) {
-    JT_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s),
-                            "cudaStreamSynchronize (before growing the pinned staging buffer)");
+    JT_CUDA_CHECK(kOpName, cudaStreamSynchronize(s),
+                  "before growing the pinned staging buffer");
   }
   if (staging != nullptr) {
-    JT_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging), "cudaFreeHost (pinned staging buffer)");
+    JT_CUDA_CHECK(kOpName, cudaFreeHost(staging), "the pinned staging buffer");
     staging = nullptr;
     staging_bytes = 0;
   }
   const int64_t size = AlignUp(bytes, kStagingGranularityBytes);
   void* p = nullptr;
-  JT_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, static_cast<size_t>(size), cudaHostAllocPortable),
-                          "cudaHostAlloc of " + std::to_string(size) +
-                              " bytes (pinned staging buffer)");
+  JT_CUDA_CHECK(kOpName, cudaHostAlloc(&p, static_cast<size_t>(size), cudaHostAllocPortable),
+                std::to_string(size) + " bytes of pinned staging buffer");
   staging = static_cast<char*>(p);
   staging_bytes = size;
   return ffi::Error::Success();
 }
 
 DeviceResources::~DeviceResources() {
-  // Errors are ignored here: nothing can report them (this runs when XLA frees the executable,
-  // possibly at process exit).
+  // CUDA errors are ignored here (void): nothing can report them (this runs when XLA frees the
+  // executable, through the state type's deleter, possibly at process exit).
   int previous = -1;
   const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device &&
                         cudaSetDevice(device) == cudaSuccess;
   for (cudaStream_t s : streams) {
-    if (s != nullptr) cudaStreamSynchronize(s);
+    if (s != nullptr) (void)cudaStreamSynchronize(s);
   }
-  if (staging != nullptr) cudaFreeHost(staging);
+  if (staging != nullptr) (void)cudaFreeHost(staging);
   for (cudaEvent_t e : {start, ready, done[0], done[1], done[2]}) {
-    if (e != nullptr) cudaEventDestroy(e);
+    if (e != nullptr) (void)cudaEventDestroy(e);
   }
   for (cudaStream_t s : streams) {
-    if (s != nullptr) cudaStreamDestroy(s);
+    if (s != nullptr) (void)cudaStreamDestroy(s);
   }
-  if (switched) cudaSetDevice(previous);
-  cudaGetLastError();  // leave no error of ours behind for a later check on this thread
+  if (switched) (void)cudaSetDevice(previous);
+  (void)cudaGetLastError();  // leave no error of ours behind for a later check on this thread
 }
 
 // Per-instance state (one per custom call of an executable), created by the instantiate stage.
@@ -244,10 +231,7 @@ struct HostUpdateState {
   // The resources of `device`, created on first use (on the current device).
   ffi::Error Resources(int device, DeviceResources** out) {
     std::lock_guard<std::mutex> lock(mu);
-    if (device < 0) {
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        "jaxtier_host_update: invalid current device " + std::to_string(device));
-    }
+    if (device < 0) return Internal(kOpName, "invalid current device " + std::to_string(device));
     if (devices.size() <= static_cast<size_t>(device)) devices.resize(device + 1);
     if (devices[device] == nullptr) {
       auto r = std::make_unique<DeviceResources>(device);
@@ -353,20 +337,24 @@ void CUDART_CB RunChunkHostFn(void* arg) {
   Release(call);
 }
 
-ffi::Error LaunchHostFn(cudaStream_t stream, cudaHostFn_t fn, void* arg, CpuCall* call) {
-  call->refs.fetch_add(1, std::memory_order_relaxed);
-  const cudaError_t e = cudaLaunchHostFunc(stream, fn, arg);
-  if (e != cudaSuccess) {
-    call->refs.fetch_sub(1, std::memory_order_relaxed);  // the handler still holds one
-    return CudaError("cudaLaunchHostFunc", e);
-  }
+ffi::Error EnqueueHostFn(cudaStream_t stream, cudaHostFn_t fn, void* arg) {
+  JT_CUDA_CHECK(kOpName, cudaLaunchHostFunc(stream, fn, arg), "");
   return ffi::Error::Success();
+}
+
+// Enqueues fn(arg), a host function that releases a reference to `call` when it has run.
+ffi::Error LaunchHostFn(cudaStream_t stream, cudaHostFn_t fn, void* arg, CpuCall* call) {
+  call->refs.fetch_add(1, std::memory_order_relaxed);  // before: fn may run at once
+  ffi::Error error = EnqueueHostFn(stream, fn, arg);
+  if (error.failure()) {
+    call->refs.fetch_sub(1, std::memory_order_relaxed);  // fn never runs; the handler holds one
+  }
+  return error;
 }
 
 ffi::Error IsDeviceMemory(const void* ptr, const std::string& where, bool* on_device) {
   cudaPointerAttributes attr;
-  JT_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attr, ptr),
-                          "cudaPointerGetAttributes for " + where);
+  JT_CUDA_CHECK(kOpName, cudaPointerGetAttributes(&attr, ptr), where);
   // Host (pinned), unregistered (pageable) and managed memory are all readable by the CPU.
   *on_device = attr.type == cudaMemoryTypeDevice;
   return ffi::Error::Success();
@@ -467,25 +455,25 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   } handler_ref{owned.release()};
 
   for (int s = 0; s < num_streams; ++s) {
-    JT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(dev->streams[s], dev->start, 0),
-                            "cudaStreamWaitEvent (jaxtier stream on XLA's stream)");
+    JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(dev->streams[s], dev->start, 0),
+                  "jaxtier stream on XLA's stream");
   }
   // Scalars first (stream 0), then the plan, which reads them.
   for (int i = 0; i < num_operands; ++i) {
     if (!params.operand_scalar[i]) continue;
     if (operand_on_device[i]) {
       char* dst = dev->staging + i * kScalarSlotBytes;
-      JT_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(dst, params.operands[i], StorageBytes(params.operand_type[i]),
-                          cudaMemcpyDeviceToHost, dev->streams[0]),
-          "cudaMemcpyAsync (scalar input " + std::to_string(i) + " to pinned staging)");
+      JT_CUDA_CHECK(kOpName,
+                    cudaMemcpyAsync(dst, params.operands[i], StorageBytes(params.operand_type[i]),
+                                    cudaMemcpyDeviceToHost, dev->streams[0]),
+                    "scalar input " + std::to_string(i) + " to pinned staging");
       call->scalar_src[i] = dst;
     } else {
       call->scalar_src[i] = params.operands[i];
     }
   }
   JT_RETURN_IF_ERROR(LaunchHostFn(dev->streams[0], BuildPlanHostFn, call, call));
-  JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->ready, dev->streams[0]), "cudaEventRecord");
+  JT_CUDA_CHECK(kOpName, cudaEventRecord(dev->ready, dev->streams[0]), "the CPU plan is built");
 
   for (int64_t c = 0; c < num_chunks; ++c) {
     CpuChunk* chunk_desc = &call->chunks[c];
@@ -495,31 +483,32 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
     for (int i = 0; i < num_operands; ++i) {
       if (call->operand_offset[i] < 0) continue;
       const int64_t es = StorageBytes(params.operand_type[i]);
-      JT_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(slot + call->operand_offset[i],
-                          static_cast<const char*>(params.operands[i]) + chunk_desc->lo * es,
-                          static_cast<size_t>(len * es), cudaMemcpyDeviceToHost, stream),
-          "cudaMemcpyAsync (input " + std::to_string(i) + " to pinned staging)");
+      JT_CUDA_CHECK(kOpName,
+                    cudaMemcpyAsync(slot + call->operand_offset[i],
+                                    static_cast<const char*>(params.operands[i]) +
+                                        chunk_desc->lo * es,
+                                    static_cast<size_t>(len * es), cudaMemcpyDeviceToHost, stream),
+                    "input " + std::to_string(i) + " to pinned staging");
     }
     if (c > 0 && c < num_streams) {
-      JT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, dev->ready, 0),
-                              "cudaStreamWaitEvent (for the CPU plan)");
+      JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(stream, dev->ready, 0), "for the CPU plan");
     }
     JT_RETURN_IF_ERROR(LaunchHostFn(stream, RunChunkHostFn, chunk_desc, call));
     for (int r = 0; r < num_results; ++r) {
       if (call->result_offset[r] < 0) continue;
       const int64_t es = StorageBytes(params.result_type[r]);
-      JT_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(static_cast<char*>(params.results[r]) + chunk_desc->lo * es,
-                          slot + call->result_offset[r], static_cast<size_t>(len * es),
-                          cudaMemcpyHostToDevice, stream),
-          "cudaMemcpyAsync (result " + std::to_string(r) + " from pinned staging)");
+      JT_CUDA_CHECK(kOpName,
+                    cudaMemcpyAsync(static_cast<char*>(params.results[r]) + chunk_desc->lo * es,
+                                    slot + call->result_offset[r], static_cast<size_t>(len * es),
+                                    cudaMemcpyHostToDevice, stream),
+                    "result " + std::to_string(r) + " from pinned staging");
     }
   }
   for (int s = 0; s < num_streams; ++s) {
-    JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->done[s], dev->streams[s]), "cudaEventRecord");
-    JT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(xla_stream, dev->done[s], 0),
-                            "cudaStreamWaitEvent (XLA's stream on a jaxtier stream)");
+    JT_CUDA_CHECK(kOpName, cudaEventRecord(dev->done[s], dev->streams[s]),
+                  "the end of a jaxtier stream's part");
+    JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(xla_stream, dev->done[s], 0),
+                  "XLA's stream on a jaxtier stream");
   }
   return ffi::Error::Success();
 }
@@ -544,8 +533,8 @@ ffi::ErrorOr<std::unique_ptr<HostUpdateState>> HostUpdateCudaInstantiateImpl(
     char* end = nullptr;
     const long long v = std::strtoll(env, &end, 10);
     if (end == env || *end != '\0' || v < kMinChunkBytes) {
-      return ffi::Unexpected<ffi::Error>(host_update::internal::Invalid(
-          "value", "environment variable JAXTIER_HOST_CPU_CHUNK_BYTES",
+      return ffi::Unexpected<ffi::Error>(Invalid(
+          kOpName, "value", "environment variable JAXTIER_HOST_CPU_CHUNK_BYTES",
           "an integer number of bytes >= " + std::to_string(kMinChunkBytes), env));
     }
     state->chunk_bytes = v;
@@ -567,12 +556,12 @@ ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
   if (k == params.n) return LaunchKernel(stream, params);
 
   int device = 0;
-  JT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device), "cudaGetDevice");
+  JT_CUDA_CHECK(kOpName, cudaGetDevice(&device), "");
   DeviceResources* dev = nullptr;
   JT_RETURN_IF_ERROR(state->Resources(device, &dev));
   std::lock_guard<std::mutex> lock(dev->mu);
   // Recorded before the kernel: the CPU part does not wait for it.
-  JT_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev->start, stream), "cudaEventRecord");
+  JT_CUDA_CHECK(kOpName, cudaEventRecord(dev->start, stream), "the start of the call");
   if (k > 0) {
     HostUpdateParams head = params;
     head.n = k;

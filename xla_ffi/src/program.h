@@ -7,29 +7,26 @@
 //     value),
 //   * the arithmetic of every instruction as `__host__ __device__` inline functions, so the CPU
 //     and CUDA handlers compute exactly the same fp32 formulae,
-//   * the validation of a call (`PrepareHostUpdate`), shared by both handlers.
+//   * the validation of a call (`PrepareHostUpdate`), shared by both handlers,
+//   * the host CPU executor's interface (`BuildCpuPlan`, `RunCpuPlan`, defined in
+//     host_update.cc), which the CPU handler and the CUDA handler's `host_cpu` / `split`
+//     executors (host_update_kernels.cu) both run.
 //
 // The header compiles with a plain C++17 compiler and with nvcc.
 
 #ifndef JAXTIER_XLA_FFI_SRC_PROGRAM_H_
 #define JAXTIER_XLA_FFI_SRC_PROGRAM_H_
 
-// Returns the xla::ffi::Error of `expr` from the enclosing function when it is a failure.
-#define JT_RETURN_IF_ERROR(expr)                                  \
-  do {                                                            \
-    if (::xla::ffi::Error jt_error_ = (expr); jt_error_.failure()) { \
-      return jt_error_;                                           \
-    }                                                             \
-  } while (0)
-
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <optional>
 #include <string>
 #include <string_view>
 
+#include "ffi_helpers.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__CUDACC__)
@@ -378,49 +375,9 @@ JT_HD float EvalTernary(uint8_t op, float a, float b, float c) {
 
 namespace internal {
 
-inline std::string DtypeName(xla::ffi::DataType t) {
-  switch (t) {
-    case xla::ffi::DataType::F32:
-      return "float32";
-    case xla::ffi::DataType::BF16:
-      return "bfloat16";
-    case xla::ffi::DataType::F16:
-      return "float16";
-    case xla::ffi::DataType::F64:
-      return "float64";
-    case xla::ffi::DataType::S32:
-      return "int32";
-    case xla::ffi::DataType::S64:
-      return "int64";
-    case xla::ffi::DataType::PRED:
-      return "bool";
-    default:
-      return "dtype code " + std::to_string(static_cast<int>(t));
-  }
-}
-
-inline bool ToStorageType(xla::ffi::DataType t, uint8_t* out) {
-  switch (t) {
-    case xla::ffi::DataType::F32:
-      *out = kF32;
-      return true;
-    case xla::ffi::DataType::BF16:
-      *out = kBF16;
-      return true;
-    case xla::ffi::DataType::F16:
-      *out = kF16;
-      return true;
-    default:
-      return false;
-  }
-}
-
-// "Invalid <what> for <where> to jaxtier_host_update. Expected <expected>, got <got>."
-inline xla::ffi::Error Invalid(const std::string& what, const std::string& where,
-                               const std::string& expected, const std::string& got) {
-  return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
-                         "Invalid " + what + " for " + where + " to " + kOpName + ". Expected " +
-                             expected + ", got " + got + ".");
+// The storage type of a float storage dtype (CheckFloatStorage has accepted it).
+inline uint8_t StorageTypeOf(xla::ffi::DataType t) {
+  return t == xla::ffi::DataType::BF16 ? kBF16 : t == xla::ffi::DataType::F16 ? kF16 : kF32;
 }
 
 inline std::string Range(int64_t lo, int64_t hi) {
@@ -452,12 +409,12 @@ xla::ffi::Error GetAttr(const xla::ffi::Dictionary& attrs, const char* name,
                         const char* expected, bool required, T* out) {
   if (!attrs.contains(name)) {
     if (!required) return xla::ffi::Error::Success();
-    return Invalid("attribute", "the call", std::string("an attribute `") + name + "` (" +
-                   expected + ")", "none");
+    return Invalid(kOpName, "attribute", "the call",
+                   std::string("an attribute `") + name + "` (" + expected + ")", "none");
   }
   xla::ffi::ErrorOr<T> value = attrs.get<T>(name);
   if (value.has_error()) {
-    return Invalid("type", std::string("attribute ") + name, expected,
+    return Invalid(kOpName, "type", std::string("attribute ") + name, expected,
                    "another type (" + value.error().message() + ")");
   }
   *out = *value;
@@ -471,7 +428,6 @@ xla::ffi::Error GetAttr(const xla::ffi::Dictionary& attrs, const char* name,
 inline xla::ffi::Error DecodeHostUpdateAttrs(const xla::ffi::Dictionary& attrs,
                                              HostUpdateAttrs* out) {
   using internal::GetAttr;
-  using internal::Invalid;
   namespace ffi = xla::ffi;
   static constexpr const char* kKnown[] = {"aliases", "consts", "dha_fraction",
                                            "executor", "num_regs", "program"};
@@ -480,7 +436,7 @@ inline xla::ffi::Error DecodeHostUpdateAttrs(const xla::ffi::Dictionary& attrs,
     bool known = false;
     for (const char* k : kKnown) known = known || name == k;
     if (!known) {
-      return Invalid("attribute", "the call",
+      return Invalid(kOpName, "attribute", "the call",
                      "one of aliases, consts, dha_fraction, executor, num_regs, program",
                      "`" + std::string(name) + "`");
     }
@@ -493,12 +449,12 @@ inline xla::ffi::Error DecodeHostUpdateAttrs(const xla::ffi::Dictionary& attrs,
   JT_RETURN_IF_ERROR(
       GetAttr(attrs, "dha_fraction", "a float32 scalar", false, &out->dha_fraction));
   if (out->executor < 0 || out->executor >= kNumExecutors) {
-    return Invalid("value", "attribute executor",
+    return Invalid(kOpName, "value", "attribute executor",
                    "0 (host_dha), 1 (host_cpu) or 2 (split)", std::to_string(out->executor));
   }
   // Written so that NaN fails too.
   if (!(out->dha_fraction >= 0.0f && out->dha_fraction <= 1.0f)) {
-    return Invalid("value", "attribute dha_fraction", "a value in [0, 1]",
+    return Invalid(kOpName, "value", "attribute dha_fraction", "a value in [0, 1]",
                    std::to_string(out->dha_fraction));
   }
   return ffi::Error::Success();
@@ -519,19 +475,18 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
                                          xla::ffi::Span<const int32_t> aliases,
                                          HostUpdateParams* params) {
   using internal::Instr;
-  using internal::Invalid;
   using internal::Range;
   namespace ffi = xla::ffi;
 
   const int64_t num_operands = static_cast<int64_t>(args.size());
   const int64_t num_results = static_cast<int64_t>(rets.size());
   if (num_operands > kMaxOperands) {
-    return Invalid("number of operands", "the call", "at most " + std::to_string(kMaxOperands),
-                   std::to_string(num_operands));
+    return Invalid(kOpName, "number of operands", "the call",
+                   "at most " + std::to_string(kMaxOperands), std::to_string(num_operands));
   }
   if (num_results > kMaxResults) {
-    return Invalid("number of results", "the call", "at most " + std::to_string(kMaxResults),
-                   std::to_string(num_results));
+    return Invalid(kOpName, "number of results", "the call",
+                   "at most " + std::to_string(kMaxResults), std::to_string(num_results));
   }
   params->num_operands = static_cast<int32_t>(num_operands);
   params->num_results = static_cast<int32_t>(num_results);
@@ -540,17 +495,15 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
   int64_t n = -1;
   for (int64_t r = 0; r < num_results; ++r) {
     const std::string where = "result " + std::to_string(r);
-    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> buf = rets.get<ffi::AnyBuffer>(r);
-    if (buf.has_error()) return Invalid("type", where, "an array", "something else");
-    ffi::AnyBuffer b = **buf;
-    if (!internal::ToStorageType(b.element_type(), &params->result_type[r])) {
-      return Invalid("dtype", where, "float32, bfloat16 or float16",
-                     internal::DtypeName(b.element_type()));
-    }
+    std::optional<ffi::AnyBuffer> buf;
+    JT_RETURN_IF_ERROR(GetRet(kOpName, rets, r, where, &buf));
+    const ffi::AnyBuffer& b = *buf;
+    JT_RETURN_IF_ERROR(CheckFloatStorage(kOpName, where, b.element_type()));
+    params->result_type[r] = internal::StorageTypeOf(b.element_type());
     const int64_t count = static_cast<int64_t>(b.element_count());
     if (n < 0) n = count;
     if (count != n) {
-      return Invalid("element count", where, std::to_string(n) + " (as result 0)",
+      return Invalid(kOpName, "element count", where, std::to_string(n) + " (as result 0)",
                      std::to_string(count));
     }
     params->results[r] = b.untyped_data();
@@ -558,17 +511,15 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
   // Without results nothing is written; N then comes from the vector operands, if any.
   for (int64_t i = 0; i < num_operands; ++i) {
     const std::string where = "input " + std::to_string(i);
-    ffi::ErrorOr<ffi::AnyBuffer> buf = args.get<ffi::AnyBuffer>(i);
-    if (buf.has_error()) return Invalid("type", where, "an array", "something else");
-    const ffi::AnyBuffer b = *buf;
-    if (!internal::ToStorageType(b.element_type(), &params->operand_type[i])) {
-      return Invalid("dtype", where, "float32, bfloat16 or float16",
-                     internal::DtypeName(b.element_type()));
-    }
+    std::optional<ffi::AnyBuffer> buf;
+    JT_RETURN_IF_ERROR(GetArg(kOpName, args, i, where, &buf));
+    const ffi::AnyBuffer& b = *buf;
+    JT_RETURN_IF_ERROR(CheckFloatStorage(kOpName, where, b.element_type()));
+    params->operand_type[i] = internal::StorageTypeOf(b.element_type());
     const int64_t count = static_cast<int64_t>(b.element_count());
     if (n < 0 && count != 1) n = count;
     if (count != n && count != 1) {
-      return Invalid("element count", where,
+      return Invalid(kOpName, "element count", where,
                      std::to_string(n) + " (a vector operand) or 1 (a scalar operand)",
                      std::to_string(count));
     }
@@ -579,28 +530,28 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
 
   // Attributes.
   if (num_regs < 0 || num_regs > kMaxRegisters) {
-    return Invalid("value", "attribute num_regs", Range(0, kMaxRegisters + 1),
+    return Invalid(kOpName, "value", "attribute num_regs", Range(0, kMaxRegisters + 1),
                    std::to_string(num_regs));
   }
   params->num_registers = num_regs;
   if (consts.size() > static_cast<size_t>(kMaxConsts)) {
-    return Invalid("length", "attribute consts", "at most " + std::to_string(kMaxConsts),
+    return Invalid(kOpName, "length", "attribute consts", "at most " + std::to_string(kMaxConsts),
                    std::to_string(consts.size()));
   }
   for (size_t k = 0; k < consts.size(); ++k) params->consts[k] = consts[k];
   if (program.size() % kWordsPerInstruction != 0) {
-    return Invalid("length", "attribute program",
+    return Invalid(kOpName, "length", "attribute program",
                    "a multiple of " + std::to_string(kWordsPerInstruction),
                    std::to_string(program.size()));
   }
   const int64_t num_instructions = static_cast<int64_t>(program.size()) / kWordsPerInstruction;
   if (num_instructions > kMaxInstructions) {
-    return Invalid("number of instructions", "attribute program",
+    return Invalid(kOpName, "number of instructions", "attribute program",
                    "at most " + std::to_string(kMaxInstructions), std::to_string(num_instructions));
   }
   params->num_instructions = static_cast<int32_t>(num_instructions);
   if (aliases.size() != static_cast<size_t>(num_results)) {
-    return Invalid("length", "attribute aliases",
+    return Invalid(kOpName, "length", "attribute aliases",
                    std::to_string(num_results) + " (one entry per result)",
                    std::to_string(aliases.size()));
   }
@@ -614,16 +565,17 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
     const int32_t op = w[0], dst = w[1], a = w[2], b = w[3], c = w[4];
     const OpKind kind = KindOf(op);
     if (kind == OpKind::kInvalid) {
-      return Invalid("opcode", Instr(k, "op"), "an opcode listed in docs/design.md",
+      return Invalid(kOpName, "opcode", Instr(k, "op"), "an opcode listed in docs/design.md",
                      std::to_string(op));
     }
     // Register reads (must be in range and written by an earlier instruction).
     auto check_read = [&](int32_t reg, const char* field) -> ffi::Error {
       if (reg < 0 || reg >= num_regs) {
-        return Invalid("register index", Instr(k, field), Range(0, num_regs), std::to_string(reg));
+        return Invalid(kOpName, "register index", Instr(k, field), Range(0, num_regs),
+                       std::to_string(reg));
       }
       if (!written[reg]) {
-        return Invalid("register read", Instr(k, field),
+        return Invalid(kOpName, "register read", Instr(k, field),
                        "a register written by an earlier instruction",
                        "register " + std::to_string(reg) + ", not written yet");
       }
@@ -633,19 +585,21 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
     switch (kind) {
       case OpKind::kLoad:
         if (a < 0 || a >= num_operands) {
-          return Invalid("operand index", Instr(k, "a"), Range(0, num_operands), std::to_string(a));
+          return Invalid(kOpName, "operand index", Instr(k, "a"), Range(0, num_operands),
+                         std::to_string(a));
         }
         ins.a = static_cast<uint8_t>(a);
         break;
       case OpKind::kConst:
         if (a < 0 || a >= num_consts) {
-          return Invalid("const index", Instr(k, "a"), Range(0, num_consts), std::to_string(a));
+          return Invalid(kOpName, "const index", Instr(k, "a"), Range(0, num_consts),
+                         std::to_string(a));
         }
         ins.a = static_cast<uint8_t>(a);
         break;
       case OpKind::kStore:
         if (dst < 0 || dst >= num_results) {
-          return Invalid("result index", Instr(k, "dst"), Range(0, num_results),
+          return Invalid(kOpName, "result index", Instr(k, "dst"), Range(0, num_results),
                          std::to_string(dst));
         }
         JT_RETURN_IF_ERROR(check_read(a, "a"));
@@ -671,7 +625,8 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
     }
     if (kind != OpKind::kStore) {
       if (dst < 0 || dst >= num_regs) {
-        return Invalid("register index", Instr(k, "dst"), Range(0, num_regs), std::to_string(dst));
+        return Invalid(kOpName, "register index", Instr(k, "dst"), Range(0, num_regs),
+                       std::to_string(dst));
       }
       ins.dst = static_cast<uint8_t>(dst);
       written[dst] = true;
@@ -680,7 +635,7 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
   }
   for (int64_t r = 0; r < num_results; ++r) {
     if (!stored[r]) {
-      return Invalid("program", "result " + std::to_string(r),
+      return Invalid(kOpName, "program", "result " + std::to_string(r),
                      "a STORE to every result", "no STORE to this result");
     }
   }
@@ -692,24 +647,25 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
     const std::string where = "result " + std::to_string(r) + " (attribute aliases)";
     if (i == -1) continue;
     if (i < -1 || i >= num_operands) {
-      return Invalid("alias", where, "-1 or " + Range(0, num_operands), std::to_string(i));
+      return Invalid(kOpName, "alias", where, "-1 or " + Range(0, num_operands), std::to_string(i));
     }
     if (aliased[i]) {
-      return Invalid("alias", where, "each operand aliased by at most one result",
+      return Invalid(kOpName, "alias", where, "each operand aliased by at most one result",
                      "operand " + std::to_string(i) + " again");
     }
     aliased[i] = true;
     if (params->operand_type[i] != params->result_type[r]) {
-      return Invalid("alias", where, "an operand of the result's dtype",
+      return Invalid(kOpName, "alias", where, "an operand of the result's dtype",
                      "operand " + std::to_string(i) + " of another dtype");
     }
     if (params->operand_scalar[i] && params->n != 1) {
-      return Invalid("alias", where, "an operand of " + std::to_string(params->n) + " elements",
+      return Invalid(kOpName, "alias", where,
+                     "an operand of " + std::to_string(params->n) + " elements",
                      "operand " + std::to_string(i) + " of 1 element");
     }
     // A zero-size buffer has no meaningful address; nothing is written to it either.
     if (params->n > 0 && params->operands[i] != params->results[r]) {
-      return Invalid("alias", where,
+      return Invalid(kOpName, "alias", where,
                      "the buffer of input " + std::to_string(i) +
                          " (declare the pair in input_output_aliases and donate the input)",
                      "a different buffer");
@@ -726,6 +682,68 @@ inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
   JT_RETURN_IF_ERROR(DecodeHostUpdateAttrs(attrs, a));
   return PrepareHostUpdate(args, rets, a->program, a->consts, a->num_regs, a->aliases, params);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The host CPU executor (host_update.cc; plain C++17, no CUDA), shared by the CPU handler and by
+// the CUDA handler's `host_cpu` / `split` executors (host_update_kernels.cu), which run it from
+// host functions on their own streams.
+// ---------------------------------------------------------------------------------------------
+
+// Operand modes of a planned instruction: bit 0/1/2 set = field a/b/c reads a uniform slot.
+inline constexpr uint8_t kUniformA = 1, kUniformB = 2, kUniformC = 4;
+// For a planned LOAD: mode kInPlace = point the register at the operand's memory.
+inline constexpr uint8_t kInPlace = 8;
+// For a fused instruction (op2 != 0): the first op's value is op2's second operand, not its first.
+inline constexpr uint8_t kFusedSecond = 16;
+// For an instruction that defines a register: write the value straight into the memory of
+// f32 result `result` (whose STORE was dropped from the plan) and read it from there.
+inline constexpr uint8_t kDirectStore = 32;
+
+// One instruction of a CPU plan. A fused instruction (op2 != 0) computes
+//   t = op(r[a], r[b])  (or op(r[a]) for a unary op),  r[dst] = op2(t, r[c])  (or op2(r[c], t)
+// under kFusedSecond), every operation rounded to fp32 on its own: the two instructions of the
+// program it replaces, without the intermediate register.
+struct PlannedInstruction {
+  uint8_t op, mode, dst, a, b, c;
+  uint8_t op2 = 0;     // the second op of a fused instruction; 0: not fused
+  uint8_t result = 0;  // under kDirectStore: the result index
+};
+
+// The program rewritten for the CPU once per call (BuildCpuPlan): uniform values (consts,
+// scalar operands and everything computed only from them) evaluated once; pairs of arithmetic
+// instructions fused; in-place LOADs marked; f32 STOREs folded into the value's definition.
+struct CpuPlan {
+  int32_t num_instructions = 0;
+  PlannedInstruction instructions[kMaxInstructions];
+  float uniform[kMaxInstructions];  // one slot per uniform definition
+};
+
+// Builds the plan of `p`. Reads every scalar operand (element 0) through `p.operands`, so those
+// pointers must be host-readable and their values final. The in-place analysis compares operand
+// and result pointers: any later `p` passed to RunCpuPlan with this plan must alias the same
+// operand/result pairs (rebasing every vector pointer by the same element offset keeps that).
+void BuildCpuPlan(const HostUpdateParams& p, CpuPlan* plan);
+
+// Runs `plan` over elements [lo, hi) of `p`'s vector operands and results (host memory), split
+// across jaxtier's CPU thread pool (JAXTIER_CPU_THREADS, default: all hardware threads) when the
+// range is large. Scalar operands are not read (the plan holds their values). Blocks until done.
+// Pool threads adopt the calling thread's floating-point control (FTZ/DAZ, rounding).
+void RunCpuPlan(const HostUpdateParams& p, const CpuPlan& plan, int64_t lo, int64_t hi);
+
+// Sets IEEE defaults on the calling thread for its lifetime (x86: MXCSR 0x1f80, round to nearest,
+// no flush-to-zero, no denormals-are-zero; aarch64: FPCR 0) and restores the previous state.
+// The CUDA kernel computes with IEEE denormals (no --ftz), so the CPU executors run under this
+// when they serve a GPU program: both give the same bits.
+class ScopedIeeeFloatingPoint {
+ public:
+  ScopedIeeeFloatingPoint();
+  ~ScopedIeeeFloatingPoint();
+  ScopedIeeeFloatingPoint(const ScopedIeeeFloatingPoint&) = delete;
+  ScopedIeeeFloatingPoint& operator=(const ScopedIeeeFloatingPoint&) = delete;
+
+ private:
+  uint64_t saved_;
+};
 
 }  // namespace jaxtier::host_update
 

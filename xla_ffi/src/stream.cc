@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ffi_helpers.h"
 #include "handlers.h"
 #include "stream.h"
 #include "xla/ffi/api/ffi.h"

@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "program.h"  // JT_RETURN_IF_ERROR, DtypeName
+#include "ffi_helpers.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxtier {
@@ -53,42 +53,6 @@ struct Plan {
 
 namespace internal {
 
-// "Invalid <what> for <where> to <op>. Expected <expected>, got <got>."
-inline xla::ffi::Error Invalid(const char* op, const std::string& what, const std::string& where,
-                               const std::string& expected, const std::string& got) {
-  return xla::ffi::Error(xla::ffi::ErrorCode::kInvalidArgument,
-                         "Invalid " + what + " for " + where + " to " + op + ". Expected " +
-                             expected + ", got " + got + ".");
-}
-
-inline std::string Shape(xla::ffi::Span<const int64_t> dims, size_t from = 0) {
-  std::string s = "[";
-  for (size_t i = from; i < dims.size(); ++i) {
-    if (i > from) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
-
-inline std::string Dtype(xla::ffi::DataType t) { return host_update::internal::DtypeName(t); }
-
-inline xla::ffi::Error GetArg(const char* op, xla::ffi::RemainingArgs args, size_t i,
-                              const std::string& where, std::optional<xla::ffi::AnyBuffer>* out) {
-  xla::ffi::ErrorOr<xla::ffi::AnyBuffer> buf = args.get<xla::ffi::AnyBuffer>(i);
-  if (buf.has_error()) return Invalid(op, "type", where, "an array", "something else");
-  out->emplace(*buf);
-  return xla::ffi::Error::Success();
-}
-
-inline xla::ffi::Error GetRet(const char* op, xla::ffi::RemainingRets rets, size_t i,
-                              const std::string& where, std::optional<xla::ffi::AnyBuffer>* out) {
-  xla::ffi::ErrorOr<xla::ffi::Result<xla::ffi::AnyBuffer>> buf =
-      rets.get<xla::ffi::AnyBuffer>(i);
-  if (buf.has_error()) return Invalid(op, "type", where, "an array", "something else");
-  out->emplace(**buf);
-  return xla::ffi::Error::Success();
-}
-
 // Checks that operand i and result r are the same array type and adds the pass-through.
 inline xla::ffi::Error AddPass(const char* op, xla::ffi::RemainingArgs args, size_t i,
                                xla::ffi::RemainingRets rets, size_t r, Plan* plan) {
@@ -100,9 +64,9 @@ inline xla::ffi::Error AddPass(const char* op, xla::ffi::RemainingArgs args, siz
   if (in.element_type() != out.element_type() || in.size_bytes() != out.size_bytes()) {
     return Invalid(op, "type", "result " + std::to_string(r),
                    "the type of input " + std::to_string(i) + " (" +
-                       Dtype(in.element_type()) + ", " + std::to_string(in.size_bytes()) +
+                       DtypeName(in.element_type()) + ", " + std::to_string(in.size_bytes()) +
                        " bytes), which it aliases",
-                   Dtype(out.element_type()) + ", " + std::to_string(out.size_bytes()) +
+                   DtypeName(out.element_type()) + ", " + std::to_string(out.size_bytes()) +
                        " bytes");
   }
   plan->passes.push_back(Copy{in.untyped_data(), out.untyped_data(), in.size_bytes()});
@@ -130,14 +94,14 @@ inline xla::ffi::Error CheckSlice(const char* op, const xla::ffi::AnyBuffer& lea
   bool same = sdims.size() + 1 == dims.size();
   for (size_t d = 0; same && d < sdims.size(); ++d) same = sdims[d] == dims[d + 1];
   if (!same) {
-    return Invalid(op, "shape", slice_name, Shape(dims, 1) + " (a slice of " + leaf_name + " " +
-                                                Shape(dims) + ")",
-                   Shape(sdims));
+    return Invalid(op, "shape", slice_name,
+                   DimsString(dims, 1) + " (a slice of " + leaf_name + " " + DimsString(dims) + ")",
+                   DimsString(sdims));
   }
   if (slice.element_type() != leaf.element_type()) {
-    return Invalid(op, "dtype", slice_name, "the dtype of " + leaf_name + " (" +
-                                                Dtype(leaf.element_type()) + ")",
-                   Dtype(slice.element_type()));
+    return Invalid(op, "dtype", slice_name,
+                   "the dtype of " + leaf_name + " (" + DtypeName(leaf.element_type()) + ")",
+                   DtypeName(slice.element_type()));
   }
   *bytes = leaf.size_bytes() / static_cast<size_t>(num_slices);
   if (*bytes != slice.size_bytes()) {
@@ -158,7 +122,6 @@ inline constexpr const char kSendName[] = "jaxtier_stream_send";
 // fetch: n = num_leaves stacked leaves, then the `after` pass-throughs.
 inline xla::ffi::Error PrepareFetch(xla::ffi::RemainingArgs args, xla::ffi::RemainingRets rets,
                                     int64_t index, int64_t num_leaves, Plan* plan) {
-  using internal::Invalid;
   const char* op = kFetchName;
   const int64_t num_args = static_cast<int64_t>(args.size());
   if (static_cast<int64_t>(rets.size()) != num_args) {
@@ -177,8 +140,8 @@ inline xla::ffi::Error PrepareFetch(xla::ffi::RemainingArgs args, xla::ffi::Rema
     const std::string leaf_name = "input " + std::to_string(k) + " (host leaf " +
                                   std::to_string(k) + ")";
     const std::string slice_name = "result " + std::to_string(k);
-    JT_RETURN_IF_ERROR(internal::GetArg(op, args, k, leaf_name, &leaf));
-    JT_RETURN_IF_ERROR(internal::GetRet(op, rets, k, slice_name, &slice));
+    JT_RETURN_IF_ERROR(GetArg(op, args, k, leaf_name, &leaf));
+    JT_RETURN_IF_ERROR(GetRet(op, rets, k, slice_name, &slice));
     size_t offset = 0, bytes = 0;
     JT_RETURN_IF_ERROR(
         internal::CheckSlice(op, *leaf, leaf_name, *slice, slice_name, index, &offset, &bytes));
@@ -194,7 +157,6 @@ inline xla::ffi::Error PrepareFetch(xla::ffi::RemainingArgs args, xla::ffi::Rema
 // wait: results pass through the first operands; the rest of the operands are order-only.
 inline xla::ffi::Error PrepareWait(xla::ffi::RemainingArgs args, xla::ffi::RemainingRets rets,
                                    int32_t direction, Plan* plan) {
-  using internal::Invalid;
   const char* op = kWaitName;
   if (direction != kHostToDevice && direction != kDeviceToHost) {
     return Invalid(op, "value", "attribute direction", "0 (h2d) or 1 (d2h)",
@@ -217,7 +179,6 @@ inline xla::ffi::Error PrepareWait(xla::ffi::RemainingArgs args, xla::ffi::Remai
 // not its leaf's buffer is an error (the slice would be written into a copy that XLA made).
 inline xla::ffi::Error PrepareSend(xla::ffi::RemainingArgs args, xla::ffi::RemainingRets rets,
                                    int64_t index, Plan* plan) {
-  using internal::Invalid;
   const char* op = kSendName;
   const size_t n = rets.size();
   if (args.size() != 2 * n) {
@@ -234,9 +195,9 @@ inline xla::ffi::Error PrepareSend(xla::ffi::RemainingArgs args, xla::ffi::Remai
                                   std::to_string(k) + ")";
     const std::string value_name = "input " + std::to_string(n + k) + " (value " +
                                    std::to_string(k) + ")";
-    JT_RETURN_IF_ERROR(internal::GetArg(op, args, k, leaf_name, &leaf_buf));
-    JT_RETURN_IF_ERROR(internal::GetArg(op, args, n + k, value_name, &value_buf));
-    JT_RETURN_IF_ERROR(internal::GetRet(op, rets, k, "result " + std::to_string(k), &out_buf));
+    JT_RETURN_IF_ERROR(GetArg(op, args, k, leaf_name, &leaf_buf));
+    JT_RETURN_IF_ERROR(GetArg(op, args, n + k, value_name, &value_buf));
+    JT_RETURN_IF_ERROR(GetRet(op, rets, k, "result " + std::to_string(k), &out_buf));
     const xla::ffi::AnyBuffer& leaf = *leaf_buf;
     const xla::ffi::AnyBuffer& value = *value_buf;
     const xla::ffi::AnyBuffer& out = *out_buf;

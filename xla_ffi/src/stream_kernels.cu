@@ -47,9 +47,8 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_check.h"
+#include "ffi_helpers.h"
 #include "handlers.h"
-#include "program.h"  // JT_RETURN_IF_ERROR
 #include "stream.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -64,6 +63,15 @@ struct CopyStreams {
   cudaStream_t stream[2] = {};
 };
 
+// Creates the copy streams of `device` (the current device) in `streams`.
+ffi::Error CreateCopyStreams(const char* op, int device, CopyStreams* streams) {
+  for (cudaStream_t& s : streams->stream) {
+    JT_CUDA_CHECK(op, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
+                  "a jaxtier copy stream of device " + std::to_string(device));
+  }
+  return ffi::Error::Success();
+}
+
 // The copy streams of `device` (the current device), created on first use. Never freed.
 ffi::Error GetCopyStreams(const char* op, int device, CopyStreams** out) {
   static std::mutex registry_mu;
@@ -73,16 +81,13 @@ ffi::Error GetCopyStreams(const char* op, int device, CopyStreams** out) {
   CopyStreams*& slot = (*registry)[device];
   if (slot == nullptr) {
     auto streams = std::make_unique<CopyStreams>();
-    for (cudaStream_t& s : streams->stream) {
-      const cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-      if (e != cudaSuccess) {
-        for (cudaStream_t made : streams->stream) {
-          if (made != nullptr) cudaStreamDestroy(made);
-        }
-        return CudaError(op, "cudaStreamCreateWithFlags (jaxtier copy stream of device " +
-                                 std::to_string(device) + ")",
-                         e);
+    if (ffi::Error error = CreateCopyStreams(op, device, streams.get()); error.failure()) {
+      // Undo the streams made before the failure (their errors, if any, are not the one to
+      // report).
+      for (cudaStream_t made : streams->stream) {
+        if (made != nullptr) (void)cudaStreamDestroy(made);
       }
+      return error;
     }
     slot = streams.release();
   }
@@ -99,18 +104,14 @@ class ScopedDevice {
   ScopedDevice(const ScopedDevice&) = delete;
   ScopedDevice& operator=(const ScopedDevice&) = delete;
   ~ScopedDevice() {
-    if (switched_) cudaSetDevice(previous_);  // nothing can report an error here
+    if (switched_) (void)cudaSetDevice(previous_);  // nothing can report an error here
   }
 
   ffi::Error Enter(const char* op, int device) {
-    if (device < 0) {
-      return ffi::Error(ffi::ErrorCode::kInternal,
-                        std::string(op) + ": invalid device ordinal " + std::to_string(device));
-    }
-    JT_CUDA_CHECK(op, cudaGetDevice(&previous_), "cudaGetDevice");
+    if (device < 0) return Internal(op, "invalid device ordinal " + std::to_string(device));
+    JT_CUDA_CHECK(op, cudaGetDevice(&previous_), "");
     if (previous_ != device) {
-      JT_CUDA_CHECK(op, cudaSetDevice(device),
-                                     "cudaSetDevice(" + std::to_string(device) + ")");
+      JT_CUDA_CHECK(op, cudaSetDevice(device), "device " + std::to_string(device));
       switched_ = true;
     }
     return ffi::Error::Success();
@@ -132,9 +133,9 @@ struct StreamState {
     // Runs when XLA frees the executable, possibly at process exit: errors are ignored. An event
     // still pending is released by CUDA once it completes.
     for (cudaEvent_t e : events) {
-      if (e != nullptr) cudaEventDestroy(e);
+      if (e != nullptr) (void)cudaEventDestroy(e);
     }
-    cudaGetLastError();  // leave no error of ours behind for a later check on this thread
+    (void)cudaGetLastError();  // leave no error of ours behind for a later check on this thread
   }
 
   // This instance's event on `device` (the current device), created on first use.
@@ -142,9 +143,8 @@ struct StreamState {
     std::lock_guard<std::mutex> lock(mu);
     if (events.size() <= static_cast<size_t>(device)) events.resize(device + 1, nullptr);
     if (events[device] == nullptr) {
-      JT_CUDA_CHECK(
-          op, cudaEventCreateWithFlags(&events[device], cudaEventDisableTiming),
-          "cudaEventCreateWithFlags");
+      JT_CUDA_CHECK(op, cudaEventCreateWithFlags(&events[device], cudaEventDisableTiming),
+                    "the call site's event on device " + std::to_string(device));
     }
     *out = events[device];
     return ffi::Error::Success();
@@ -171,10 +171,8 @@ ffi::Error CopyUnaliasedPasses(const char* op, const stream::Plan& plan, cudaStr
   for (size_t i = 0; i < plan.passes.size(); ++i) {
     const stream::Copy& c = plan.passes[i];
     if (c.src == c.dst || c.bytes == 0) continue;
-    JT_CUDA_CHECK(
-        op, cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
-        "cudaMemcpyAsync (pass-through " + std::to_string(i) +
-            ", not aliased by XLA, on XLA's stream)");
+    JT_CUDA_CHECK(op, cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, stream),
+                  "pass-through " + std::to_string(i) + ", not aliased by XLA, on XLA's stream");
   }
   return ffi::Error::Success();
 }
@@ -184,17 +182,14 @@ ffi::Error CopyUnaliasedPasses(const char* op, const stream::Plan& plan, cudaStr
 ffi::Error EnqueueCopies(const char* op, cudaStream_t xla_stream, cudaEvent_t ev,
                          cudaStream_t copy_stream, const std::vector<stream::Copy>& copies,
                          int64_t index, const char* what) {
-  JT_CUDA_CHECK(op, cudaEventRecord(ev, xla_stream),
-                                 "cudaEventRecord (on XLA's stream)");
-  JT_CUDA_CHECK(op, cudaStreamWaitEvent(copy_stream, ev, 0),
-                                 "cudaStreamWaitEvent (jaxtier copy stream on XLA's stream)");
+  JT_CUDA_CHECK(op, cudaEventRecord(ev, xla_stream), "on XLA's stream");
+  JT_CUDA_CHECK(op, cudaStreamWaitEvent(copy_stream, ev, 0), "jaxtier copy stream on XLA's stream");
   for (size_t k = 0; k < copies.size(); ++k) {
     const stream::Copy& c = copies[k];
     if (c.bytes == 0) continue;
-    JT_CUDA_CHECK(
-        op, cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, copy_stream),
-        std::string("cudaMemcpyAsync (") + what + ", leaf " + std::to_string(k) + ", slice " +
-            std::to_string(index) + ", " + std::to_string(c.bytes) + " bytes)");
+    JT_CUDA_CHECK(op, cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, copy_stream),
+                  std::string(what) + ", leaf " + std::to_string(k) + ", slice " +
+                      std::to_string(index) + ", " + std::to_string(c.bytes) + " bytes");
   }
   return ffi::Error::Success();
 }
@@ -242,12 +237,10 @@ ffi::Error StreamWaitCudaImpl(cudaStream_t xla_stream, int32_t device, StreamSta
   JT_RETURN_IF_ERROR(CopyResources(op, device, state, &streams, &ev));
   {
     std::lock_guard<std::mutex> lock(streams->mu);
-    JT_CUDA_CHECK(
-        op, cudaEventRecord(ev, streams->stream[direction]),
-        direction == stream::kHostToDevice ? "cudaEventRecord (on jaxtier's h2d stream)"
-                                           : "cudaEventRecord (on jaxtier's d2h stream)");
-    JT_CUDA_CHECK(op, cudaStreamWaitEvent(xla_stream, ev, 0),
-                                   "cudaStreamWaitEvent (XLA's stream on a jaxtier stream)");
+    JT_CUDA_CHECK(op, cudaEventRecord(ev, streams->stream[direction]),
+                  direction == stream::kHostToDevice ? "on jaxtier's h2d stream"
+                                                     : "on jaxtier's d2h stream");
+    JT_CUDA_CHECK(op, cudaStreamWaitEvent(xla_stream, ev, 0), "XLA's stream on a jaxtier stream");
   }
   // After the stream wait: an unaliased `arrays` operand may be a slice still being fetched.
   return CopyUnaliasedPasses(op, plan, xla_stream);
