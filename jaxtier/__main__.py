@@ -22,11 +22,16 @@ import logging
 import re
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
 import jaxtier  # (imports jax first)
-from jaxtier.examples import train as train_lib
+
+try:  # the example trainer defines the flags of train and plan (its model's configs)
+  from jaxtier.examples import train as train_lib
+except ImportError as e:  # flax / optax / tqdm: the `examples` extra
+  sys.exit(f"python -m jaxtier: the example trainer needs {e.name!r}: install jaxtier with its "
+           "examples extra, pip install 'jaxtier[examples]' (from a checkout: "
+           "pip install '.[examples]')")
 
 COMMANDS = ("train", "plan", "calibrate")
 _JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
@@ -44,6 +49,7 @@ _STREAM = flags.DEFINE_bool("stream", False, "plan: let the planner stream param
 def plan_main() -> None:
   """Prints the plan for the example decoder config of `--config`, allocating nothing."""
   import dataclasses  # pylint: disable=g-import-not-at-top
+
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
@@ -81,20 +87,20 @@ def plan_main() -> None:
       raise app.UsageError(str(e)) from e
     plan, refused = e.plan, str(e)
   if _PLOT.value:
-    path = plot_plan(plan, _PLOT.value, title=f"jaxtier plan: {flags.FLAGS.config} on "
+    path = jaxtier.plot_plan(plan, _PLOT.value, title=f"jaxtier plan: {flags.FLAGS.config} on "
                      f"{platform}, batch {batch} x seq {seq_len}")
-  # Within its budgets: not refused, and no budget the plan's notes say it misses.
-  fits = refused is None and not any(n.startswith("DOES NOT FIT") for n in plan.notes)
+  # Within its budgets: not refused, and no budget the plan misses.
+  fits = refused is None and plan.fits
   if _JSON.value:
     import json  # pylint: disable=g-import-not-at-top
     out = json.loads(plan.to_json())
-    out["fits"] = fits
+    out["fits"] = fits  # the plan's own verdict, and not refused
     out["refused"] = None if refused is None else refused.removeprefix("jaxtier: ")
     print(json.dumps(out, indent=1))
     sys.exit(0 if fits else 1)  # as the text form: 1 for a refused or over-budget plan
   if platform == "gpu" and jax.default_backend() != "gpu":
-    from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
-    prof = profile.load(platform=platform, warn=False)
+
+    prof = jaxtier.load_profile(platform=platform, warn=False)
     which = ("the default hardware profile: an H200 machine as measured for jaxtier "
              "(docs/design.md)" if prof.is_default else f"the stored hardware profile, {prof.source}")
     print(f"note: no GPU here; planning for a GPU with {which}; pinnable host memory from that "
@@ -153,71 +159,6 @@ def _unwritable(path: str) -> "str | None":
   return None
 
 
-def leaf_group(path: str, role: str) -> str:
-  """A leaf's group for summaries: its role and first three named path components."""
-  import re  # pylint: disable=g-import-not-at-top
-  names = [a or b for a, b in re.findall(r"\['([^']+)'\]|\.([A-Za-z_]\w*)", path)]
-  names = [n for n in names if n != "value"]
-  return f"{role}: {'/'.join(names[:3]) or path}"
-
-
-def plot_plan(plan, path: str, *, title: str = "jaxtier plan") -> str:
-  """Draws device and pinned host bytes per leaf group of `plan` into the image `path`.
-
-  Two panels of horizontal bars: HBM (device state per group, with the predicted peak and the
-  budget planned against as lines) and pinned host memory (host leaves and fp32 masters).
-
-  Returns:
-    The path written.
-  """
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-  groups: dict[str, list[float]] = {}
-  for leaf in plan.leaves:
-    g = groups.setdefault(leaf_group(leaf.path, leaf.role), [0.0, 0.0])
-    if leaf.memory_kind == "device":
-      g[0] += leaf.nbytes
-    else:
-      g[1] += leaf.nbytes
-    g[1] += leaf.master_nbytes
-  names = sorted(groups, key=lambda k: -(groups[k][0] + groups[k][1]))
-  if plan.predicted_peak_hbm_bytes:
-    transient = "transient: gradients, activations, workspace (predicted)"
-    groups[transient] = [max(0, plan.predicted_peak_hbm_bytes - plan.device_bytes), 0.0]
-    names.insert(0, transient)
-  gib = 2.0**30
-  fig, axes = plt.subplots(1, 2, figsize=(13, 1.2 + 0.35 * max(4, len(names))), sharey=True)
-  ys = range(len(names))
-  axes[0].barh(ys, [groups[n][0] / gib for n in names], color="tab:blue")
-  axes[0].set_title("device (HBM), GiB per device")
-  if plan.predicted_peak_hbm_bytes:
-    axes[0].axvline(plan.predicted_peak_hbm_bytes / gib, color="tab:red", ls="--",
-                    label=f"predicted peak {plan.predicted_peak_hbm_bytes / gib:.1f}")
-  budget = plan.planned_device_budget or plan.device_budget
-  if budget:
-    axes[0].axvline(budget / gib, color="black", ls=":", label=f"budget {budget / gib:.1f}")
-  axes[1].barh(ys, [groups[n][1] / gib for n in names], color="tab:orange")
-  axes[1].set_title(f"pinned host, GiB per device (total {plan.pinned_bytes / gib:.1f})")
-  if plan.host_budget:
-    axes[1].axvline(plan.host_budget / gib, color="black", ls=":",
-                    label=f"budget {plan.host_budget / gib:.1f}")
-  axes[0].set_yticks(list(ys))
-  axes[0].set_yticklabels(names, fontsize=8)
-  axes[0].invert_yaxis()
-  for ax in axes:
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=8, loc="lower right")
-  step = (f"predicted step {plan.predicted_step_secs * 1e3:.0f} ms, critical path "
-          f"{plan.critical_path}" if plan.predicted_step_secs is not None else "")
-  fig.suptitle(f"{title}\n{step}", fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
-
-
 def main(argv: list[str]) -> None:
   # JAX logs at INFO that it found no TPU; the commands' own output is what matters here.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
@@ -257,14 +198,14 @@ def calibrate_main() -> None:
   """Measures and stores a `HardwareProfile`; says which figures are defaults."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   import json  # pylint: disable=g-import-not-at-top
+
   import jax  # pylint: disable=g-import-not-at-top
 
-  from jaxtier._src import planner  # pylint: disable=g-import-not-at-top
-  from jaxtier._src import profile  # pylint: disable=g-import-not-at-top
+
   gpu = jax.default_backend() == "gpu"
   # Without a GPU the warning below is the one said (not also calibrate()'s log line).
-  prof = profile.calibrate(warn=False)
-  path = profile.save(prof)
+  prof = jaxtier.calibrate(save=False, warn=False)
+  path = jaxtier.save_profile(prof)
   if _JSON.value:
     print(json.dumps(dataclasses.asdict(prof), indent=1))
     return
@@ -272,20 +213,20 @@ def calibrate_main() -> None:
     print("warning: no GPU here: the link, zero-copy and GPU executor figures are the H200 "
           "defaults (docs/design.md); the host side was measured, and matmul_tflops / hbm_gbps "
           "are this CPU's (the CPU backend's compute device)")
-  default = profile.DEFAULT_PROFILE.rates()
+  default = jaxtier.DEFAULT_PROFILE.rates()
   for name, value in prof.rates().items():
     mark = "" if value != default[name] else "  (default)"
     if name.endswith("_bytes"):
-      shown = f"{value:,} ({planner.format_bytes(value)})"
+      shown = f"{value:,} ({jaxtier.format_bytes(value)})"
     elif isinstance(value, int):
       shown = str(value)
     else:
-      shown = profile.format_rate(value)
+      shown = jaxtier.format_rate(value)
     print(f"{name:<28} {shown}{mark}")
   print(f"{'device_kind':<28} {prof.device_kind}")
   print(f"{'versions':<28} {prof.versions}")
   if gpu:  # the split executor exists on a GPU only
-    print(f"split share of the DHA kernel: {profile.split_fraction(prof):.3f}")
+    print(f"split share of the DHA kernel: {jaxtier.split_fraction(prof):.3f}")
   print(f"saved to {path}")
 
 

@@ -45,7 +45,8 @@ def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
   assert out.returncode == 1, out.stderr[-2000:]
   plan = json.loads(out.stdout)
   assert plan["fits"] is False and plan["refused"] is None
-  assert any(n.startswith("DOES NOT FIT") for n in plan["notes"])
+  assert plan["verdicts"] and not any("DOES NOT FIT" in n for n in plan["notes"])
+  assert any(v["limit"] == "device_budget" for v in plan["violations"]), plan["violations"]
 
 
 def test_plan_json_fitting_exits_0(tmp_path):

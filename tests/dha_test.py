@@ -2,12 +2,14 @@
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtier._src import lowering
-from jaxtier._src.primitives import dha
+from jaxtier._src.primitives import base as ffi
+from jaxtier.experimental import dha
+from jaxtier._src.lowering import hlo as hlo_lib
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 
@@ -253,7 +255,7 @@ def _check_guard(device):
     hlo = lowered.compile().as_text()
     assert "S(5)" in hlo  # the host operand is in the host memory space
     assert hlo.count(f'custom_call_target="{target}"') == count, hlo
-    assert lowering.hlo_violations(hlo, target=target) == [], hlo
+    assert hlo_lib.hlo_violations(hlo, target=target) == [], hlo
 
 
 def test_hlo_guard_cpu():
@@ -267,7 +269,7 @@ def test_hlo_guard_flags_a_sliced_host_weight():
   x = jnp.ones((4, 16), jnp.float32)
   bad = jax.jit(lambda x, w: dha.matmul(x, w[1]), in_shardings=(dev, host))
   hlo = bad.lower(x, w).compile().as_text()
-  got = lowering.hlo_violations(hlo, target=dha.MATMUL_TARGET)
+  got = hlo_lib.hlo_violations(hlo, target=dha.MATMUL_TARGET)
   assert len(got) == 1 and "from a host parameter" in got[0], got
 
 
@@ -309,7 +311,7 @@ def test_traced_index_is_rejected():
 
 def test_handler_checks_shapes():
   # Bypassing the Python checks: the handler itself names the op and the operand.
-  from jaxtier._src import ffi
+
   ffi.ensure_registered()
   def call(x, w, index=0, partial=(0,)):
     f = jax.ffi.ffi_call(dha.MATMUL_TARGET, (jax.ShapeDtypeStruct((2, 3), jnp.float32),

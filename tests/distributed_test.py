@@ -110,17 +110,17 @@ WORKER = textwrap.dedent("""
     hlo = step.lower_update(state, batch).compile().as_text()
 
     # Admission counts both local devices' shards against this host's free memory.
-    from jaxtier._src import planner
+    from jaxtier._src.hardware import host as host_lib
     host_bytes = step.plan.pinned_bytes  # per device
-    admitted, real = {}, planner._mem_available_bytes
+    admitted, real = {}, host_lib.available_bytes
     for avail in (2 * host_bytes - 1, 2 * host_bytes):
-      planner._mem_available_bytes = lambda: avail
+      host_lib.available_bytes = lambda: avail
       try:
         jaxtier.plan(T.train_step, state, batch, policy=T.POLICY)
         admitted[avail] = True
       except jaxtier.AdmissionError as e:
         admitted[avail] = str(e)
-    planner._mem_available_bytes = real
+    host_lib.available_bytes = real
 
     # A state of numpy leaves, different in each process: each trains its own copy on its own
     # first device (nothing global).

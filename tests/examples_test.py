@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtier._src.hardware import host as host_lib
 from jaxtier.examples import data, llama, train
 
 MICRO = llama.LlamaConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64,
@@ -225,6 +226,7 @@ def test_bf16_params_get_masters_under_remat_and_scan():
   # nnx.scan with a remat policy hands the stacked params back out of the scan; the optimizer
   # update reads that pass-through, which must still count as reading the param (fp32 master).
   import dataclasses
+
   import jaxtier
   cfg = dataclasses.replace(MICRO, param_dtype=jnp.bfloat16,
                             remat_policy="dots_with_no_batch_dims_saveable")
@@ -241,8 +243,8 @@ def test_run_refuses_a_state_larger_than_host_memory_before_allocating(corpus, m
   # On the CPU backend the state is built in host memory: a config whose state exceeds what
   # the host has available is refused with the sizes before anything is allocated (it used to
   # end in an allocator abort). `small` needs ~0.2 GiB; the host is made to have 64 MiB.
-  from jaxtier._src import planner  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(planner, "_mem_available_bytes", lambda: 64 << 20)
+
+  monkeypatch.setattr(host_lib, "available_bytes", lambda: 64 << 20)
   built = []
   monkeypatch.setattr(train, "make_train_state",
                       lambda *a, **k: built.append(k.get("abstract")) or

@@ -17,14 +17,18 @@ so in the mixed case the device param is not donated.)
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtier._src import lowering
-from jaxtier._src import profile
+from jaxtier._src.hardware import calibrate as calibration
+from jaxtier._src.hardware import profile
+from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import host_update as hu
+from jaxtier._src.primitives import programs as op_programs
 from jaxtier._src.primitives.host_update import Op
+from jaxtier._src.vocab import Executor
+from jaxtier._src.lowering import hlo as hlo_lib
 
 # The executors compared with host_dha on the GPU: (executor, dha_fraction).
 OTHERS = [("host_cpu", 0.5), ("split", 0.37), ("split", 0.0), ("split", 1.0)]
@@ -36,7 +40,7 @@ ALIASES = [0, 1, 2, -1, -1]
 
 
 def _program() -> hu.Program:
-  base = profile.adamw_program(b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
+  base = op_programs.adamw_program(b1=0.9, b2=0.999, eps=1e-8, weight_decay=1e-4)
   code = base.code.tolist()
   assert code[29] == [Op.ADD, 0, 0, 13, 0] and code[30][0] == Op.STORE  # u * -lr is in r13
   extra = [[Op.LOAD, 14, 7, 0, 0], [Op.ADD, 14, 14, 13, 0], [Op.STORE, 4, 14, 0, 0]]
@@ -137,7 +141,7 @@ def test_all_executors_give_the_same_bits_on_cpu(n):
 
 
 def test_bad_executor_and_fraction_rejected_in_python():
-  prog = profile.adamw_program()
+  prog = op_programs.adamw_program()
   x = jnp.ones((8,), jnp.float32)
   ops = [x, x, x, x, x[:1], x[:1], x[:1]]
   shapes = [jax.ShapeDtypeStruct((8,), jnp.float32)] * 4
@@ -150,7 +154,7 @@ def test_bad_executor_and_fraction_rejected_in_python():
 
 def _direct_call(device, **attrs):
   """The custom call built by hand, so that attribute values the Python side refuses reach it."""
-  from jaxtier._src import ffi  # pylint: disable=g-import-not-at-top
+
   ffi.ensure_registered()
   code = np.asarray([Op.LOAD, 0, 0, 0, 0, Op.NEG, 1, 0, 0, 0, Op.STORE, 0, 1, 0, 0], np.int32)
   call = jax.ffi.ffi_call(hu.TARGET, jax.ShapeDtypeStruct((4,), jnp.float32))
@@ -196,7 +200,7 @@ def test_reference_path_ignores_executor(monkeypatch):
 def test_hlo_guard_cpu(executor, fraction):
   compiled, _ = _compiled(jax.devices("cpu")[0], 4096, executor, fraction)
   hlo = compiled.as_text()
-  assert lowering.hlo_violations(hlo) == []
+  assert hlo_lib.hlo_violations(hlo) == []
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == 1
 
 
@@ -206,16 +210,16 @@ def test_profile_split_fraction_and_calibrate():
   assert 0 < profile.split_fraction() < 1
   with pytest.raises(ValueError, match="expected link_h2d_gbps > 0"):
     profile.HardwareProfile(link_h2d_gbps=0)
-  measured = profile.calibrate(num_params=1 << 16)
+  measured = calibration.calibrate(num_params=1 << 16)
   assert measured.cpu_adamw_params_per_sec > 0
   if jax.default_backend() == "cpu":  # no link to measure: the H200's figure stays
     assert measured.link_h2d_gbps == profile.DEFAULT_PROFILE.link_h2d_gbps
   else:
     assert measured.link_h2d_gbps != profile.DEFAULT_PROFILE.link_h2d_gbps
     assert "gpu and host measured" in measured.source
-  assert profile.calibrate(measure_cpu=False, measure_device=False) == profile.DEFAULT_PROFILE
+  assert calibration.calibrate(measure_cpu=False, measure_device=False) == profile.DEFAULT_PROFILE
   if jax.default_backend() == "cpu":  # the compute device is this CPU: its rates replace an H200's
-    compute_only = profile.calibrate(measure_cpu=False)
+    compute_only = calibration.calibrate(measure_cpu=False)
     assert compute_only.matmul_tflops != profile.DEFAULT_PROFILE.matmul_tflops
     assert compute_only.cpu_adamw_params_per_sec == profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec
 
@@ -223,8 +227,8 @@ def test_profile_split_fraction_and_calibrate():
 def test_measure_gpu_adamw_runs_each_executor():
   # On the GPU it times the executors; here the same programs (memory kinds, aliases, donation)
   # run on the CPU backend's handler: each compiles and runs.
-  rates = profile.measure_gpu_adamw(jax.devices()[0], 1 << 12, reps=1)
-  assert set(rates) == {hu.HOST_DHA, hu.HOST_CPU}
+  rates = calibration.measure_gpu_adamw(jax.devices()[0], 1 << 12, reps=1)
+  assert set(rates) == {Executor.HOST_DHA, Executor.HOST_CPU}
   assert all(r > 0 for r in rates.values())
 
 
@@ -241,7 +245,7 @@ def _dha_result(gpu, n, state_kind="pinned_host"):
 
 
 def _require_cuda_build():
-  from jaxtier._src import ffi  # pylint: disable=g-import-not-at-top
+
   if not ffi.has_cuda():
     pytest.fail("jaxtier was built without CUDA; reinstall with "
                 "-Ccmake.define.JAXTIER_ENABLE_CUDA=ON")
@@ -293,7 +297,7 @@ def test_hlo_guard_gpu(gpu, executor, fraction):
   _require_cuda_build()
   compiled, _ = _compiled(gpu, 1 << 20, executor, fraction)
   hlo = compiled.as_text()
-  assert lowering.hlo_violations(hlo) == []
+  assert hlo_lib.hlo_violations(hlo) == []
   assert "S(5)" in hlo  # the state reaches the call in the host memory space
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == 1
 

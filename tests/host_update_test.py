@@ -11,7 +11,8 @@ import optax
 import pytest
 
 import jaxtier
-from jaxtier._src import lowering
+from jaxtier._src.lowering import hlo as hlo_lib
+from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.primitives.host_update import Op
 
@@ -142,7 +143,7 @@ def test_reference_equals_handler_on_adamw_program():
 def test_handler_rejects_bad_program():
   # Register index 70 is beyond the 64 registers: the handler says so (the Python-side
   # Program check is bypassed by building the call directly).
-  from jaxtier._src import ffi
+
   ffi.ensure_registered()
   call = jax.ffi.ffi_call(hu.TARGET, jax.ShapeDtypeStruct((4,), jnp.float32))
   with pytest.raises(Exception, match="jaxtier_host_update"):
@@ -302,7 +303,7 @@ def _assert_hlo_clean(off, state, batch):
   # The fused updates run in the step's second program; the first has none of them.
   assert hu.TARGET not in off.lower(state, batch).compile().as_text()
   hlo = off.lower_update(state, batch).compile().as_text()
-  assert lowering.hlo_violations(hlo) == []
+  assert hlo_lib.hlo_violations(hlo) == []
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == off.plan.num_host_updates
   return hlo
 
@@ -319,14 +320,14 @@ def test_hlo_guard_flags_a_copy():
   %copy.1 = f32[8]{0} copy(%p0)
   ROOT %cc = f32[8]{0} custom-call(%copy.1), custom_call_target="jaxtier_host_update_ffi"
 }"""
-  assert lowering.hlo_violations(bad) == [
+  assert hlo_lib.hlo_violations(bad) == [
       "cc: operand copy.1 is produced by `copy` from a host parameter"]
   # The same copy from a device parameter is no violation (XLA may copy device operands).
-  assert lowering.hlo_violations(bad.replace("{0:S(5)}", "{0}")) == []
+  assert hlo_lib.hlo_violations(bad.replace("{0:S(5)}", "{0}")) == []
   # Layout-only S(5) (the CPU backend prints it only in the entry layout) counts too.
   with_layout = "HloModule m, entry_computation_layout={(f32[8]{0:S(5)})->f32[8]{0}}\n" + (
       bad.replace("{0:S(5)}", "{0}"))
-  assert len(lowering.hlo_violations(with_layout)) == 1
+  assert len(hlo_lib.hlo_violations(with_layout)) == 1
 
 
 def test_hlo_guard_gpu(gpu):

@@ -1,4 +1,4 @@
-"""Multi-path fetch of a replicated pinned_host leaf (jaxtier/_src/multipath.py).
+"""Multi-path fetch of a replicated pinned_host leaf (jaxtier/experimental/multipath.py).
 
 The 8-device checks run in a subprocess (the forced device count must be set before JAX starts
 its backend); the GPU test runs on every GPU the machine has.
@@ -12,18 +12,19 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxtier._src import multipath as mp
+from jaxtier.experimental import multipath
 
 SCRIPT = textwrap.dedent("""
     import json, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from jaxtier._src import multipath as mp
+    from jaxtier.experimental import multipath as mp
 
     out = {}
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -168,13 +169,13 @@ def test_two_axis_mesh_splits_over_the_named_axis_only(eight):
 def test_all_gather_groups_reads_every_replica_groups_form(text, want):
   line = (f"  %ag = f32[64,16]{{1,0}} all-gather(f32[16,16]{{1,0}} %p), channel_id=1, "
           f"replica_groups={text}, dimensions={{0}}, use_global_device_ids=true")
-  assert mp.all_gather_groups(line) == [want]
-  assert mp.all_gather_groups(line.replace("all-gather(", "all-gather-start(")) == [want]
+  assert multipath.all_gather_groups(line) == [want]
+  assert multipath.all_gather_groups(line.replace("all-gather(", "all-gather-start(")) == [want]
 
 
 def test_all_gather_groups_rejects_an_unknown_form():
   with pytest.raises(ValueError, match="unknown replica_groups form"):
-    mp.all_gather_groups("  %ag = f32[8] all-gather(f32[1] %p), replica_groups=<<0,1>>")
+    multipath.all_gather_groups("  %ag = f32[8] all-gather(f32[1] %p), replica_groups=<<0,1>>")
 
 
 def test_errors_name_the_problem(eight):
@@ -193,16 +194,16 @@ def test_on_every_gpu(gpu):
   n = len(devices)
   w = jnp.asarray(np.random.default_rng(0).normal(size=(3, 64 * n, 128)), jnp.bfloat16)
   wh = jax.device_put(w, NamedSharding(mesh, P(), memory_kind="pinned_host"))
-  ws = jax.device_put(w, NamedSharding(mesh, mp.sharded_host_spec("d", 0, indexed=True),
+  ws = jax.device_put(w, NamedSharding(mesh, multipath.sharded_host_spec("d", 0, indexed=True),
                                        memory_kind="pinned_host"))
-  for fetch, x in ((lambda x, i: mp.fetch_replicated(x, mesh, "d", index=i), wh),
-                   (lambda x, i: mp.fetch_single_path(x, mesh, index=i), wh),
-                   (lambda x, i: mp.fetch_sharded(x, mesh, "d", index=i), ws)):
+  for fetch, x in ((lambda x, i: multipath.fetch_replicated(x, mesh, "d", index=i), wh),
+                   (lambda x, i: multipath.fetch_single_path(x, mesh, index=i), wh),
+                   (lambda x, i: multipath.fetch_sharded(x, mesh, "d", index=i), ws)):
     f = jax.jit(fetch)
     got = f(x, 1)
     assert got.sharding.memory_kind == "device"
     for s in got.addressable_shards:
       np.testing.assert_array_equal(np.asarray(s.data, np.float32), np.asarray(w[1], np.float32))
   if n > 1:  # with one GPU the gather over a 1-device axis may be folded away.
-    hlo = jax.jit(lambda x: mp.fetch_replicated(x, mesh, "d", index=1)).lower(wh).compile()
-    assert mp.count_all_gathers(hlo.as_text()) == 1
+    hlo = jax.jit(lambda x: multipath.fetch_replicated(x, mesh, "d", index=1)).lower(wh).compile()
+    assert multipath.count_all_gathers(hlo.as_text()) == 1

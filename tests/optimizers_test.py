@@ -243,9 +243,9 @@ def test_offloaded_equals_device_training(name, device_runs):
 
 def _host_update_inputs(step):
   """Per fused component: its primitives, and the device-computed (non-leaf) array operands."""
-  jaxpr = step._inventory.closed_jaxpr.jaxpr  # pylint: disable=protected-access
+  jaxpr = step._planned.inventory.closed_jaxpr.jaxpr  # pylint: disable=protected-access
   out = []
-  for cc in step._compiled:  # pylint: disable=protected-access
+  for cc in step.plan.components:  # pylint: disable=protected-access
     prims = {jaxpr.eqns[k].primitive.name for k in cc.component.eqns}
     arrays = [s for s in cc.operands
               if s.kind == "value" and s.index < 0 and int(np.prod(s.var.aval.shape)) > 1]

@@ -4,13 +4,14 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxtier._src import lowering
+from jaxtier._src.lowering import hlo as hlo_lib
+from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import stream
-
 
 # The CPU tests run on the CPU backend wherever they run (on the H200 too: the GPU has its own
 # tests below, whose reference programs allow for the GPU's fusion choices).
@@ -291,8 +292,8 @@ def _compiled_single_calls():
 def test_hlo_guard_host_leaf_is_the_entry_parameter(target, monkeypatch):
   monkeypatch.delenv("JAXTIER_DISABLE_FFI", raising=False)
   text = _compiled_single_calls()[target].compile().as_text()
-  assert lowering.hlo_violations(text, target=target) == []
-  assert lowering._host_parameters(text) == {0}  # the host leaf is in S(5)
+  assert hlo_lib.hlo_violations(text, target=target) == []
+  assert hlo_lib._host_parameters(text) == {0}  # the host leaf is in S(5)
   # The call reads the entry parameter itself: no copy, slice or fusion in between.
   (operands,) = _call_operands(text, target)
   params = _entry_parameters(text)
@@ -306,12 +307,12 @@ def test_hlo_guard_flags_sliced_or_undonated_host_leaf(monkeypatch):
   # A host leaf sliced in JAX before the fetch: XLA copies the window.
   text = jax.jit(lambda W, v: stream.wait(stream.fetch([W[1:]], 0)[0], after=[v])).lower(
       W, v).compile().as_text()
-  bad = lowering.hlo_violations(text, target=stream.FETCH_TARGET)
+  bad = hlo_lib.hlo_violations(text, target=stream.FETCH_TARGET)
   assert len(bad) == 1 and "from a host parameter" in bad[0], bad
   # A send into a host leaf that is not donated: XLA copies the whole leaf first.
   text = jax.jit(lambda G, v: stream.send([G], [v], 1)[0],
                  out_shardings=_sharding("pinned_host")).lower(W, v).compile().as_text()
-  bad = lowering.hlo_violations(text, target=stream.SEND_TARGET)
+  bad = hlo_lib.hlo_violations(text, target=stream.SEND_TARGET)
   assert len(bad) == 1 and "from a host parameter" in bad[0], bad
 
 
@@ -349,7 +350,7 @@ def test_handler_errors(monkeypatch):
   # The C++ checks, reached by calling the targets directly (the Python wrappers never pass
   # such calls).
   monkeypatch.delenv("JAXTIER_DISABLE_FFI", raising=False)
-  from jaxtier._src import ffi
+
   ffi.ensure_registered()
   W = jnp.zeros((4, 3, 2))
   bad_index = jax.ffi.ffi_call(stream.FETCH_TARGET, [jax.ShapeDtypeStruct((3, 2), W.dtype)],
@@ -425,7 +426,7 @@ def test_gpu_double_buffered_forward_equals_device(gpu):
   np.testing.assert_array_equal(np.asarray(jax.jit(_streamed_forward)(Wh, xd)), np.asarray(h))
   text = jax.jit(_streamed_forward).lower(Wh, xd).compile().as_text()
   assert "S(5)" in text
-  assert lowering.hlo_violations(text, target=stream.FETCH_TARGET) == []
+  assert hlo_lib.hlo_violations(text, target=stream.FETCH_TARGET) == []
   assert _host_writes(text) == []
 
 
@@ -437,7 +438,7 @@ def test_gpu_forward_and_sent_grads_equal_device(gpu):
       _put(W, "pinned_host", gpu), _put(jnp.zeros_like(W), "pinned_host", gpu),
       _put(x, "device", gpu)).compile().as_text()
   for target in stream.TARGETS:
-    assert lowering.hlo_violations(text, target=target) == [], target
+    assert hlo_lib.hlo_violations(text, target=target) == [], target
   # G is written only by the sends, in place: XLA adds no copy into host memory.
   assert _host_writes(text) == []
   # The fetches are copies: each slice the loop used has exactly the bytes of its layer.

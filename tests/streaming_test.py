@@ -16,9 +16,9 @@ import optax
 import pytest
 
 import jaxtier
-from jaxtier._src import lowering
-from jaxtier._src import streaming
+from jaxtier._src.lowering import streaming
 from jaxtier._src.primitives import stream
+from jaxtier._src.lowering import hlo as hlo_lib
 
 STREAM_W = {r"^\['W'\]$": "host_stream"}
 
@@ -71,7 +71,7 @@ def test_streamed_scan_trains_like_device(policy):
                              atol=1e-6)
   assert state["W"].sharding.memory_kind == "pinned_host"
   # Both layer loops (forward, backward) are streamed.
-  assert len(step._stream.scans) == 2
+  assert len(step._planned.programs.stream.scans) == 2
 
 
 def test_gradient_of_streamed_param_goes_to_a_host_buffer():
@@ -79,7 +79,7 @@ def test_gradient_of_streamed_param_goes_to_a_host_buffer():
   x, y = _data()
   step = jaxtier.offload(_step_fn(tx), policy=STREAM_W)
   state = step.place(_state(tx), x, y)
-  (scratch,) = step._stream.scratch
+  (scratch,) = step._planned.programs.stream.scratch
   assert scratch.shape == (4, 32, 32)
   w0 = np.array(state["W"])  # a copy: a view of the host buffer would block its donation
   state, _ = step(state, x, y)
@@ -100,7 +100,7 @@ def test_hlo_guard_stream_calls():
   state = step.place(_state(tx), x, y)
   hlo = step.lower(state, x, y).compile().as_text()
   for target in (stream.FETCH_TARGET, stream.SEND_TARGET):
-    assert lowering.hlo_violations(hlo, target=target) == [], target
+    assert hlo_lib.hlo_violations(hlo, target=target) == [], target
   assert hlo.count(f'custom_call_target="{stream.FETCH_TARGET}"') == 2 * 4  # fwd + bwd
   # XLA's GPU passes host-offload-legalize and host-offloader follow each pinned_host
   # parameter through the custom calls that alias it; at a call with several results they
@@ -169,7 +169,7 @@ def test_streamed_weights_on_device_are_bounded():
     temps[layers] = ma.temp_size_in_bytes
   assert temps[16] <= 6 * layer, temps
   assert temps[16] - temps[8] < 2 * layer, temps
-  assert streaming.device_bytes_bound(step._stream, step._inventory.closed_jaxpr.jaxpr) == (
+  assert streaming.device_bytes_bound(step._planned.programs.stream, step._planned.inventory.closed_jaxpr.jaxpr) == (
       3 * layer)
 
 
@@ -267,7 +267,7 @@ def test_streamed_on_gpu_trains_like_device(gpu, dtype):
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   np.testing.assert_allclose(got, ref, rtol=tol)
   hlo = step.lower(state, x, y).compile().as_text()
-  assert lowering.hlo_violations(hlo, target=stream.FETCH_TARGET) == []
+  assert hlo_lib.hlo_violations(hlo, target=stream.FETCH_TARGET) == []
 
 
 def test_auto_streams_the_layer_stack_when_the_budget_asks_for_it():

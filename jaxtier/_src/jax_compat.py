@@ -224,3 +224,8 @@ def _forward_scan_passthrough(eqn: Any, invals: list[Any], outs: list[Any]) -> l
     if (k < nk and i == nc + k) or (k >= nk and i >= nc + nk):
       outs[k] = invals[i]
   return outs
+
+
+def memory_kind_of(x: Any) -> "str | None":
+  """The memory kind of an array's (or aval's) sharding, None if it has none."""
+  return getattr(getattr(x, "sharding", None), "memory_kind", None)

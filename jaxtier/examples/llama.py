@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import jaxtier
+
 __all__ = [
     "CONFIGS",
     "activation_model",
@@ -156,7 +158,7 @@ _TRACED_POLICY = {None: "keep", "everything_saveable": "keep",
 
 
 def activation_model(config: LlamaConfig, batch_size: int, seq_len: int):
-  """The planner's activation options for this decoder (a `cost_model.ActivationModel`).
+  """The planner's activation options for this decoder (a `jaxtier.ActivationModel`).
 
   Estimates, per step and device (one device), of what the backward pass needs from the
   forward pass of the ``num_layers`` decoder layers, in ``config.dtype`` bytes ``e`` (attention
@@ -179,7 +181,7 @@ def activation_model(config: LlamaConfig, batch_size: int, seq_len: int):
     The model, with ``traced`` set from ``config.remat_policy`` (None when that policy is not
     one of those above).
   """
-  from jaxtier._src import cost_model as cm  # pylint: disable=g-import-not-at-top
+
   traced = _TRACED_POLICY.get(config.remat_policy)
   if traced is None:
     return None
@@ -191,15 +193,15 @@ def activation_model(config: LlamaConfig, batch_size: int, seq_len: int):
   layer_input = n * t * d * e
   attention_fwd = 4.0 * t * seq_len * d * n
   layer_params = n * (4 * d * d + 3 * d * f)
-  return cm.ActivationModel(traced=traced, options={
-      "keep": cm.ActivationOption(held_bytes=keep, checkpoint_policy="everything_saveable"),
-      "save_dots": cm.ActivationOption(held_bytes=dots + layer_input,
+  return jaxtier.ActivationModel(traced=traced, options={
+      "keep": jaxtier.ActivationOption(held_bytes=keep, checkpoint_policy="everything_saveable"),
+      "save_dots": jaxtier.ActivationOption(held_bytes=dots + layer_input,
                                        recompute_flops=attention_fwd,
                                        checkpoint_policy="dots_with_no_batch_dims_saveable"),
-      "remat": cm.ActivationOption(held_bytes=layer_input,
+      "remat": jaxtier.ActivationOption(held_bytes=layer_input,
                                    recompute_flops=2.0 * layer_params * t + attention_fwd,
                                    checkpoint_policy="nothing_saveable"),
-      "offload": cm.ActivationOption(held_bytes=layer_input, recompute_flops=attention_fwd,
+      "offload": jaxtier.ActivationOption(held_bytes=layer_input, recompute_flops=attention_fwd,
                                      offload_bytes=dots,
                                      checkpoint_policy="offload_dot_with_no_batch_dims"),
   })

@@ -12,23 +12,24 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 import dataclasses
 import math
 import time
 from typing import Any
 
-from absl import app
-from absl import flags
-from flax import nnx
+from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import tqdm
+
+import jaxtier
 
 from . import data as data_lib
 from . import llama
+from .budgets import OFFLOAD_MODES, OverBudgetError, over_budget, stream_layers_policy
+from .train_state import OptimizerConfig, lookup_config, make_train_state, placement_table
 
 __all__ = [
     "OptimizerConfig",
@@ -41,127 +42,6 @@ __all__ = [
     "over_budget",
     "run",
 ]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimizerConfig:
-  """AdamW with linear warmup and cosine decay.
-
-  Attributes:
-    learning_rate: peak learning rate, reached after ``warmup_steps``.
-    total_steps: steps of the whole schedule (warmup plus cosine decay).
-    warmup_steps: linear warmup from 0; ``None`` means 5% of ``total_steps``
-      (at least 1).
-    end_learning_rate_ratio: final learning rate as a fraction of the peak.
-    weight_decay: decoupled weight decay, applied to every parameter except the
-      RMSNorm scales.
-    b1: Adam first-moment decay.
-    b2: Adam second-moment decay.
-    clip_norm: if not ``None``, clip gradients to this global L2 norm first
-      (``optax.clip_by_global_norm``).
-  """
-
-  learning_rate: float = 3e-3
-  total_steps: int = 1000
-  warmup_steps: int | None = None
-  end_learning_rate_ratio: float = 0.1
-  weight_decay: float = 0.1
-  b1: float = 0.9
-  b2: float = 0.95
-  clip_norm: float | None = None
-
-  def __post_init__(self):
-    if not self.learning_rate > 0:
-      raise ValueError(
-          f"OptimizerConfig: expected learning_rate > 0, got {self.learning_rate}.")
-    if self.total_steps < 1:
-      raise ValueError(
-          f"OptimizerConfig: expected total_steps >= 1, got {self.total_steps}.")
-    if self.warmup_steps is not None and not 0 <= self.warmup_steps:
-      raise ValueError(
-          f"OptimizerConfig: expected warmup_steps >= 0 or None, got "
-          f"{self.warmup_steps}.")
-    if self.clip_norm is not None and not self.clip_norm > 0:
-      raise ValueError(
-          f"OptimizerConfig: expected clip_norm > 0 or None, got {self.clip_norm}.")
-
-  @property
-  def resolved_warmup_steps(self) -> int:
-    if self.warmup_steps is None:
-      return max(1, self.total_steps // 20)
-    return self.warmup_steps
-
-
-def _decay_mask(params):
-  """True for the leaves that get weight decay: all but the RMSNorm scales."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: "norm" not in jax.tree_util.keystr(path), params)
-
-
-def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-  """The optax transformation described by ``config``."""
-  warmup = config.resolved_warmup_steps
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0,
-      peak_value=config.learning_rate,
-      warmup_steps=warmup,
-      # The cosine part needs at least one step.
-      decay_steps=max(config.total_steps, warmup + 1),
-      end_value=config.learning_rate * config.end_learning_rate_ratio,
-  )
-  tx = optax.adamw(schedule, b1=config.b1, b2=config.b2,
-                   weight_decay=config.weight_decay, mask=_decay_mask)
-  if config.clip_norm is not None:
-    tx = optax.chain(optax.clip_by_global_norm(config.clip_norm), tx)
-  return tx
-
-
-def make_train_state(
-    config: llama.LlamaConfig | str,
-    optimizer_config: OptimizerConfig | float,
-    seed: int = 0,
-    *,
-    abstract: bool = False,
-) -> tuple[nnx.GraphDef, nnx.State, Callable[[nnx.State, jax.Array],
-                                             tuple[nnx.State, dict[str, jax.Array]]]]:
-  """Builds the model, its optimizer and the functional train step.
-
-  Args:
-    config: a ``llama.LlamaConfig`` or a key of ``llama.CONFIGS``.
-    optimizer_config: an ``OptimizerConfig``, or a float peak learning rate for
-      ``OptimizerConfig(learning_rate=...)``.
-    seed: seed of the weight initialisation.
-    abstract: if True, allocate nothing: the leaves of ``state`` are
-      ``jax.ShapeDtypeStruct`` (for planning models that do not fit, e.g.
-      ``jaxtier.plan(train_step, state, batch_spec)`` with the ``13b`` config).
-
-  Returns:
-    ``(graphdef, state, train_step)``: ``state`` is ``nnx.State`` of
-    ``(model, optimizer)`` (index ``0``: the parameters; index ``1``: the
-    optimizer's ``opt_state`` and ``step``), allocated on the default device.
-    ``train_step(state, batch)`` takes int ``[batch, seq_len + 1]`` tokens and
-    returns ``(new_state, {"loss": float32 scalar})``; ``new_state`` has the same
-    pytree structure, shapes and dtypes as ``state``.
-  """
-  if isinstance(config, str):
-    config = _lookup_config(config)
-  if not isinstance(optimizer_config, OptimizerConfig):
-    optimizer_config = OptimizerConfig(learning_rate=float(optimizer_config))
-  tx = make_optimizer(optimizer_config)
-
-  def build():
-    model = llama.init_model(config, seed)
-    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  graphdef, state = nnx.split(nnx.eval_shape(build) if abstract else build())
-
-  def train_step(state, batch):
-    model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(llama.loss_fn)(model, batch)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), {"loss": loss}
-
-  return graphdef, state, train_step
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,22 +66,6 @@ _FALLBACK_DEFAULTS = RunDefaults(steps=100, batch_size=8, learning_rate=1e-3,
                                  log_every=10)
 
 
-def _lookup_config(name: str) -> llama.LlamaConfig:
-  try:
-    return llama.CONFIGS[name]
-  except KeyError:
-    raise ValueError(
-        f"train: expected a config in {sorted(llama.CONFIGS)}, got {name!r}.") from None
-
-
-def _role(path) -> str:
-  top = path[0].key if hasattr(path[0], "key") else path[0]
-  if top == 0:
-    return "params"
-  name = jax.tree_util.keystr(path)
-  return "optimizer step" if "['step']" in name else "optimizer state"
-
-
 def _check_host_memory(config: llama.LlamaConfig, config_name: str,
                        optimizer_config: OptimizerConfig, seed: int, init_on_host: bool) -> None:
   """Raises ValueError, before anything is allocated, when the initial state is built in host
@@ -210,8 +74,8 @@ def _check_host_memory(config: llama.LlamaConfig, config_name: str,
   abort, not an error."""
   if not (init_on_host or jax.default_backend() == "cpu"):
     return
-  from jaxtier._src import planner  # pylint: disable=g-import-not-at-top
-  available = planner._mem_available_bytes()  # pylint: disable=protected-access
+
+  available = jaxtier.available_host_bytes()
   if available is None:
     return
   _, shapes, _ = make_train_state(config, optimizer_config, seed, abstract=True)
@@ -225,37 +89,6 @@ def _check_host_memory(config: llama.LlamaConfig, config_name: str,
         "(--init_on_host builds it there, --offload=auto places what does not fit the GPU).")
 
 
-def placement_table(state) -> str:
-  """Bytes of ``state`` per role and memory kind, as printable lines."""
-  rows: dict[tuple[str, str], list[int]] = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    sharding = getattr(leaf, "sharding", None)
-    where = "?"
-    if sharding is not None:
-      kind = getattr(sharding, "memory_kind", None) or "device"
-      platforms = sorted({d.platform for d in sharding.device_set})
-      where = f"{kind} ({','.join(platforms)})"
-    row = rows.setdefault((_role(path), where), [0, 0])
-    row[0] += 1
-    row[1] += int(leaf.nbytes)
-  lines = [f"{'role':<16} {'memory kind':<22} {'leaves':>6} {'bytes':>14}"]
-  for (role, where), (count, nbytes) in sorted(rows.items()):
-    lines.append(f"{role:<16} {where:<22} {count:>6} {nbytes:>14,} "
-                 f"({nbytes / 2**20:,.1f} MiB)")
-  total = sum(r[1] for r in rows.values())
-  lines.append(f"{'total':<16} {'':<22} {sum(r[0] for r in rows.values()):>6} "
-               f"{total:>14,} ({total / 2**20:,.1f} MiB)")
-  return "\n".join(lines)
-
-
-def stream_layers_policy(path: str, leaf) -> "str | None":
-  """`offload="stream"`: the layer stack's params stream from pinned_host; the rest auto."""
-  return "host_stream" if leaf.role == "param" and "['layers']" in path else None
-
-
-OFFLOAD_MODES = ("none", "auto", "stream", "optimizer_state_on_host")
-
-
 def _offload_step(train_step, *, device_budget, host_budget, policy="auto"):
   import jaxtier  # pylint: disable=g-import-not-at-top
   return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget,
@@ -264,62 +97,6 @@ def _offload_step(train_step, *, device_budget, host_budget, policy="auto"):
 
 def _budget(value):
   return None if value in (None, "") else value
-
-
-class OverBudgetError(ValueError):
-  """`run(allow_over_budget=False)`: the plan does not fit the budget the caller gave.
-
-  Raised after planning (the plan is printed) and before the first step.
-  """
-
-
-def over_budget(plan, offload: str) -> "str | None":
-  """Why `plan` misses the device / host budget it was given, with the fix; None if it fits.
-
-  Over when a budget was given and: the compiled step's peak device memory (else the
-  predicted one) exceeds the device budget, the pinned bytes exceed the host budget, or the
-  plan's notes say DOES NOT FIT (unless that note is about a smaller budget re-planned for
-  and the compiled peak fits the one given).
-  """
-  from jaxtier._src.planner import format_bytes  # pylint: disable=g-import-not-at-top
-  if plan.device_budget is None and plan.host_budget is None:
-    return None
-  problems, fixes = [], []
-  predicted, compiled = plan.predicted_peak_hbm_bytes, plan.compiler_peak_hbm_bytes
-  peak = compiled if compiled is not None else predicted
-  replanned = (plan.device_budget is not None and plan.planned_device_budget is not None
-               and plan.planned_device_budget < plan.device_budget)
-  note_over = any(n.startswith("DOES NOT FIT") for n in plan.notes) and not (
-      replanned and compiled is not None)
-  device_over = plan.device_budget is not None and peak is not None and (
-      peak > plan.device_budget or note_over)
-  if device_over:
-    figures = " and ".join(
-        f"{format_bytes(b)} {what}" for b, what in ((predicted, "predicted"),
-                                                     (compiled, "compiled")) if b is not None)
-    problems.append(f"peak device memory {figures}, over the --device_budget of "
-                    f"{format_bytes(plan.device_budget)}")
-    fixes.append(f"a larger --device_budget (at least "
-                 f"{format_bytes(max(b for b in (predicted, compiled) if b is not None))})")
-  host_over = plan.host_budget is not None and plan.pinned_bytes > plan.host_budget
-  if host_over:
-    problems.append(f"pinned host memory {format_bytes(plan.pinned_bytes)}, over the "
-                    f"--host_budget of {format_bytes(plan.host_budget)}")
-    fixes.append("a larger --host_budget")
-  if note_over and not problems:
-    note = next(n for n in plan.notes if n.startswith("DOES NOT FIT"))
-    problems.append(note.split(": ", 1)[1])
-    fixes.append("larger budgets")
-  if not problems:
-    return None
-  if device_over:
-    fixes.append({
-        "optimizer_state_on_host": "--offload=auto or --offload=stream (more state in "
-                                   "pinned_host)",
-        "auto": "--offload=stream (the layers' params streamed from pinned_host)",
-    }.get(offload, "a smaller --batch_size or --seq_len"))
-  return (f"the plan does not fit: {'; '.join(problems)}. Fix: {', or '.join(fixes)}; or "
-          "--allow_over_budget to train anyway")
 
 
 def run(
@@ -398,7 +175,7 @@ def run(
     raise ValueError(f"run: expected offload in {OFFLOAD_MODES}, got {offload!r}.")
   defaults = RUN_DEFAULTS.get(config_name, _FALLBACK_DEFAULTS)
   if config is None:
-    config = _lookup_config(config_name)
+    config = lookup_config(config_name)
   if remat_policy is not None:
     config = dataclasses.replace(
         config, remat_policy=None if remat_policy == "none" else remat_policy)

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src.primitives.host_update import ffi_disabled
+from jaxtier._src.primitives import base as ffi
+from jaxtier._src.primitives.base import ffi_disabled
 
 GATHER_TARGET = "jaxtier_dha_gather_ffi"
 MATMUL_TARGET = "jaxtier_dha_matmul_ffi"
@@ -143,7 +144,7 @@ def _gather_fn(num_rows: int, space: Any):
 def _gather_impl(table: jax.Array, ids: jax.Array) -> jax.Array:
   if ffi_disabled():
     return _gather_reference(table, ids)
-  from jaxtier._src import ffi  # Imported late: loads the extension after jax.
+
 
   ffi.ensure_registered()
   out = jax.ShapeDtypeStruct(tuple(ids.shape) + (table.shape[1],), table.dtype)
@@ -354,7 +355,7 @@ def _matmul_impl(x: jax.Array, w: jax.Array, index: int, transpose: bool) -> jax
   out_cols = w.shape[-2] if transpose else w.shape[-1]
   if ffi_disabled():
     return _matmul_reference(x, w, index, transpose)
-  from jaxtier._src import ffi  # Imported late: loads the extension after jax.
+
 
   ffi.ensure_registered()
   m, r = x.shape
@@ -400,7 +401,7 @@ def matmul_partial_shape(m: int, r: int, o: int, dtype: Any, num_sms: int) -> tu
   each), each block of split s writes its fp32 sums to partial[s], and a second kernel adds
   the S partials in split order (deterministic for a given S) and rounds once. The kernel takes
   S from this result's shape, so this function is the one place where the split is chosen:
-  the same rule as the kernel's launch code used to apply, capped at `MAX_PARTIAL_BYTES`.
+  enough splits to keep every SM busy, capped at `MAX_PARTIAL_BYTES`.
 
   Args:
     m, r, o: x is [m, r], y is [m, o].

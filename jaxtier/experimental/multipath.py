@@ -30,11 +30,12 @@ import re
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src import lowering
+from jaxtier._src.lowering import hlo as hlo_lib
 
 
 def _axis_size(api: str, mesh: Mesh, axis_name: Any) -> int:
@@ -251,20 +252,20 @@ def host_read_shapes(hlo_text: str) -> list[tuple[str, str, tuple[int, ...], int
   Returns:
     Rows as above, in program order; empty when no host parameter is read.
   """
-  host = lowering._host_parameters(hlo_text)  # pylint: disable=protected-access
+  host = hlo_lib._host_parameters(hlo_text)  # pylint: disable=protected-access
   params: dict[str, int] = {}
   rows = []
-  for name, rhs in lowering.entry_instructions(hlo_text):
+  for name, rhs in hlo_lib.entry_instructions(hlo_text):
     num = re.search(r"\bparameter\((\d+)\)", rhs)
     if num:
       if "S(5)" in rhs.split(" parameter(")[0] or int(num.group(1)) in host:
         params[name] = int(num.group(1))
       continue
-    ops = lowering._operands(rhs)  # pylint: disable=protected-access
+    ops = hlo_lib._operands(rhs)  # pylint: disable=protected-access
     if not any(o in params for o in ops):
       continue
     m = _SHAPE.match(rhs)
-    opcode = lowering._OPCODE.search(rhs)  # pylint: disable=protected-access
+    opcode = hlo_lib._OPCODE.search(rhs)  # pylint: disable=protected-access
     if m is None:
       continue
     shape = tuple(int(d) for d in m.group(2).split(",") if d)
@@ -281,7 +282,6 @@ _DTYPES = {"bf16": "bfloat16", "f32": "float32", "f16": "float16", "f64": "float
 def count_all_gathers(hlo_text: str) -> int:
   """All-gathers in a compiled HLO module (sync `all-gather(` or async `all-gather-start(`)."""
   return len(re.findall(r"\ball-gather(?:-start)?\(", hlo_text))
-
 
 
 def all_gather_groups(hlo_text: str) -> list[list[list[int]]]:

@@ -23,11 +23,8 @@ import jax
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src import jaxpr_graph
-
-PARAM = "param"
-OPTIMIZER_STATE = "optimizer_state"
-OTHER = "other"
+from jaxtier._src.analysis import jaxpr_graph
+from jaxtier._src.vocab import Role
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,14 +187,14 @@ def _roles(jaxpr: Any, flat: list[tuple[Any, Any]]) -> list[tuple[str, str]]:
   out = []
   for i, (_, leaf) in enumerate(flat):
     if not jax.dtypes.issubdtype(leaf.dtype, jax.numpy.floating):
-      out.append((OTHER, f"{dtype_name(leaf.dtype)} leaf"))
+      out.append((Role.OTHER, f"{dtype_name(leaf.dtype)} leaf"))
       continue
     if len(leaf.shape) == 0:
-      out.append((OTHER, "0-d leaf"))
+      out.append((Role.OTHER, "0-d leaf"))
       continue
     eqns, tainted = jaxpr_graph.taint_forward(jaxpr, [i])
     if not eqns:
-      out.append((OTHER, "not read by the step"))
+      out.append((Role.OTHER, "not read by the step"))
       continue
     why = jaxpr_graph.check_elementwise(jaxpr_graph._SubJaxpr(jaxpr, sorted(eqns)),  # pylint: disable=protected-access
                                         [k == i for k in range(len(jaxpr.invars))],
@@ -205,12 +202,12 @@ def _roles(jaxpr: Any, flat: list[tuple[Any, Any]]) -> list[tuple[str, str]]:
     own_out = i < len(jaxpr.outvars) and isinstance(jaxpr.outvars[i], jc.Var) and (
         jaxpr.outvars[i] in tainted)
     if not why and own_out:
-      out.append((OPTIMIZER_STATE, "read only elementwise; feeds its own update"))
+      out.append((Role.OPTIMIZER_STATE, "read only elementwise; feeds its own update"))
     elif why and own_out and not tainted & metrics and not jaxpr_graph.first_use_why(jaxpr, i):
-      out.append((OPTIMIZER_STATE, f"read elementwise, feeds its own update and not the "
+      out.append((Role.OPTIMIZER_STATE, f"read elementwise, feeds its own update and not the "
                   f"metrics; its update is not elementwise ({why})"))
     elif why:
-      out.append((PARAM, f"read by non-elementwise ops ({why})"))
+      out.append((Role.PARAM, f"read by non-elementwise ops ({why})"))
     else:
-      out.append((OTHER, "read elementwise but not carried to the next step"))
+      out.append((Role.OTHER, "read elementwise but not carried to the next step"))
   return out

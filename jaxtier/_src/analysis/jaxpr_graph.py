@@ -111,7 +111,7 @@ def streamed_read(eqn: Any, hit: list[bool], streamed_vars: "set[Any]") -> bool:
   """True when `eqn` reads tainted values only as streamed leaves sliced by a `scan`.
 
   Such a read is served by the streaming custom calls (each layer's slice is fetched to the
-  device ahead of use: `jaxtier/_src/streaming.py`), so what the scan computes stays on the
+  device ahead of use: `jaxtier/_src/lowering/streaming.py`), so what the scan computes stays on the
   device and is not part of a host update.
   """
   if eqn.primitive.name != "scan" or not streamed_vars:

@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src import jaxpr_graph
-from jaxtier._src.primitives.host_update import BINARY, Op, Program
-from jaxtier._src.primitives.host_update import SUPPORTED_DTYPES
+from jaxtier._src.analysis import jaxpr_graph
+from jaxtier._src.primitives.host_update import BINARY, SUPPORTED_DTYPES, Op, Program
 
 _UNARY = {
     "neg": Op.NEG, "abs": Op.ABS, "sqrt": Op.SQRT, "rsqrt": Op.RSQRT, "exp": Op.EXP,

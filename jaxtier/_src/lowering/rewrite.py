@@ -2,7 +2,7 @@
 
 The step becomes two programs (`SplitStep`). `compute` re-binds every equation of the traced
 step that no fused host update takes (the forward, the backward, the scalar bookkeeping);
-scans over host_stream leaves are unrolled and fed layer by layer (`streaming.py`); leaves
+scans over host_stream leaves are unrolled and fed layer by layer (`lowering/streaming.py`); leaves
 placed `host_xla` are copied to the device (XLA's memory-kind transfer) and their new values go
 back to pinned_host through the output shardings. `update` runs each elementwise component
 that updates host leaves as one `host_update` custom call, in place on the donated host
@@ -13,7 +13,6 @@ transfers, say) leaves them intact.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -22,10 +21,11 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src import streaming
-from jaxtier._src.planner import HOST_XLA, Plan
+from jaxtier._src.analysis.program_compiler import CompiledComponent
+from jaxtier._src.lowering import streaming
+from jaxtier._src.planning.plan import Plan
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.program_compiler import CompiledComponent
+from jaxtier._src.vocab import Placement
 
 
 @dataclasses.dataclass
@@ -57,6 +57,7 @@ class SplitStep:
   passthrough: dict[int, int]  # outvar -> state leaf returned unchanged (a host leaf)
   num_feeds: int
   num_first: int               # compute_outs[:num_first] come before the feeds
+  stream: streaming.StreamSchedule = streaming.EMPTY  # the streamed layer loops
 
   def assemble(self, state_leaves: Sequence[Any], compute_outs: Sequence[Any],
                update_outs: Sequence[Any], num_outvars: int) -> list[Any]:
@@ -70,23 +71,26 @@ class SplitStep:
     return out
 
 
-def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent],
-            shardings: "Sequence[Any] | None" = None,
-            stream: streaming.StreamSchedule = streaming.EMPTY) -> SplitStep:
+def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = None
+            ) -> SplitStep:
   """Lowers the traced step by `plan` into a `SplitStep` (compute, then fused host updates).
 
-  Every equation that no fused host update takes is re-bound as traced (the scans of
-  `stream` unrolled, their host_stream leaves fetched layer by layer:
-  `jaxtier/_src/streaming.py`); each compiled component becomes one `host_update` call.
-  `shardings` (one `NamedSharding` per state leaf) lets a component whose leaves are sharded
-  over a mesh run per shard: each device updates its own shard of the host buffers
-  (`shard_map`), with no all-gather. Masters are ordered like `master_indices(compiled)`,
-  scratch buffers like `stream.scratch`.
+  Every equation that no fused host update (`plan.components`) takes is re-bound as traced;
+  the layer loops over `host_stream` leaves are unrolled, their leaves fetched layer by layer
+  (`streaming.schedule`); each compiled component becomes one `host_update` call.
+  `shardings` (one `NamedSharding` per state leaf, as the state is sharded) lets a component
+  whose leaves are sharded over a mesh run per shard: each device updates its own shard of the
+  host buffers (`shard_map`), with no all-gather. Masters are ordered like
+  `master_indices(plan.components)`, scratch buffers like `SplitStep.stream.scratch`.
   """
+  compiled = plan.components
+  stream = streaming.schedule(
+      closed_jaxpr.jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM],
+      {k for cc in compiled for k in cc.component.eqns})
   jaxpr, consts = closed_jaxpr.jaxpr, list(closed_jaxpr.consts)
   n_state = len(plan.leaves)
   skip = {k for cc in compiled for k in cc.component.eqns}
-  xla_host = {l.index for l in plan.leaves if l.placement == HOST_XLA}
+  xla_host = {l.index for l in plan.leaves if l.placement == Placement.HOST_XLA}
   host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"]
   device = [l.index for l in plan.leaves if l.memory_kind != "pinned_host"]
   masters = master_indices(compiled)
@@ -180,7 +184,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, compiled: Sequence[CompiledComponent]
   return SplitStep(compute=compute, update=update, device_leaves=device, host_leaves=host,
                    updated_host=updated, read_host=read_only, compute_outs=compute_outs,
                    update_outs=update_outs, passthrough=passthrough, num_feeds=len(feed_vars),
-                   num_first=num_first)
+                   num_first=num_first, stream=stream)
 
 
 def _call(cc: CompiledComponent, operands: list[Any], shardings: "Sequence[Any] | None"
@@ -214,122 +218,3 @@ def master_indices(compiled: Sequence[CompiledComponent]) -> list[int]:
   return sorted({r.master for cc in compiled for r in cc.results if r.master >= 0})
 
 
-def _split_top(text: str) -> list[str]:
-  """Splits `text` at commas that are not inside (), [] or {}."""
-  parts, depth, cur = [], 0, []
-  for ch in text:
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-    if ch == "," and depth == 0:
-      parts.append("".join(cur))
-      cur = []
-    else:
-      cur.append(ch)
-  if "".join(cur).strip():
-    parts.append("".join(cur))
-  return [p.strip() for p in parts]
-
-
-def _host_parameters(hlo_text: str) -> set[int]:
-  """Entry parameter numbers whose layout is in the host memory space S(5)."""
-  m = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
-  if not m:
-    return set()
-  params = _split_top(re.sub(r"/\*.*?\*/", "", m.group(1)))
-  return {k for k, p in enumerate(params) if "S(5)" in p}
-
-
-def entry_instructions(hlo_text: str) -> list[tuple[str, str]]:
-  """(name, right-hand side) of each instruction of the HLO text's ENTRY computation, in order."""
-  out = []
-  in_entry = False
-  for line in hlo_text.splitlines():
-    s = line.strip()
-    if s.startswith("ENTRY"):
-      in_entry = True
-      continue
-    if in_entry and s == "}":
-      break
-    if in_entry and " = " in s:
-      lhs, rhs = s.split(" = ", 1)
-      out.append((lhs.replace("ROOT", "").strip().lstrip("%"), rhs))
-  return out
-
-
-def hlo_violations(hlo_text: str, target: str = hu.TARGET) -> list[str]:
-  """What in compiled HLO moves or computes on a host operand before a `target` custom call.
-
-  The alarm for XLA's undocumented behaviour on host operands (../shared/MEASURED.md): a
-  pinned_host leaf must reach the custom call as the entry parameter itself. For each operand
-  of each `target` call in the entry computation, follow its producers back through copy,
-  copy-start/-done, slice, dynamic-slice, bitcast and fusion instructions: reaching an entry
-  parameter in the host memory space (S(5)) through any of them is a violation. Any host
-  compute (`_xla_compute_type="host"`) in the entry computation is one too.
-
-  Returns:
-    Human-readable violations; empty when clean, or a single line when no `target` call exists.
-  """
-  host_params = _host_parameters(hlo_text)
-  defs: dict[str, str] = {}
-  calls: list[tuple[str, list[str]]] = []
-  bad: list[str] = []
-  for name, rhs in entry_instructions(hlo_text):
-    defs[name] = rhs
-    if "_xla_compute_type" in rhs:
-      bad.append(f"{name}: host compute in the entry computation")
-    if f'custom_call_target="{target}"' in rhs:
-      calls.append((name, _operands(rhs)))
-
-  def opcode(rhs: str) -> str:
-    m = _OPCODE.search(rhs)
-    return m.group(1) if m else "?"
-
-  def host_source(name: str, depth: int = 0) -> bool:
-    rhs = defs.get(name, "")
-    op = opcode(rhs)
-    if op == "parameter":
-      num = re.search(r"parameter\((\d+)\)", rhs)
-      return ("S(5)" in rhs.split(" parameter(")[0]) or (
-          num is not None and int(num.group(1)) in host_params)
-    if depth > 8 or op not in _MOVES:
-      return False
-    return any(host_source(a, depth + 1) for a in _operands(rhs))
-
-  for name, args in calls:
-    for a in args:
-      op = opcode(defs.get(a, ""))
-      if op in _MOVES and host_source(a):
-        bad.append(f"{name}: operand {a} is produced by `{op}` from a host parameter")
-  if not calls:
-    bad.append(f"no custom call to {target} in the entry computation")
-  return bad
-
-
-_MOVES = frozenset({"copy", "copy-start", "copy-done", "dynamic-slice", "slice", "bitcast",
-                    "fusion", "get-tuple-element", "reshape", "transpose", "convert"})
-
-
-_OPCODE = re.compile(r"(?:^|\s)([a-z][a-z0-9\-]*)\(")
-
-
-def _operands(rhs: str) -> list[str]:
-  """Instruction names an HLO instruction's right-hand side reads."""
-  m = _OPCODE.search(rhs)
-  inner = rhs[m.end():] if m else ""
-  depth, out = 1, []
-  for ch in inner:
-    if ch == "(":
-      depth += 1
-    elif ch == ")":
-      depth -= 1
-      if depth == 0:
-        break
-    out.append(ch)
-  names = []
-  for tok in _split_top("".join(out)):
-    tok = re.sub(r"/\*.*?\*/", "", tok).strip()
-    if tok:
-      names.append(tok.split()[-1].lstrip("%"))
-  return names

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src import jaxpr_graph
+from jaxtier._src.analysis import jaxpr_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,36 +89,6 @@ class StreamSchedule:
 
 
 EMPTY = StreamSchedule({}, (), {})
-
-
-def stream_reason(jaxpr: Any, index: int) -> str:
-  """Why state leaf `index` cannot be placed `host_stream` ('' when it can).
-
-  It can when it is stacked (at least 1-d: the leading axis is the layer) and every top-level
-  use is either a `scan` reading it as `xs` or an elementwise equation over all its elements
-  (its update, served by the fused host update).
-  """
-  v = jaxpr.invars[index]
-  if not v.aval.shape:
-    return "a scalar is not a stack of layers"
-  n = jaxpr_graph.size_of(v.aval)
-  scans = 0
-  for eqn in jaxpr.eqns:
-    pos = [p for p, x in enumerate(eqn.invars) if x is v]
-    if not pos:
-      continue
-    name = eqn.primitive.name
-    if name == "scan":
-      xs = jaxpr_graph.scan_xs_positions(eqn)
-      if any(p not in xs for p in pos):
-        return "a `scan` reads it whole (as a constant or carry), not layer by layer"
-      scans += 1
-      continue
-    if name in jaxpr_graph.ELEMENTWISE or name in jaxpr_graph.FLAT_IDENTITY:
-      if all(jaxpr_graph.size_of(o.aval) == n for o in eqn.outvars):
-        continue
-    return f"`{name}` reads it whole outside a layer loop"
-  return "" if scans else "no `scan` reads it layer by layer"
 
 
 def schedule(jaxpr: Any, streamed: Sequence[int], host_eqns: "set[int]") -> StreamSchedule:

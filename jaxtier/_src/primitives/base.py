@@ -8,6 +8,7 @@ lowered, so `import jaxtier` stays cheap and works without the extension for pla
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import jax
@@ -69,3 +70,8 @@ def ensure_registered() -> None:
           "jaxtier was not compiled with CUDA support but JAX runs on a GPU; reinstall with "
           "`pip install . -Ccmake.define.JAXTIER_ENABLE_CUDA=ON` (needs nvcc)")
     _registered = True
+
+
+def ffi_disabled() -> bool:
+  """True when the kill switch `JAXTIER_DISABLE_FFI=1` asks for the pure-JAX reference."""
+  return os.environ.get("JAXTIER_DISABLE_FFI", "0") not in ("", "0", "false", "False")

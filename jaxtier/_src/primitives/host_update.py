@@ -2,7 +2,7 @@
 
 Custom call `jaxtier_host_update_ffi` (C++: `xla_ffi/src/host_update.cc` for the CPU handler,
 `xla_ffi/src/host_update_kernels.cu` for the CUDA handler; format: docs/design.md, "Op program
-format"). The lowering stage (`jaxtier/_src/lowering.py`) compiles the elementwise part of an
+format"). The lowering stage (`jaxtier/_src/lowering/rewrite.py`) compiles the elementwise part of an
 optimizer update (any optax chain of elementwise maps) into a `Program`; `host_update` runs it.
 
 Operands are arrays of N elements (read at element i) or 1 element (broadcast scalars); results
@@ -26,12 +26,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxtier._src.primitives import base as ffi
+from jaxtier._src.primitives.base import ffi_disabled
+from jaxtier._src.vocab import Executor
 
 TARGET = "jaxtier_host_update_ffi"
 
@@ -43,10 +46,7 @@ MAX_RESULTS = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # Executor names -> attribute `executor` (xla_ffi/src/program.h, enum Executor).
-HOST_DHA = "host_dha"
-HOST_CPU = "host_cpu"
-SPLIT = "split"
-EXECUTORS = {HOST_DHA: 0, HOST_CPU: 1, SPLIT: 2}
+EXECUTORS = {Executor.HOST_DHA: 0, Executor.HOST_CPU: 1, Executor.SPLIT: 2}
 
 
 class Op(enum.IntEnum):
@@ -155,14 +155,9 @@ class ProgramTooLarge(ValueError):
   """An elementwise update needs more instructions/registers/operands than the executors take."""
 
 
-def ffi_disabled() -> bool:
-  """True when the kill switch `JAXTIER_DISABLE_FFI=1` asks for the pure-JAX reference."""
-  return os.environ.get("JAXTIER_DISABLE_FFI", "0") not in ("", "0", "false", "False")
-
-
 def host_update(program: Program, operands: Sequence[jax.Array],
                 results: Sequence[jax.ShapeDtypeStruct], aliases: Sequence[int], *,
-                executor: str = HOST_DHA, dha_fraction: float = 0.5) -> list[jax.Array]:
+                executor: str = Executor.HOST_DHA, dha_fraction: float = 0.5) -> list[jax.Array]:
   """Runs `program` once per element over `operands`, producing `results`.
 
   Args:
@@ -198,7 +193,7 @@ def host_update(program: Program, operands: Sequence[jax.Array],
     raise ValueError(f"host_update: expected dha_fraction in [0, 1], got {dha_fraction!r}")
   if ffi_disabled():
     return _reference(program, operands, results)
-  from jaxtier._src import ffi  # Imported late: loads the extension after jax.
+
 
   ffi.ensure_registered()
   call = jax.ffi.ffi_call(

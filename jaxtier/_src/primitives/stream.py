@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtier._src.primitives.host_update import ffi_disabled
+from jaxtier._src.primitives import base as ffi
+from jaxtier._src.primitives.base import ffi_disabled
 
 FETCH_TARGET = "jaxtier_stream_fetch_ffi"
 WAIT_TARGET = "jaxtier_stream_wait_ffi"
@@ -191,7 +192,7 @@ def send(host_leaves: Sequence[jax.Array], values: Sequence[jax.Array], index: i
 
 def _call(target: str, results: list[Any], aliases: dict[int, int], operands: list[Any],
           **attributes: Any) -> Sequence[jax.Array]:
-  from jaxtier._src import ffi  # Imported late: loads the extension after jax.
+
 
   ffi.ensure_registered()
   call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases, has_side_effect=True)

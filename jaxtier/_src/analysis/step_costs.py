@@ -1,0 +1,426 @@
+"""What the device-only step costs: FLOPs, memory-bound bytes, transient bytes, timed scan bodies."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src.hardware.profile import HardwareProfile
+from jaxtier._src.units import format_rate
+
+# Of the bytes that elementwise ops and reductions produce or consume (counted per jaxpr
+# equation), the share that reaches HBM once XLA has fused chains of them into kernels. An
+# assumption (a fused chain writes its result once and reads its inputs once; about every second
+# intermediate survives fusion), to be fitted against measured step times (W5).
+ELEMENTWISE_HBM_FRACTION = 0.5
+
+
+# Arrays smaller than this (elements) are ignored by the memory-bound byte count (scalars,
+# per-row statistics).
+_MIN_ELEMENTS = 1 << 12
+
+
+def _gb(rate_gbps: float) -> float:
+  return rate_gbps * 1e9
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCosts:
+  """What the device-only step costs, per device.
+
+  Attributes:
+    flops: FLOP per step per device of its matmuls and convolutions (forward, backward and
+      any rematerialisation, loops counted as many times as they run).
+    elementwise_bytes: bytes per step per device that elementwise ops and reductions produce or
+      read, before fusion (see ELEMENTWISE_HBM_FRACTION).
+    transient_bytes: device bytes at the step's peak beyond its state: gradients, saved
+      activations, workspace.
+    transient_source: how `transient_bytes` was found (for the plan's notes).
+    num_devices: devices the step runs on (FLOPs and bytes are divided by it).
+    timed: the step's top-level scans whose bodies were timed on this device
+      (`time_scan_bodies`), or None: then all compute is the analytic `compute_secs`.
+    update_credit: device bytes of `transient_bytes` freed per byte of optimizer state whose
+      update leaves the device (its update's temporaries: the device-only step holds them at
+      its peak, a step whose update runs on the host does not). 0 until a compiled plan
+      measures it (`OffloadedStep` refines its plan with it: docs/design.md).
+  """
+
+  flops: float
+  elementwise_bytes: float
+  transient_bytes: int
+  transient_source: str
+  num_devices: int = 1
+  timed: "TimedScans | None" = None
+  update_credit: float = 0.0
+
+  def compute_secs(self, profile: HardwareProfile) -> float:
+    """Seconds of compute per step: timed scan bodies x their lengths, plus the analytic
+    `compute_secs` of everything else (the whole step when nothing was timed)."""
+    if self.timed is None:
+      return compute_secs(self.flops, self.elementwise_bytes, profile)
+    return self.timed.secs + compute_secs(max(0.0, self.flops - self.timed.flops),
+                                          max(0.0, self.elementwise_bytes
+                                              - self.timed.elementwise_bytes), profile)
+
+  def compute_source(self, profile: HardwareProfile) -> str:
+    """How `compute_secs` was found, for the plan's notes."""
+    analytic = (f"matmul FLOPs at {format_rate(profile.matmul_tflops)} TFLOP/s plus "
+                f"elementwise bytes at {format_rate(profile.hbm_gbps)} GB/s HBM (profile)")
+    if self.timed is None:
+      return f"compute: {analytic}"
+    t = self.timed
+    return (f"compute: {t.count} scan bod{'y' if t.count == 1 else 'ies'} timed on this "
+            f"device ({t.secs * 1e3:.2f} ms per step for {t.iterations} iterations; analytic "
+            f"{compute_secs(t.flops, t.elementwise_bytes, profile) * 1e3:.2f} ms), the rest: "
+            f"{analytic}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedScans:
+  """Top-level scans of a step whose bodies were run and timed (`time_scan_bodies`).
+
+  Attributes:
+    secs: measured seconds per step of those scans (body time x length, summed).
+    flops, elementwise_bytes: their analytic counts (`jaxpr_costs`), which `secs` replaces.
+    count: how many scans; iterations: their lengths summed.
+  """
+
+  secs: float
+  flops: float
+  elementwise_bytes: float
+  count: int
+  iterations: int
+
+
+def compute_secs(flops: float, elementwise_bytes: float, profile: HardwareProfile) -> float:
+  """Device time of the step's compute, seconds.
+
+  = flops / (matmul_tflops * 1e12) + ELEMENTWISE_HBM_FRACTION * elementwise_bytes /
+  (hbm_gbps * 1e9): the matmuls at the achieved GEMM rate, then the memory-bound work at HBM
+  bandwidth (a roofline sum: the two rarely overlap inside one kernel).
+
+  Args:
+    flops: FLOP (per device).
+    elementwise_bytes: bytes of elementwise / reduction traffic before fusion (per device).
+    profile: the rates.
+  """
+  return flops / (profile.matmul_tflops * 1e12) + (
+      ELEMENTWISE_HBM_FRACTION * elementwise_bytes / _gb(profile.hbm_gbps))
+
+
+def _nbytes(aval: Any) -> int:
+  shape = getattr(aval, "shape", ())
+  dtype = getattr(aval, "dtype", None)
+  try:
+    size = np.dtype(dtype).itemsize
+  except TypeError:
+    size = int(getattr(dtype, "itemsize", 4) or 4)
+  return int(np.prod(shape, dtype=np.int64)) * size
+
+
+def _size(aval: Any) -> int:
+  return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
+
+
+def dot_flops(eqn: Any) -> float:
+  """FLOP of one `dot_general` / `conv_general_dilated` equation: 2 x multiply-adds.
+
+  dot_general: 2 * (output elements) * (product of the contracting dimensions).
+  conv_general_dilated: 2 * (output elements) * (kernel elements / output features).
+  """
+  name = eqn.primitive.name
+  out = _size(eqn.outvars[0].aval)
+  if name == "dot_general":
+    (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    k = int(np.prod([lhs[d] for d in lhs_contract], dtype=np.int64)) if lhs_contract else 1
+    return 2.0 * out * k
+  if name == "conv_general_dilated":
+    rhs = eqn.invars[1].aval
+    dn = eqn.params.get("dimension_numbers")
+    out_features = rhs.shape[dn.rhs_spec[0]] if dn is not None else rhs.shape[0]
+    return 2.0 * out * _size(rhs) / max(1, out_features)
+  return 0.0
+
+
+_LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "transpose",
+                     "convert_element_type", "copy", "copy_p", "slice", "dynamic_slice",
+                     "concatenate", "pad", "iota", "select_and_scatter_add", "rev",
+                     "optimization_barrier", "stop_gradient", "device_put"})
+
+
+def _call_body(eqn: Any) -> Any:
+  """The body of a call-like equation (`jax_compat.inner_jaxpr`, or jax.checkpoint's: named
+  'remat2' in jax 0.10), else None."""
+  inner = jc.inner_jaxpr(eqn)
+  if inner is None and eqn.primitive.name in ("remat2", "checkpoint", "remat"):
+    inner = eqn.params.get("jaxpr")
+  return inner
+
+
+def jaxpr_costs(jaxpr: Any, multiplier: float = 1.0) -> tuple[float, float]:
+  """(matmul FLOP, elementwise bytes) of one run of `jaxpr` (open or closed).
+
+  Walks nested jaxprs: a `scan` body counts `length` times, a `while` body once (its trip count
+  is unknown: an underestimate, said in the plan through `StepCosts`), a `cond` its most
+  expensive branch, calls (jit, remat, custom_jvp/vjp) their body. Elementwise bytes: the
+  output bytes of each other equation producing at least 4096 elements, and the input bytes of
+  reductions; layout-only ops (reshape, broadcast, transpose, convert, slices) are free (fused).
+
+  XLA's own `cost_analysis()` counts a while/scan body once, whatever its trip count (seen with
+  jax 0.10.2 on CPU); hence this count over the jaxpr.
+  """
+  j, _ = jc.open_jaxpr(jaxpr)
+  flops = 0.0
+  ew = 0.0
+  for eqn in j.eqns:
+    name = eqn.primitive.name
+    if name in ("dot_general", "conv_general_dilated"):
+      flops += multiplier * dot_flops(eqn)
+      continue
+    if name == "scan":
+      f, b = jaxpr_costs(eqn.params["jaxpr"], multiplier * eqn.params["length"])
+      flops, ew = flops + f, ew + b
+      continue
+    if name == "while":
+      f, b = jaxpr_costs(eqn.params["body_jaxpr"], multiplier)
+      flops, ew = flops + f, ew + b
+      continue
+    if name == "cond":
+      best = max((jaxpr_costs(br, multiplier) for br in eqn.params["branches"]),
+                 key=lambda t: t[0] + t[1], default=(0.0, 0.0))
+      flops, ew = flops + best[0], ew + best[1]
+      continue
+    inner = _call_body(eqn)
+    if inner is not None:
+      f, b = jaxpr_costs(inner, multiplier)
+      flops, ew = flops + f, ew + b
+      continue
+    if name in _LAYOUT:
+      continue
+    if name.startswith("reduce_") or name in ("argmax", "argmin", "cumsum", "cumlogsumexp",
+                                              "cummax", "cumprod"):
+      ew += multiplier * sum(_nbytes(v.aval) for v in eqn.invars
+                             if not isinstance(v, jc.Literal) and _size(v.aval) >= _MIN_ELEMENTS)
+      continue
+    ew += multiplier * sum(_nbytes(v.aval) for v in eqn.outvars
+                           if _size(v.aval) >= _MIN_ELEMENTS)
+  return flops, ew
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryFigures:
+  """The compiler's device memory figures for a compiled step, per device, bytes.
+
+  Attributes:
+    argument_bytes, output_bytes, alias_bytes, temp_bytes: from `memory_analysis()` (device
+      memory space only).
+    peak_bytes: argument + output - alias + temp (what the step needs at once), or XLA's own
+      `peak_memory_in_bytes` when it reports a larger one and no host figures (with host
+      figures, XLA's peak counts host buffers as well).
+    host_argument_bytes: arguments in host memory (pinned_host), where reported.
+    xla_peak_bytes: XLA's own `peak_memory_in_bytes` (0 where not reported).
+  """
+
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+  peak_bytes: int
+  host_argument_bytes: int
+  xla_peak_bytes: int = 0
+
+  def describe(self) -> str:
+    """One line of the figures, in bytes."""
+    return (f"argument {self.argument_bytes} (host, as XLA reports it: "
+            f"{self.host_argument_bytes}), output {self.output_bytes}, alias "
+            f"{self.alias_bytes}, temp {self.temp_bytes}, XLA peak {self.xla_peak_bytes}: peak "
+            f"{self.peak_bytes} bytes")
+
+
+def memory_figures(compiled: Any) -> "MemoryFigures | None":
+  """`MemoryFigures` of a `jax.stages.Compiled` (or Lowered: compiled here), None if the backend
+  reports nothing (some backends return None or all zeros)."""
+  if hasattr(compiled, "compile") and not hasattr(compiled, "memory_analysis"):
+    compiled = compiled.compile()
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except  (not implemented on some backends)
+    return None
+  if m is None:
+    return None
+  if isinstance(m, (list, tuple)):  # one per device program in some versions
+    m = m[0] if m else None
+    if m is None:
+      return None
+  get = lambda name: int(getattr(m, name, 0) or 0)
+  arg, out, alias, temp = (get("argument_size_in_bytes"), get("output_size_in_bytes"),
+                           get("alias_size_in_bytes"), get("temp_size_in_bytes"))
+  if not (arg or out or temp):
+    return None
+  # XLA's own peak, where larger, unless the backend reports host figures: then it counts
+  # host buffers too (H200, jax 0.11.2, W5's optimizer_offload case: XLA peak 6.90 GB, device
+  # figures 6.18 GB, measured 6.28 GB).
+  host_arg = get("host_argument_size_in_bytes")
+  peak = arg + out - alias + temp
+  if not host_arg:
+    peak = max(peak, get("peak_memory_in_bytes"))
+  return MemoryFigures(argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
+                       peak_bytes=peak, host_argument_bytes=host_arg,
+                       xla_peak_bytes=get("peak_memory_in_bytes"))
+
+
+_COMPILED_FIGURES: dict[Any, "MemoryFigures | None"] = {}
+
+
+_TIMED_BODIES: dict[Any, float] = {}
+
+
+def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
+                     max_input_bytes: int = 1 << 30) -> "TimedScans | None":
+  """Runs the body of each top-level `scan` of the step once per rep on zeros and times it.
+
+  The layers of a model are most of its compute and the analytic rate (`compute_secs`: one
+  GEMM rate, one HBM rate) misses how well this device runs *these* shapes (attention's
+  batched matmuls, small GEMMs, fusions). MemFerry profiles each layer's compute for the same
+  reason. A body is run with zero inputs of its avals (consts, carry, one slice of each xs):
+  its run time does not depend on the values. Median of `reps` runs after one warm-up (which
+  compiles); each body is timed once per process (cached by its jaxpr and avals).
+
+  Scans nested in calls (`jit`, `remat`, custom_vjp) are looked for through them; scans inside
+  scan bodies are part of their body's time. Scans shorter than 2 iterations are left to the
+  analytic count.
+
+  Args:
+    closed_jaxpr: the traced step.
+    reps: timed runs per body.
+    max_input_bytes: a body whose inputs take more bytes than this is not timed (its zeros
+      would be allocated on the device).
+
+  Returns:
+    The timed scans, or None when the step has none, or timing failed (any exception: an
+    estimate never fails a plan).
+  """
+  import time  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import extend as jex  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  scans = []
+
+  def walk(j):
+    jj, _ = jc.open_jaxpr(j)
+    for eqn in jj.eqns:
+      if eqn.primitive.name == "scan":
+        if eqn.params["length"] >= 2:
+          scans.append(eqn)
+        continue
+      inner = _call_body(eqn)
+      if inner is not None:
+        walk(inner)
+
+  try:
+    walk(closed_jaxpr)
+    if not scans:
+      return None
+    total = flops = ew = 0.0
+    iterations = 0
+    for eqn in scans:
+      body, length = eqn.params["jaxpr"], int(eqn.params["length"])
+      avals = [v.aval for v in jc.open_jaxpr(body)[0].invars]
+      if sum(_nbytes(a) for a in avals) > max_input_bytes:
+        return None
+      key = (str(body), tuple(map(str, avals)))
+      if key not in _TIMED_BODIES:
+        fn = jax.jit(jex.core.jaxpr_as_fun(body))
+        args = [jnp.zeros(a.shape, a.dtype) for a in avals]
+        jax.block_until_ready(fn(*args))  # compile + warm up
+        times = []
+        for _ in range(reps):
+          t0 = time.perf_counter()
+          jax.block_until_ready(fn(*args))
+          times.append(time.perf_counter() - t0)
+        del args
+        _TIMED_BODIES[key] = float(np.median(times))
+      total += _TIMED_BODIES[key] * length
+      f, b = jaxpr_costs(body, float(length))
+      flops, ew, iterations = flops + f, ew + b, iterations + length
+    return TimedScans(secs=total, flops=flops, elementwise_bytes=ew, count=len(scans),
+                      iterations=iterations)
+  except Exception:  # pylint: disable=broad-except  (an estimate: never fail the plan)
+    return None
+
+
+def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *,
+                 platform: str, state_device_bytes: int, compile_step: bool = True,
+                 time_scans: bool = False) -> StepCosts:
+  """`StepCosts` of the device-only step (every state leaf on the device), per device.
+
+  FLOPs and elementwise bytes are counted over the jaxpr (`jaxpr_costs`), divided by the
+  devices of the state's mesh. Transient bytes come from compiling the device-only step for
+  this machine's backend, state donated as `jaxtier.offload` donates it:
+    transient = memory_analysis peak - state_device_bytes.
+  When compiling fails or the backend reports no figures, transient bytes are 0 here (the
+  solver then counts the gradients) and `transient_source` says so.
+
+  Args:
+    closed_jaxpr: the traced step (its first invars are the flattened state leaves).
+    state, args: the flattened state leaves and other arguments (arrays or ShapeDtypeStructs;
+      shardings are kept, memory kind set to 'device').
+    platform: the platform being planned for ('cpu' / 'gpu'); when it is not this machine's
+      backend the figures are this backend's, an approximation (said in `transient_source`).
+    state_device_bytes: the state's bytes per device when all of it is on the device.
+    compile_step: compile for the transient bytes (else report 0 and say so).
+    time_scans: time the step's scan bodies on this device (`time_scan_bodies`); only
+      meaningful when `platform` is this machine's backend.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax import extend as jex  # pylint: disable=g-import-not-at-top
+
+  mesh = jc.common_mesh((list(state), list(args)))
+  num_devices = mesh.size if mesh is not None else 1
+  flops, ew = jaxpr_costs(closed_jaxpr)
+  timed = time_scan_bodies(closed_jaxpr) if time_scans and num_devices == 1 else None
+  base = dict(flops=flops / num_devices, elementwise_bytes=ew / num_devices,
+              num_devices=num_devices, timed=timed)
+  if not compile_step:
+    return StepCosts(transient_bytes=0, transient_source="estimate: the gradients only "
+                     "(device-only step not compiled)", **base)
+  here = jax.default_backend()
+  key = None
+  try:
+    def spec(x, kind):
+      sharding = jc.named_sharding(x, kind, mesh) if mesh is not None else None
+      # A Python scalar argument has no dtype: JAX's own for it (x64 off: float32, int32).
+      dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
+      return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
+    avals = [spec(x, "device") for x in state] + [
+        spec(x, getattr(getattr(x, "sharding", None), "memory_kind", None) or "device")
+        for x in args]
+    # The same step planned again (jaxtier.plan, then offload) is compiled once.
+    key = (str(closed_jaxpr), tuple(map(str, avals)), tuple(
+        str(getattr(a, "sharding", None)) for a in avals))
+    if key in _COMPILED_FIGURES:
+      fig = _COMPILED_FIGURES[key]
+    else:
+      fn = jex.core.jaxpr_as_fun(closed_jaxpr)
+      compiled = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals).compile()
+      fig = memory_figures(compiled)
+      if len(_COMPILED_FIGURES) > 16:
+        _COMPILED_FIGURES.clear()
+      _COMPILED_FIGURES[key] = fig
+  except Exception as e:  # pylint: disable=broad-except  (an estimate: never fail the plan)
+    return StepCosts(transient_bytes=0, transient_source=f"estimate: the gradients only "
+                     f"(compiling the device-only step failed: {type(e).__name__})", **base)
+  if fig is None:
+    return StepCosts(transient_bytes=0, transient_source="estimate: the gradients only (the "
+                     f"{here} backend reports no memory analysis)", **base)
+  where = "" if platform == here else f"; compiled for {here}, planning for {platform}: approximate"
+  return StepCosts(transient_bytes=max(0, fig.peak_bytes - int(state_device_bytes)),
+                   transient_source=f"the compiled device-only step's memory_analysis (peak "
+                   f"{fig.peak_bytes} bytes less the state's {int(state_device_bytes)}){where}",
+                   **base)

@@ -1,0 +1,1 @@
+"""jaxtier's hardware stage."""

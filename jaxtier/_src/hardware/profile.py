@@ -1,0 +1,247 @@
+"""`HardwareProfile`: the rates and capacities the cost model uses, its defaults and storage."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+
+log = logging.getLogger("jaxtier")
+
+
+# Bytes of memory traffic per parameter of an AdamW update with an fp32 master, fp32 moments in
+# pinned_host and bf16 gradients / params on the device:
+#   DHA kernel, over the link: master, m, v read (12) and written (12).
+H200_HBM_BYTES = 143_771 * 2**20  # nvidia-smi total, MEASURED.md
+DHA_LINK_BYTES_PER_PARAM = 24
+
+
+#   CPU executor, host DRAM: master, m, v read and written (24), the staged gradient read and the
+#   staged param written (2 + 2), and the copy engines' writes / reads of those stagings (2 + 2).
+CPU_DRAM_BYTES_PER_PARAM = 32
+
+
+# JAX's GPU allocator takes this fraction of HBM unless XLA_PYTHON_CLIENT_MEM_FRACTION says
+# otherwise (its documented default).
+JAX_MEM_FRACTION = 0.75
+
+
+# The format of a stored profile, kept in its JSON as "format_version". A stored profile of an
+# older format (or none: before versioning) is ignored by `load`: its figures may come from an
+# older calibration (e.g. version 1 stored no CPU compute figures, so a CPU plan used an H200's
+# 700 TFLOP/s). Bump it whenever what `calibrate` measures, or how, changes.
+PROFILE_FORMAT_VERSION = 2
+
+
+_STR_FIELDS = ("device_kind", "source")
+
+
+_DICT_FIELDS = ("versions",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+  """Rates and capacities of one GPU and its host, as jaxtier's mechanisms see them.
+
+  Attributes:
+    link_h2d_gbps: copy-engine bandwidth pinned host -> device, one direction alone, GB/s.
+    link_d2h_gbps: copy-engine bandwidth device -> pinned host, one direction alone, GB/s.
+    link_duplex_gbps: both directions at once (two streams), the two together, GB/s.
+    dha_read_gbps: a kernel reading pinned host memory in place (zero-copy), GB/s.
+    dha_write_gbps: a kernel writing pinned host memory in place, GB/s.
+    dha_rw_gbps: a kernel reading and writing pinned host memory at once, both directions
+      together, GB/s (what the fused host update's DHA kernel achieves).
+    host_dram_gbps: host memory bandwidth (STREAM triad, all CPU threads), GB/s.
+    cpu_adamw_params_per_sec: AdamW update rate of the host CPU executor (fp32 master and
+      moments on the host, bf16 gradient and param staged), params/s.
+    dha_adamw_params_per_sec: AdamW update rate of the DHA kernel, params/s (fp32 master
+      and moments in pinned_host: 24 bytes per param over the link).
+    dha_update_gbps: the DHA update kernel's marginal rate per byte of host traffic, GB/s:
+      its time per call is elements x t + bytes / this rate (`dha_update_secs`).
+    matmul_tflops: achieved bf16 matmul throughput (8192^3 GEMM), TFLOP/s.
+    hbm_gbps: achieved HBM bandwidth (device-to-device copy, read + write counted), GB/s.
+    hbm_bytes: device memory JAX's allocator may use (`memory_stats()['bytes_limit']`), bytes.
+    pinnable_bytes: pinned host memory the host can give (MemAvailable, capped by XLA's pinned
+      pool `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`), bytes.
+    inter_gpu_gbps: GPU-to-GPU bandwidth (NVLink) one direction, GB/s (not measured with one
+      GPU; for multi-path transfers).
+    cpu_threads: host CPU threads the CPU executor may use.
+    device_kind: `jax.Device.device_kind` the figures were taken on.
+    versions: software versions at calibration ({'jax': ..., 'jaxlib': ..., 'jaxtier': ...}).
+    source: 'defaults' or 'calibrated' (and where), for the plan's notes.
+  """
+
+  link_h2d_gbps: float = 53.0
+  link_d2h_gbps: float = 54.0
+  # 44.3 GB/s each way measured with both directions busy (MEASURED.md).
+  link_duplex_gbps: float = 88.0
+  # SM loads from pinned host: 50.4 - 50.8 GB/s (MEASURED.md).
+  dha_read_gbps: float = 50.0
+  # Not measured alone; taken as the read rate, rounded down.
+  dha_write_gbps: float = 48.0
+  # MEASURED.md gives ~65 GB/s for a zero-copy read + write probe, but the AdamW DHA kernel
+  # reached 2.30e9 params/s x 24 B = 55 GB/s (W2) and the 1b e2e run 52 GB/s: the kernel's rate.
+  dha_rw_gbps: float = 52.0
+  host_dram_gbps: float = 80.5
+  # W2 (host_update.json): host_cpu 2.03e9 params/s, transfers included.
+  cpu_adamw_params_per_sec: float = 2.0e9
+  # W2 (host_update.json): host_dha 2.739e9 params/s.
+  dha_adamw_params_per_sec: float = 2.739e9
+  # The DHA update kernel's time per call is not bytes over one rate: on the H200 it moved
+  # 16 B/param (moments only) at 53 GB/s, 24 B/param (W2) at 66 GB/s and 28 B/param (a
+  # streamed param, its gradient and moments) at 72 GB/s. Per param it costs a fixed
+  # t = 0.167 ns plus bytes at 121 GB/s: that fits W2 and the 16 B runs of W5, and predicts
+  # the 28 B run within 3% (W5, benchmarks/results/).
+  dha_update_gbps: float = 121.0
+  # ~790 TFLOP/s on a bf16 8192^3 GEMM; training steps reach less (smaller and skinnier GEMMs).
+  matmul_tflops: float = 700.0
+  # ~4,050 GB/s device-to-device copy (read + write counted).
+  hbm_gbps: float = 4000.0
+  hbm_bytes: int = int(H200_HBM_BYTES * JAX_MEM_FRACTION)
+  # XLA's pinned pool cap (64 GiB by default) is below the H200 host's 125 GiB of RAM.
+  pinnable_bytes: int = 64 * 2**30
+  inter_gpu_gbps: float = 300.0
+  cpu_threads: int = 16
+  device_kind: str = "NVIDIA H200"
+  versions: dict = dataclasses.field(default_factory=lambda: {"jax": "0.11.2"})
+  source: str = "defaults (an H200 machine as measured for jaxtier; see docs/design.md)"
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name in _STR_FIELDS:
+        if not isinstance(value, str):
+          raise ValueError(f"HardwareProfile: expected {field.name} to be a string, got "
+                           f"{value!r}")
+        continue
+      if field.name in _DICT_FIELDS:
+        if not isinstance(value, dict):
+          raise ValueError(f"HardwareProfile: expected {field.name} to be a dict, got {value!r}")
+        continue
+      if (isinstance(value, bool) or not isinstance(value, (int, float))
+          or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"HardwareProfile: expected {field.name} > 0 (finite), got {value!r}")
+
+  @property
+  def is_default(self) -> bool:
+    return self.source.startswith("defaults")
+
+  def rates(self) -> dict[str, float]:
+    """The numeric fields, {name: value} (for printing)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name not in _STR_FIELDS + _DICT_FIELDS}
+
+  def dha_update_secs(self, elements: float, host_bytes: float) -> float:
+    """Seconds of the DHA update kernel for a call over `elements` elements moving
+    `host_bytes` (read + written) of pinned host memory: elements x t + host_bytes / rate.
+
+    t, the per-element time, follows from the measured AdamW rate (24 bytes per param):
+    t = 1 / dha_adamw_params_per_sec - 24 / (dha_update_gbps * 1e9) (at least 0). The link's
+    caps apply separately (`cost_model.update_cost`).
+    """
+    per_elem = max(0.0, 1.0 / self.dha_adamw_params_per_sec - 24.0 / (self.dha_update_gbps * 1e9))
+    return float(elements) * per_elem + float(host_bytes) / (self.dha_update_gbps * 1e9)
+
+  def cpu_update_gbps(self) -> float:
+    """The CPU executor's effective host-DRAM streaming rate, GB/s.
+
+    = cpu_adamw_params_per_sec * CPU_DRAM_BYTES_PER_PARAM / 1e9: the AdamW rate turned into the
+    bytes it moves, so that an update of any op program is costed by the bytes it moves.
+    """
+    return self.cpu_adamw_params_per_sec * CPU_DRAM_BYTES_PER_PARAM / 1e9
+
+
+DEFAULT_PROFILE = HardwareProfile()
+
+
+def split_fraction(profile: HardwareProfile = DEFAULT_PROFILE) -> float:
+  """The `dha_fraction` of the `split` executor: the DHA kernel's share of the elements.
+
+  Both executors finish together when each gets elements in proportion to its rate:
+  dha_rate / (dha_rate + cpu_rate).
+
+  Args:
+    profile: the machine's rates.
+
+  Returns:
+    A fraction in (0, 1).
+  """
+  dha = profile.dha_adamw_params_per_sec
+  cpu = profile.cpu_adamw_params_per_sec
+  return dha / (dha + cpu)
+
+
+def cache_path(device_kind: "str | None" = None) -> str:
+  """Where `save` keeps the profile: the user's cache dir, keyed by device kind and versions."""
+  import jax  # pylint: disable=g-import-not-at-top
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  kind = device_kind or jax.devices()[0].device_kind
+  kind = kind.replace(" ", "_").replace("/", "_")
+  return os.path.join(base, "jaxtier", f"profile-{kind}-jax{jax.__version__}.json")
+
+
+def save(profile: HardwareProfile, path: "str | None" = None) -> str:
+  """Writes `profile` as JSON (default: `cache_path()`), with `PROFILE_FORMAT_VERSION` as
+  "format_version"; returns the path."""
+  import json  # pylint: disable=g-import-not-at-top
+  path = path or cache_path()
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({"format_version": PROFILE_FORMAT_VERSION, **dataclasses.asdict(profile)}, f,
+              indent=1)
+  return path
+
+
+_WARNED: set[str] = set()
+
+
+def load(path: "str | None" = None, *, platform: "str | None" = None,
+         warn: bool = True) -> HardwareProfile:
+  """The stored profile for this machine's device, or `DEFAULT_PROFILE`.
+
+  Args:
+    path: a profile JSON written by `save` (default: `cache_path()` of this machine's device).
+    platform: the platform being planned for ('cpu'/'gpu'); when it is not this machine's
+      backend (planning for a GPU on a machine without one), the defaults are returned: a
+      stored profile describes this machine's devices, not the absent GPU.
+    warn: log a warning (once per path) when the defaults are returned for want of a profile,
+      or because the stored one is stale.
+
+  Returns:
+    The profile; `DEFAULT_PROFILE` where none is stored, or where the stored one was written in
+    an older format (its "format_version" missing or below `PROFILE_FORMAT_VERSION`).
+
+  Raises:
+    ValueError: the file holds unknown fields or non-positive rates.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  if path is None and platform is not None and platform != jax.default_backend():
+    return DEFAULT_PROFILE
+  path = path or cache_path()
+  if not os.path.exists(path):
+    if warn and path not in _WARNED and jax.default_backend() == "gpu":
+      _WARNED.add(path)
+      log.warning("jaxtier: no hardware profile at %s; planning with the H200 defaults. Run "
+                  "`python -m jaxtier calibrate` once on this machine.", path)
+    return DEFAULT_PROFILE
+  with open(path) as f:
+    data = json.load(f)
+  version = data.pop("format_version", None) if isinstance(data, dict) else None
+  if not isinstance(version, int) or version < PROFILE_FORMAT_VERSION:
+    if warn and path not in _WARNED:
+      _WARNED.add(path)
+      log.warning("jaxtier: ignoring %s: written by an older jaxtier (profile format %s, this "
+                  "one reads %d); planning with the defaults. Run `python -m jaxtier calibrate`.",
+                  path, version if version is not None else "unversioned",
+                  PROFILE_FORMAT_VERSION)
+    return DEFAULT_PROFILE
+  names = {f.name for f in dataclasses.fields(HardwareProfile)}
+  unknown = sorted(set(data) - names)
+  if unknown:
+    raise ValueError(f"jaxtier profile {path}: unknown fields {unknown}; delete it and run "
+                     "`python -m jaxtier calibrate` again")
+  return HardwareProfile(**data)

@@ -1,0 +1,136 @@
+"""The step's two jitted programs (compute, then update), with the plan's shardings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+import numpy as np
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import inventory as inv_lib
+from jaxtier._src.lowering import rewrite as rewrite_lib
+from jaxtier._src.lowering import streaming
+from jaxtier._src.planning.plan import Plan
+from jaxtier._src.vocab import MemoryKind
+
+
+def state_shardings(state: Any, plan: Plan) -> list[NamedSharding]:
+  """One `NamedSharding` per state leaf: its mesh and spec, in the plan's memory kind."""
+  leaves = jax.tree_util.tree_leaves(state)
+  mesh = jc.common_mesh(leaves)
+  return [jc.named_sharding(x, lp.memory_kind, mesh) for x, lp in zip(leaves, plan.leaves)]
+
+
+@dataclasses.dataclass
+class StepPrograms:
+  """The lowered step of one plan: `compute` jitted, `update` jitted on first use.
+
+  Attributes:
+    split: the rewritten step (`rewrite.SplitStep`): which leaves go where, and `assemble`.
+    stream: the layer loops served by streaming, and their gradient (scratch) buffers.
+    state_shardings: one per state leaf, in its planned memory kind.
+    scratch_shardings: one per `stream.scratch` buffer (pinned_host).
+    master_shardings: one per fp32 master copy (pinned_host), ordered as `master_indices`.
+    arg_memory_kinds: the memory kind each argument leaf after the state was compiled for.
+    compute: `jax.jit` of `split.compute`, donating the device leaves and the scratch buffers.
+  """
+
+  split: rewrite_lib.SplitStep
+  stream: streaming.StreamSchedule
+  state_shardings: list[Any]
+  scratch_shardings: list[Any]
+  master_shardings: list[Any]
+  arg_memory_kinds: list[str]
+  compute: Any
+  make_update: Callable[[Sequence[Any]], Any]
+  master_indices: list[int]
+  _update: Any = None
+
+  def update(self, feed_shardings: Sequence[Any]) -> Any:
+    """`jax.jit` of `split.update` for the feeds' shardings (made once, on first use)."""
+    if self._update is None:
+      self._update = self.make_update(list(feed_shardings))
+    return self._update
+
+  def leaf_groups(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(device leaves, host leaves) of the state's flat leaves, as `compute` takes them."""
+    return ([leaves[i] for i in self.split.device_leaves],
+            [leaves[i] for i in self.split.host_leaves])
+
+  def state_specs(self, state: Any) -> list[jax.ShapeDtypeStruct]:
+    """The state's leaves as shapes with the shardings the call will see (placed or not)."""
+    return [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sh)
+            for x, sh in zip(jax.tree_util.tree_leaves(state), self.state_shardings)]
+
+  def scratch_specs(self) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh)
+            for s, sh in zip(self.stream.scratch, self.scratch_shardings)]
+
+  def lower_for_check(self, state: Any, args: Sequence[Any]) -> tuple[Any, int, int]:
+    """Lowers `compute` for the state as it will be placed: (lowered, device argument bytes,
+    pinned_host argument bytes), bytes per device (what `verify` compares with the budget)."""
+    specs = self.state_specs(state)
+    arg_specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+                 for x in jax.tree_util.tree_leaves(args)]
+    dev, host = self.leaf_groups(specs)
+    scratch = self.scratch_specs()
+    lowered = self.compute.lower(dev, host, arg_specs, scratch)
+    every = dev + host + arg_specs + scratch
+    host_bytes = sum(inv_lib.bytes_per_device(a) for a in every
+                     if jc.memory_kind_of(a) == MemoryKind.PINNED_HOST)
+    return lowered, sum(inv_lib.bytes_per_device(a) for a in every) - host_bytes, host_bytes
+
+
+def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[Any]
+          ) -> StepPrograms:
+  """Lowers the traced step by `plan` and jits its two programs (`rewrite.SplitStep`)."""
+  state_sh = state_shardings(state, plan)
+  split = rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh)
+  stream = split.stream
+  n_state = len(plan.leaves)
+  masters = rewrite_lib.master_indices(plan.components)
+  master_sh = [state_sh[i].with_memory_kind(MemoryKind.PINNED_HOST) for i in masters]
+  # A gradient buffer is sharded like its leaf (else replicated on the leaf's mesh).
+  scratch_sh = [
+      state_sh[s.leaf].with_memory_kind(MemoryKind.PINNED_HOST)
+      if tuple(s.shape) == tuple(plan.leaves[s.leaf].shape) else
+      NamedSharding(state_sh[s.leaf].mesh, PartitionSpec(), memory_kind=MemoryKind.PINNED_HOST)
+      for s in stream.scratch]
+  # Explicit in_shardings for every argument (the batch too): JAX pairs donated buffers
+  # with outputs by memory kind only when every argument's memory kind is known; otherwise
+  # (jax 0.11) it paired a device param with a same-shaped pinned_host moment, which XLA's
+  # verifier rejects.
+  mesh = jc.common_mesh((state, args))
+  arg_sh = [jc.named_sharding(x, jc.memory_kind_of(x) or MemoryKind.DEVICE, mesh)
+            for x in jax.tree_util.tree_leaves(args)]
+  out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
+  compute = jax.jit(
+      split.compute, donate_argnums=(0, 3),
+      in_shardings=([state_sh[i] for i in split.device_leaves],
+                    [state_sh[i] for i in split.host_leaves], arg_sh, scratch_sh),
+      out_shardings=(out_sh(split.compute_outs[:split.num_first]), [None] * split.num_feeds,
+                     out_sh(split.compute_outs[split.num_first:]), scratch_sh))
+
+  # A metric the update program returns (an updated leaf, or an elementwise function of one,
+  # computed by a host update) comes out of the custom call in pinned_host: the step's
+  # outputs other than the state are on the device, as under jax.jit (replicated over the
+  # state's mesh: XLA copies them there).
+  metric_mesh = mesh if mesh is not None else (state_sh[0].mesh if state_sh else None)
+  metric_sh = (None if metric_mesh is None
+               else NamedSharding(metric_mesh, PartitionSpec(), memory_kind=MemoryKind.DEVICE))
+  update_out_sh = [state_sh[j] if j < n_state else metric_sh for j in split.update_outs]
+
+  def make_update(feed_sh):
+    return jax.jit(
+        split.update, donate_argnums=(0, 2),
+        in_shardings=([state_sh[i] for i in split.updated_host],
+                      [state_sh[i] for i in split.read_host], master_sh, feed_sh, scratch_sh),
+        out_shardings=(update_out_sh, master_sh))
+
+  return StepPrograms(split=split, stream=stream, state_shardings=state_sh,
+                      scratch_shardings=scratch_sh, master_shardings=master_sh,
+                      arg_memory_kinds=[sh.memory_kind for sh in arg_sh], compute=compute,
+                      make_update=make_update, master_indices=masters)

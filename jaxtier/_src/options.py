@@ -1,0 +1,52 @@
+"""Options of `jaxtier.offload`, validated when made."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxtier._src import units
+from jaxtier._src.planning import policy as policy_lib
+
+
+class _Missing:
+  def __repr__(self):
+    return "MISSING"
+
+
+MISSING: Any = _Missing()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadOptions:
+  """Options of `jaxtier.offload` (validated when made).
+
+  Attributes:
+    device_budget: device memory the step may use at its peak (state, gradients, activations),
+      bytes per device (int, or a string such as '80GB'/'16GiB'); None: no limit (on a GPU,
+      the planner then plans against what the device has).
+    host_budget: pinned host memory the plan may pin, bytes per device; None: no limit beyond
+      what the host can pin.
+    policy: 'auto', 'none', a callable `(path, LeafInfo) -> placement | None`, or a
+      `{regex: placement}` dict over leaf paths.
+    donate_argnums: must include 0 (the state is updated in place).
+  """
+
+  device_budget: "int | None" = None
+  host_budget: "int | None" = None
+  policy: Any = "auto"
+  donate_argnums: tuple[int, ...] = (0,)
+
+  def __post_init__(self):
+    object.__setattr__(self, "device_budget",
+                       units.parse_bytes(self.device_budget, "jaxtier.offload: device_budget"))
+    object.__setattr__(self, "host_budget",
+                       units.parse_bytes(self.host_budget, "jaxtier.offload: host_budget"))
+    donate = tuple(self.donate_argnums) if isinstance(self.donate_argnums, (tuple, list)) else (
+        self.donate_argnums,)
+    if 0 not in donate:
+      raise ValueError("jaxtier.offload: expected donate_argnums to include 0, got "
+                       f"{self.donate_argnums!r}; host-resident leaves are updated in place, "
+                       "which consumes the state passed in (use the returned state)")
+    object.__setattr__(self, "donate_argnums", donate)
+    policy_lib.check_policy_form(self.policy, "jaxtier.offload")

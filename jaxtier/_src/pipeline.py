@@ -1,0 +1,358 @@
+"""The one planning pipeline, for `offload` and `plan`: trace, costs, plan, verify, refine.
+
+`plan_step` traces the step (`analysis.inventory`), measures what the device-only step costs
+(`analysis.step_costs`), loads the `HardwareProfile`, plans (`planning.planner.make_plan`),
+lowers the plan into the step's two programs (`lowering.programs.build`), checks the compiled
+program's peak against the budget (re-planning when it is over, `MAX_REPLANS` times at most),
+and refines a plan whose compiled peak came out well under its prediction. `plan_only` stops
+after planning: it allocates and compiles nothing but the device-only step's costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import inventory as inv_lib
+from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis import step_costs as step_costs_lib
+from jaxtier._src.errors import PlanError
+from jaxtier._src.hardware import host as host_lib
+from jaxtier._src.hardware import profile
+from jaxtier._src.lowering import programs as programs_lib
+from jaxtier._src.options import OffloadOptions
+from jaxtier._src.planning import planner
+from jaxtier._src.planning import verify as verify_lib
+from jaxtier._src.planning.plan import Plan
+from jaxtier._src.units import format_bytes
+from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
+
+log = logging.getLogger("jaxtier")
+
+# Re-plans after the compiled step's peak device memory came out over the budget.
+MAX_REPLANS = 2
+# A verified plan whose compiled peak is more than this fraction of its device budget below
+# its predicted peak is refined (`_refine`).
+REFINE_MIN_OVERESTIMATE = 0.02
+# The shares of the measured overestimate credited, tried in turn until a refined plan's
+# compiled peak is within the budget (each try compiles the step once more).
+REFINE_CREDIT_SHARES = (1.0, 0.5)
+_FIXED = (NamedPolicy.NONE, NamedPolicy.OPTIMIZER_STATE_ON_HOST)
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+  """What the pipeline hands the runtime: the traced step, its plan and the programs."""
+
+  inventory: inv_lib.Inventory
+  plan: Plan
+  programs: programs_lib.StepPrograms
+  signature: Any
+
+
+def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
+              *, changes: str = "") -> Planned:
+  """Plans `fn(state, *args)`, lowers the plan and verifies it by compiling.
+
+  `changes`: why the step is planned again ('' the first time), added to a tracing error.
+
+  Raises:
+    jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
+  """
+  try:
+    inv = inv_lib.take_inventory(fn, state, args)
+  except Exception as e:
+    if changes and hasattr(e, "add_note"):
+      e.add_note(f"jaxtier: the step was traced again because its inputs changed since they "
+                 f"were planned: {changes}")
+    raise
+  leaves = jax.tree_util.tree_leaves(state)
+  platform = jc.platform_of(leaves[0]) if leaves else jax.default_backend()
+  blocked = _stream_blocked(state)
+  costs = _step_costs(inv, state, args, platform, options.policy)
+  budget = options.device_budget
+  # The same for every (re-)plan of this trace.
+  fixed = dict(platform=platform, policy=options.policy, host_budget=options.host_budget,
+               pinnable_bytes=host_lib.pinnable_bytes(platform, _num_local_devices(state)),
+               hardware=profile.load(platform=platform),
+               streamable=set() if blocked else _streamable(inv),
+               resident_bytes=_resident_bytes(state), stream_blocked=blocked)
+  sig = signature(state, args)
+
+  def make(step_costs):
+    return planner.make_plan(inv, device_budget=budget, step_costs=step_costs, **fixed)
+
+  def lower(plan):
+    return Planned(inv, plan, programs_lib.build(inv, plan, state, args), sig)
+
+  previous = planned = None
+  for attempt in range(MAX_REPLANS + 1):
+    try:
+      plan = make(costs)
+    except PlanError as e:
+      if previous is None:
+        raise
+      log.warning("jaxtier: re-planning against %s failed (%s); keeping the previous plan",
+                  format_bytes(budget), str(e).split(". ")[0])
+      planned = previous
+      break
+    if attempt:
+      plan = _against_user_budget(plan, options.device_budget, budget, attempt)
+    planned, smaller = _verify(lower(plan), state, args, attempt, options.policy)
+    if smaller is None:
+      break
+    previous, budget = planned, smaller
+  planned = _refine(planned, state, args, costs, make, lower, options.policy)
+  log.debug("jaxtier plan:\n%s", planned.plan)
+  return planned
+
+
+def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
+              *, platform: str, streamable: Any = None, dha_readable: Any = frozenset(),
+              activations: Any = None) -> Plan:
+  """The plan `plan_step` starts from, for `platform` (which this machine may lack)."""
+  inv = inv_lib.take_inventory(fn, state, args, api="jaxtier.plan")
+  here = jax.default_backend()
+  hardware = profile.load(platform=platform)
+  blocked = _stream_blocked(state)
+  if blocked:  # none, whatever the caller allows
+    streamable = frozenset()
+  elif streamable is None:
+    streamable = _streamable(inv)
+  pinnable_what = host_lib.HERE_PINNABLE
+  if platform == here:
+    pinnable = host_lib.pinnable_bytes(platform, _num_local_devices(state))
+  else:  # planning for an absent GPU: what its profile says the host could pin, or XLA's
+    # pinned-pool cap when the caller sets it (to plan for a host where it is raised).
+    cap = host_lib.xla_pinned_pool_bytes()
+    pinnable = cap if cap is not None else hardware.pinnable_bytes
+    pinnable_what = ("XLA's pinned pool as XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB sets it"
+                     if cap is not None else
+                     "what the hardware profile says the GPU's host can pin (no GPU here)")
+  result = planner.make_plan(
+      inv, platform=platform, policy=options.policy, device_budget=options.device_budget,
+      host_budget=options.host_budget, pinnable_bytes=pinnable, hardware=hardware,
+      step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
+      streamable=streamable, dha_readable=dha_readable, activations=activations,
+      resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what,
+      stream_blocked=blocked)
+  if platform != here:
+    result = dataclasses.replace(result, notes=result.notes + (
+        f"planned for {platform} on a machine without one ({here}): "
+        + ("the default hardware profile" if hardware.is_default else "a stored profile")
+        + f"; pinnable host memory from the profile ({format_bytes(pinnable)})",))
+  return result
+
+
+def _against_user_budget(plan: Plan, user_budget: "int | None", budget: int, attempt: int
+                         ) -> Plan:
+  """A plan made against a re-plan budget smaller than the user's, shown against theirs.
+
+  The solver's verdict against that internal budget is not the plan's against the user's (the
+  compiled check judges that): it stays a note.
+  """
+  internal = format_bytes(budget)
+  notes = tuple(f"against the re-plan budget of {internal}, not yours: {v}"
+                for v in plan.verdicts)
+  return dataclasses.replace(
+      plan, device_budget=user_budget, fits=True, violations=(), verdicts=(),
+      notes=(*plan.notes, *notes, f"re-planned ({attempt}) against {internal}: the compiled "
+             "step's peak was over the budget"))
+
+
+def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, policy: Any,
+            refining: bool = False) -> "tuple[Planned, int | None]":
+  """Compiles the planned step and compares the compiler's peak with the budget planned for.
+
+  Records the compiler's figure in the plan. Returns the planned step and a smaller device
+  budget to re-plan with when the compiler's peak exceeds it and the solver may still move
+  leaves (at most MAX_REPLANS times), else None (always None when `refining`: the caller
+  decides).
+  """
+  plan = planned.plan
+  if plan.predicted_peak_hbm_bytes is None:
+    return planned, None
+  try:
+    lowered, device_args, host = planned.programs.lower_for_check(state, args)
+    ok, fig = verify_lib.verify(plan, lowered, host_argument_bytes=host,
+                                device_argument_bytes=device_args)
+  except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
+    log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)
+    return planned, None
+  if fig is None:
+    return planned, None
+  plan = dataclasses.replace(
+      plan, compiler_peak_hbm_bytes=fig.peak_bytes,
+      notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (the "
+                          f"arguments by their shardings: device {device_args}, pinned_host "
+                          f"{host} bytes)",))
+  planned = dataclasses.replace(planned, plan=plan)
+  budget = plan.planned_device_budget
+  log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
+           plan.predicted_peak_hbm_bytes, fig.peak_bytes,
+           "" if budget is None else f", budget {budget} bytes")
+  if ok or refining:
+    return planned, None
+  # Re-planning helps only where the solver believed its plan fit (else it already offloaded
+  # all it could) and may move leaves.
+  solvable = (not is_named(policy, *_FIXED) and budget is not None
+              and plan.predicted_peak_hbm_bytes <= budget)
+  if attempt >= MAX_REPLANS or not solvable:
+    log.warning("jaxtier: the compiled step's peak device memory (%s) exceeds the device "
+                "budget (%s)%s", format_bytes(fig.peak_bytes), format_bytes(budget),
+                "" if not solvable else f" after {attempt} re-plans; keeping this plan")
+    return planned, None
+  over = fig.peak_bytes - budget
+  log.warning("jaxtier: the compiled step needs %s of device memory, %s over the budget of "
+              "%s (predicted %s); re-planning with %s less", format_bytes(fig.peak_bytes),
+              format_bytes(over), format_bytes(budget),
+              format_bytes(plan.predicted_peak_hbm_bytes), format_bytes(over))
+  return planned, max(1, budget - over)
+
+
+def _refine(planned: Planned, state: Any, args: Sequence[Any],
+            costs: step_costs_lib.StepCosts, replan: Callable[..., Plan],
+            lower: Callable[[Plan], Planned], policy: Any) -> Planned:
+  """Re-plans with what compiling the plan taught: the update temporaries it freed.
+
+  The transient bytes come from the device-only step, whose peak holds the optimizer
+  update's temporaries; a step whose updates run on the host does not. When the compiled
+  peak of the verified plan is below its predicted peak by more than
+  REFINE_MIN_OVERESTIMATE of the budget, the difference per byte of optimizer state on the
+  host becomes `StepCosts.update_credit` and the solver runs again under the same budget.
+  The new plan is kept only if it is predicted faster and its compiled peak is within the
+  budget; if it is over, half the credit is tried (REFINE_CREDIT_SHARES); otherwise the
+  verified plan stays.
+  """
+  plan = planned.plan
+  if is_named(policy, *_FIXED):
+    return planned
+  budget, peak = plan.planned_device_budget, plan.compiler_peak_hbm_bytes
+  predicted = plan.predicted_peak_hbm_bytes
+  if budget is None or peak is None or predicted is None or peak > budget:
+    return planned
+  over = predicted - peak
+  moved = sum(l.nbytes for l in plan.leaves
+              if l.role == Role.OPTIMIZER_STATE and l.placement != Placement.DEVICE)
+  if over <= REFINE_MIN_OVERESTIMATE * budget or moved <= 0:
+    return planned
+  tried = False
+  for share in REFINE_CREDIT_SHARES:
+    credit = costs.update_credit + share * over / moved
+    try:
+      refined = replan(dataclasses.replace(costs, update_credit=credit))
+    except PlanError as e:
+      log.debug("jaxtier: refining the plan failed: %r", e)
+      break
+    if (refined.predicted_step_secs is None or plan.predicted_step_secs is None
+        or refined.predicted_step_secs >= plan.predicted_step_secs * 0.99):
+      break  # a smaller credit gives a plan nearer the first: not faster either
+    refined = dataclasses.replace(refined, device_budget=plan.device_budget, notes=(
+        *refined.notes, f"refined: the first plan's peak was predicted "
+        f"{format_bytes(predicted)} and compiled to {format_bytes(peak)}; "
+        f"the transient bytes are credited {credit:.3g} bytes per byte of optimizer state "
+        f"updated on the host (its update's temporaries); the first plan predicted "
+        f"{plan.predicted_step_secs * 1e3:.2f} ms per step"))
+    tried = True
+    candidate, _ = _verify(lower(refined), state, args, MAX_REPLANS, policy, refining=True)
+    new_peak = candidate.plan.compiler_peak_hbm_bytes
+    if new_peak is not None and new_peak <= budget:
+      log.info("jaxtier: plan refined with the compiled step's peak: predicted step %.2f ms "
+               "(was %.2f ms)", candidate.plan.predicted_step_secs * 1e3,
+               plan.predicted_step_secs * 1e3)
+      return candidate
+    log.info("jaxtier: a refined plan's compiled peak (%s) is over the budget (%s)",
+             "unknown" if new_peak is None else format_bytes(new_peak), format_bytes(budget))
+  if tried:
+    log.info("jaxtier: keeping the first plan")
+  return planned
+
+
+def _stream_blocked(state: Any) -> str:
+  """Why no leaf of `state` may be streamed ('' when they may): the streaming custom calls
+  run on one device; XLA's SPMD partitioner refuses them in a program over several
+  ("Side-effect HLO must have sharding")."""
+  mesh = jc.common_mesh(state)
+  if mesh is None or mesh.size <= 1:
+    return ""
+  return (f"the state is sharded over a mesh of {mesh.size} devices, and streaming runs on one "
+          "device only (its custom calls are not partitioned by XLA's SPMD pass yet)")
+
+
+def _streamable(inv: inv_lib.Inventory) -> set[int]:
+  """Parameter leaves the lowering can serve `host_stream` (`layer_stacks.stream_reason`)."""
+  return {l.index for l in inv.leaves if l.role == Role.PARAM
+          and not layer_stacks.stream_reason(inv.closed_jaxpr.jaxpr, l.index)}
+
+
+def _num_local_devices(state: Any) -> int:
+  """Devices of the state's mesh that this process addresses (1 without a mesh).
+
+  Each keeps its shards of the host leaves in this host's memory; plans count bytes per device.
+  """
+  mesh = jc.common_mesh(state)
+  if mesh is None:
+    return 1
+  here = jax.process_index()
+  return max(1, sum(d.process_index == here for d in mesh.devices.flat))
+
+
+def changes(old: Any, new: Any, state: Any, args: Sequence[Any], limit: int = 4) -> str:
+  """What differs between two `signature`s, naming leaves by path ('' if nothing)."""
+  out = []
+  for what, tree, (old_def, old_leaves), (new_def, new_leaves) in (
+      ("state", state, old[0], new[0]), ("batch", tuple(args), old[1], new[1])):
+    if old_def != new_def:
+      out.append(f"the {what}'s pytree structure")
+      continue
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    for path, a, b in zip(paths, old_leaves, new_leaves):
+      if a != b:
+        fmt = lambda t: f"{t[1]}{list(t[0])}"
+        out.append(f"{what} leaf {path or '(root)'} was {fmt(a)}, now {fmt(b)}")
+  more = f" and {len(out) - limit} more" if len(out) > limit else ""
+  return "; ".join(out[:limit]) + more
+
+
+def signature(state: Any, args: Sequence[Any]) -> Any:
+  """What a plan depends on: the pytree structures, shapes and dtypes of state and args."""
+  def sig(tree):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))))
+                          for x in leaves)
+  return sig(state), sig(tuple(args))
+
+
+def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platform: str,
+                policy: Any, always: bool = False) -> "step_costs_lib.StepCosts":
+  """FLOPs and transient bytes of the device-only step (compiled when the solver runs, or
+  `always`: `jaxtier.plan` predicts for every policy)."""
+  leaves = jax.tree_util.tree_leaves(state)
+  solves = always or not is_named(policy, *_FIXED)
+  return step_costs_lib.measure_step(
+      inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
+      state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves,
+      time_scans=solves and _time_scans(platform))
+
+
+def _resident_bytes(state: Any) -> int:
+  """Bytes of the state's leaves that exist as arrays (not `jax.ShapeDtypeStruct`s)."""
+  return sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(state)
+             if isinstance(x, (jax.Array, np.ndarray)))
+
+
+def _time_scans(platform: str) -> bool:
+  """Whether the planner times the step's scan bodies on this machine's device
+  (`step_costs.time_scan_bodies`): JAXTIER_TIME_SCANS=1/0 forces it; by default on a GPU being
+  planned for (on the CPU backend the profile's rates are an H200's, and timing CPU bodies would
+  make plans in tests depend on machine load)."""
+  forced = os.environ.get("JAXTIER_TIME_SCANS")
+  if forced is not None:
+    return forced not in ("", "0", "false", "False")
+  return platform == "gpu" and jax.default_backend() == "gpu"

@@ -1,0 +1,1 @@
+"""jaxtier's planning stage."""

@@ -1,0 +1,84 @@
+"""Admission: a plan over a budget is refused before anything is allocated."""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import jax
+
+from jaxtier._src.errors import AdmissionError, PlanError
+from jaxtier._src.hardware import profile
+from jaxtier._src.hardware.host import HERE_PINNABLE
+from jaxtier._src.planning.plan import LeafPlan, Plan
+from jaxtier._src.units import format_bytes
+
+# Share of the device's memory a default budget leaves free (fragmentation, workspace).
+DEVICE_MARGIN = 0.05
+
+
+def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str]:
+  """(bytes, why) of the device budget planned against when none is given, on a GPU.
+
+  What JAX's allocator may use on this machine's GPU (`memory_stats()['bytes_limit']`), or
+  the profile's `hbm_bytes` when planning for a GPU that is not here, less DEVICE_MARGIN for
+  fragmentation and compiler workspace the model does not see.
+  """
+  limit, where = hardware.hbm_bytes, f"the profile's HBM ({hardware.device_kind})"
+  if jax.default_backend() == "gpu":
+    stats = jax.devices()[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+      limit, where = int(stats["bytes_limit"]), "what JAX's allocator may use on this GPU"
+  return int(limit * (1 - DEVICE_MARGIN)), f"{where} less {DEVICE_MARGIN:.0%}"
+
+
+def _largest(leaves: list[LeafPlan], key: Callable[[LeafPlan], int], k: int = 5) -> str:
+  top = sorted(leaves, key=key, reverse=True)[:k]
+  return "; ".join(f"{leaf.path} {format_bytes(key(leaf))}" for leaf in top if key(leaf))
+
+
+def _prefix_regex(leaves: list[LeafPlan]) -> str:
+  """A policy regex matching the first path component of the largest of `leaves`."""
+  top = max(leaves, key=lambda l: l.nbytes).path
+  m = re.match(r"(\[[^\]]*\]|\.[A-Za-z_]\w*)", top)
+  return "^" + re.escape(m.group(1) if m else top)
+
+
+def _admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE
+           ) -> None:
+  host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
+  host_bytes = lambda l: (l.nbytes if l.memory_kind == "pinned_host" else 0) + l.master_nbytes
+  for limit, what, fix in (
+      (plan.host_budget, "the host budget", "raise host_budget, or keep more leaves on the "
+       "device (policy)"),
+      (pinnable_bytes, pinnable_what, "free host "
+       "memory, keep more leaves on the device (policy), or shard replicated host leaves over "
+       "the mesh" + ("; on a GPU, XLA's pinned pool is capped by "
+                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
+                     "if the host has the memory" if plan.platform == "gpu" else ""))):
+    if limit is not None and plan.pinned_bytes > limit:
+      raise AdmissionError(
+          f"jaxtier: plan refused before allocating anything: it needs "
+          f"{format_bytes(plan.pinned_bytes)} ({plan.pinned_bytes} bytes) of pinned host memory "
+          f"per device, "
+          f"over {what} of {format_bytes(limit)} ({limit} bytes). Largest host leaves: "
+          f"{_largest(host, host_bytes)}. Fix: {fix}.")
+  if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
+    dev = [l for l in plan.leaves if l.memory_kind == "device"]
+    # Where offloading more would pin more than the host may, the notes say so: the binding
+    # limit is then the host's, and a policy alone cannot help.
+    binding = plan.binding_violation()
+    host_note = None if binding is None else (
+        f"moving every leaf it may move to the host would pin {format_bytes(binding.need_bytes)}"
+        f", over the host limit of {format_bytes(binding.limit_bytes)}")
+    raise PlanError(
+        f"jaxtier: the state needs {format_bytes(plan.device_bytes)} ({plan.device_bytes} bytes) "
+        f"of device memory after offloading, over the device budget of "
+        f"{format_bytes(plan.device_budget)} ({plan.device_budget} bytes). Largest device "
+        f"leaves: {_largest(dev, lambda l: l.nbytes)}. Fix: raise device_budget, or place "
+        f"more leaves on the host with a policy (e.g. policy={{{_prefix_regex(dev)!r}: "
+        "'host_xla'})." + ("" if host_note is None else
+                          f" But the host limit binds first: {host_note} (the smaller of "
+                          "host_budget and what the host can pin; on a GPU "
+                          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB raises XLA's pinned pool, if the "
+                          "host has the memory)"))

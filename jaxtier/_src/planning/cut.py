@@ -1,0 +1,103 @@
+"""The cut: the fused host updates around the host leaves, each compiled to an op program."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import jaxpr_graph, program_compiler
+from jaxtier._src.analysis.inventory import Inventory
+from jaxtier._src.hardware import profile
+from jaxtier._src.primitives.host_update import ProgramTooLarge
+from jaxtier._src.vocab import Placement, Role
+
+log = logging.getLogger("jaxtier")
+
+
+def _cut(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
+         executor_leaves: set[int], hardware: "profile.HardwareProfile", host_exec: str,
+         user_placed: "set[int] | frozenset[int]" = frozenset()) -> tuple[list[Any], set[int]]:
+  """Cuts the host updates around `executor_leaves` and compiles each into an op program.
+
+  A component that cannot run as one op program falls back to `host_xla` (placement, reason and
+  `executor_leaves` are updated in place); re-cut until stable. `host_stream` leaves are in
+  `executor_leaves` (their update is a fused host update) but their reads by layer loops do
+  not taint; their call's executor is its other leaves' (else `host_exec`). `user_placed`:
+  the leaves whose placement the user's policy asked for (their executor wins a fused call).
+
+  Returns:
+    (compiled components, indices of the bf16/f16 params that get fp32 masters).
+  """
+  jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
+  while True:
+    streamed = {i for i in executor_leaves if placement[i] == Placement.HOST_STREAM}
+    comps = jaxpr_graph.components(jaxpr, executor_leaves, streamed)
+    demoted = False
+    compiled, masters = [], set()
+    for comp in comps:
+      if not comp.eqns:  # only read where it lives (streamed, or returned as is): no update
+        continue
+      why = comp.why
+      comp_masters: set[int] = set()
+      if comp.elementwise:
+        comp_masters = _masters_for(jaxpr, comp, inv)
+        try:
+          cc = program_compiler.compile_component(
+              jaxpr, consts, comp, frozenset(comp_masters), frozenset(executor_leaves))
+          # One executor per fused call: the one the user's policy asked for most (else the
+          # automatic choice); ties go to the first in name order.
+          execs = [i for i in comp.seeds if placement[i] != Placement.HOST_STREAM]
+          chosen = [placement[i] for i in execs if i in user_placed] or [
+              placement[i] for i in execs] or [host_exec]
+          executor = max(sorted(set(chosen)), key=chosen.count)
+          for i in comp.seeds:
+            if placement[i] == Placement.HOST_STREAM:
+              if f"updated in place by {executor}" not in reasons[i]:
+                reasons[i] += f"; updated in place by {executor}"
+            elif placement[i] != executor:
+              reasons[i] += f"; updated with the leaves it shares a fused call with ({executor})"
+              placement[i] = executor
+          compiled.append(dataclasses.replace(
+              cc, executor=Placement(executor).executor,
+              dha_fraction=profile.split_fraction(hardware)))
+        except (program_compiler.Unsupported, ProgramTooLarge) as e:
+          why = str(e)
+      if why or not comp.elementwise:
+        params = [i for i in comp.seeds if inv.leaves[i].role == Role.PARAM]
+        for i in comp.seeds:
+          executor_leaves.discard(i)
+          placement[i] = Placement.HOST_XLA
+          if params:
+            # The usual cause: a parameter placed with an executor is read by the forward
+            # pass too, which ties every host leaf of the step into one non-elementwise cut.
+            reasons[i] = (
+                f"update not one elementwise pass: the host parameter "
+                f"{inv.leaves[params[0]].path} is {inv.leaves[params[0]].why}, so its reads "
+                f"and update are one computation ({why}): XLA memory-kind transfers. A stack of "
+                "layers read by a layer loop can be placed 'host_stream' instead")
+          else:
+            reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
+          # Warned where the user placed the leaf; for the planner's own candidates the
+          # solver decides next (most stay on the device), so only logged.
+          (log.warning if i in user_placed else log.info)(
+              "jaxtier: leaf %s falls back to host_xla: %s", inv.leaves[i].path, reasons[i])
+        demoted = True
+      else:
+        masters |= comp_masters
+    if not demoted:
+      return compiled, masters
+
+
+def _masters_for(jaxpr: Any, comp: jaxpr_graph.Component, inv: Inventory) -> set[int]:
+  """bf16/f16 params read by `comp` whose new value `comp` computes: they get fp32 masters."""
+  read = set()
+  for k in comp.eqns:
+    read.update(v for v in jaxpr.eqns[k].invars if not isinstance(v, jc.Literal))
+  out = set()
+  for leaf in inv.leaves:
+    if leaf.dtype in ("bfloat16", "float16") and leaf.index not in comp.seeds and (
+        jaxpr.invars[leaf.index] in read and leaf.index in comp.outputs):
+      out.add(leaf.index)
+  return out

@@ -1,0 +1,199 @@
+"""The Plan: the contract between planning and lowering (a placement per leaf, its verdicts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from jaxtier._src.units import format_bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LeafPlan:
+  """Where one leaf lives and why.
+
+  Attributes:
+    path: pytree path of the leaf in the state.
+    shape, dtype, nbytes: the leaf (bytes per device).
+    role: `param`, `optimizer_state` or `other`.
+    placement: one of tuple(Placement).
+    memory_kind: 'device' or 'pinned_host'.
+    master_nbytes: bytes of the fp32 master copy in pinned_host (0 when none).
+    reason: why this placement.
+    user_placed: whether the user's policy asked for this placement (the solver does not move
+      a leaf the user placed).
+  """
+
+  index: int
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  nbytes: int
+  role: str
+  placement: str
+  memory_kind: str
+  master_nbytes: int
+  reason: str
+  user_placed: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BudgetViolation:
+  """A limit the plan misses: what it needs against what the limit allows, bytes per device.
+
+  Attributes:
+    limit: which limit: 'device_budget' (peak device memory), 'host_limit' (pinned bytes:
+      the smaller of host_budget and what the host can pin), 'host_memory' (the CPU backend's
+      RAM, which holds device and pinned_host memory alike).
+    need_bytes: what the plan needs of it.
+    limit_bytes: what the limit allows.
+    binding: the limit that decides the plan: a host limit that binds before the device budget
+      (moving every movable leaf to the host would pin more than it allows), so that a policy
+      alone cannot make the plan fit.
+  """
+
+  limit: str
+  need_bytes: int
+  limit_bytes: int
+  binding: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The placement of every state leaf, with its byte totals (all per device).
+
+  Attributes:
+    leaves: one `LeafPlan` per state leaf.
+    platform: 'cpu' or 'gpu'.
+    device_bytes: state bytes held in device memory (HBM).
+    pinned_bytes: state bytes held in pinned host memory, masters included.
+    device_budget, host_budget: the limits planned against (None: no limit), bytes.
+    num_host_updates: fused host-update custom calls per step.
+    predicted_step_secs: the cost model's step time, seconds (None: not predicted).
+    critical_path: the resource that bounds most of the step ('compute', 'link_h2d',
+      'link_d2h', 'dha', 'host_cpu', 'host_dram').
+    predicted_peak_hbm_bytes: predicted peak device memory per device: device state +
+      transient buffers (gradients, activations, workspace) + stream buffers, bytes.
+    resource_secs: busy seconds per step of each resource ('compute', 'link_h2d',
+      'link_d2h', 'dha', 'host_cpu').
+    segments: the step's serial phases: (name, seconds, bounding resource).
+    activation_policy: the activation policy the prediction assumes.
+    planned_device_budget: the device budget the solver planned against (the given one, or on
+      a GPU without one, what the device has less a margin), bytes.
+    notes: where the figures come from (profile, transient bytes), and warnings.
+    compiler_peak_hbm_bytes: the compiled step's peak device memory from its
+      `memory_analysis()` (set after compiling; None before, or where the backend reports none).
+    measured_step_secs: the median wall time of the offloaded step's calls 2 to
+      1 + MEASURED_STEPS, seconds, each synchronised (set once measured; None before).
+    fits: False when the planner found no placement within the budgets (`violations` says
+      which it misses, `verdicts` says so for people); the step still runs as planned.
+    violations: the limits the plan misses.
+    verdicts: why the plan does not fit, one sentence per finding, for people.
+    components: the fused host updates the lowering runs, one compiled op program each
+      (`program_compiler.CompiledComponent`); not part of the plan's JSON.
+  """
+
+  leaves: tuple[LeafPlan, ...]
+  platform: str
+  device_bytes: int
+  pinned_bytes: int
+  device_budget: "int | None"
+  host_budget: "int | None"
+  num_host_updates: int
+  predicted_step_secs: "float | None" = None
+  critical_path: str = ""
+  predicted_peak_hbm_bytes: "int | None" = None
+  resource_secs: dict = dataclasses.field(default_factory=dict)
+  segments: tuple = ()
+  activation_policy: str = "as traced (not modelled)"
+  planned_device_budget: "int | None" = None
+  notes: tuple[str, ...] = ()
+  compiler_peak_hbm_bytes: "int | None" = None
+  measured_step_secs: "float | None" = None
+  fits: bool = True
+  violations: tuple[BudgetViolation, ...] = ()
+  verdicts: tuple[str, ...] = ()
+  components: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+  def binding_violation(self) -> "BudgetViolation | None":
+    """The violation of a limit that binds before the device budget, if any."""
+    return next((v for v in self.violations if v.binding), None)
+
+  def bytes_by_memory_kind(self) -> dict[str, int]:
+    """{'device': bytes, 'pinned_host': bytes} of the state, masters included."""
+    return {"device": self.device_bytes, "pinned_host": self.pinned_bytes}
+
+  def placements(self) -> dict[str, str]:
+    """{leaf path: placement}."""
+    return {leaf.path: leaf.placement for leaf in self.leaves}
+
+  def to_json(self) -> str:
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name != "components"}
+    return json.dumps({k: _plain(v) for k, v in fields.items()}, indent=1)
+
+  def __str__(self) -> str:
+    from rich.console import Console  # pylint: disable=g-import-not-at-top
+    from rich.table import Table  # pylint: disable=g-import-not-at-top
+
+    table = Table(title=f"jaxtier plan ({self.platform}): device {format_bytes(self.device_bytes)}"
+                  f"{_budget(self.device_budget)}, pinned_host {format_bytes(self.pinned_bytes)}"
+                  f"{_budget(self.host_budget)}, {self.num_host_updates} fused host updates/step")
+    for col in ("leaf", "shape", "dtype", "bytes", "role", "placement", "reason"):
+      table.add_column(col, overflow="fold")
+    for leaf in self.leaves:
+      size = format_bytes(leaf.nbytes)
+      if leaf.master_nbytes:
+        size += f" (+{format_bytes(leaf.master_nbytes)} fp32 master on host)"
+      table.add_row(leaf.path, str(list(leaf.shape)), leaf.dtype, size, leaf.role, leaf.placement,
+                    leaf.reason)
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))
+    console.print(table)
+    for line in self.prediction_lines():
+      console.print(line, highlight=False, markup=False)
+    return console.export_text()
+
+  def prediction_lines(self) -> list[str]:
+    """The predictions and notes, as printable lines."""
+    lines = []
+    if self.predicted_step_secs is not None:
+      lines.append(f"predicted step: {self.predicted_step_secs * 1e3:.4g} ms, critical path: "
+                   f"{self.critical_path}")
+      lines.append("  phases: " + "; ".join(f"{name} {secs * 1e3:.4g} ms ({bound})"
+                                           for name, secs, bound in self.segments))
+      lines.append("  busy: " + ", ".join(f"{k} {v * 1e3:.4g} ms"
+                                          for k, v in self.resource_secs.items() if v))
+    if self.measured_step_secs is not None:
+      ratio = ("" if not self.predicted_step_secs else
+               f" (predicted / measured {self.predicted_step_secs / self.measured_step_secs:.2f})")
+      lines.append(f"measured step: {self.measured_step_secs * 1e3:.4g} ms{ratio}")
+    if self.predicted_peak_hbm_bytes is not None:
+      budget = self.planned_device_budget
+      lines.append(f"predicted peak HBM: {format_bytes(self.predicted_peak_hbm_bytes)} per device"
+                   f"{'' if budget is None else f' of {format_bytes(budget)} planned'}"
+                   + ("" if self.compiler_peak_hbm_bytes is None else
+                      f"; compiler: {format_bytes(self.compiler_peak_hbm_bytes)}"))
+    lines.append(f"pinned host: {format_bytes(self.pinned_bytes)} per device"
+                 f"{_budget(self.host_budget)}")
+    lines.append(f"activations: {self.activation_policy}")
+    lines.extend(f"note: {n}" for n in self.notes)
+    lines.extend(f"note: {v}" for v in verdict_lines(self.verdicts))
+    return lines
+
+
+def verdict_lines(verdicts: "tuple[str, ...] | list[str]") -> list[str]:
+  """The verdicts as the plan prints and logs them."""
+  return [f"DOES NOT FIT: {v}" for v in verdicts]
+
+
+def _plain(value):
+  if dataclasses.is_dataclass(value):
+    return dataclasses.asdict(value)
+  if isinstance(value, (tuple, list)):
+    return [_plain(v) for v in value]
+  return value
+
+
+def _budget(b: "int | None") -> str:
+  return "" if b is None else f" of {format_bytes(b)}"

@@ -1,0 +1,117 @@
+"""Policies: what a user asks for each leaf (a name, a callable, or {regex: placement})."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping, NamedTuple
+import warnings
+
+from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis.inventory import Inventory, LeafInfo
+from jaxtier._src.errors import PlanError
+from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, NamedPolicy, Placement, Role,
+                                is_named)
+
+USER_PLACED = "placed by the user's policy"
+
+Policy = str | Callable[[str, LeafInfo], "str | None"] | Mapping[str, str]
+
+
+class Request(NamedTuple):
+  """What the policy asks for one leaf: its placement, why, and whether the user asked."""
+
+  placement: Placement
+  reason: str
+  user_placed: bool = False
+
+
+def check_policy_form(policy: Any, api: str) -> None:
+  """Raises PlanError unless `policy` is a named policy, a callable or a mapping."""
+  if is_named(policy):
+    return
+  if callable(policy) or isinstance(policy, Mapping):
+    return
+  raise PlanError(f"{api}: expected policy 'auto', 'none', "
+                  f"'{NamedPolicy.OPTIMIZER_STATE_ON_HOST}', a callable (path, leaf) -> "
+                  f"placement or a {{regex: placement}} dict, got {policy!r}")
+
+
+def _requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: str = ""
+               ) -> dict[int, Request]:
+  """Placement asked by the policy for each leaf, with its reason (`stream_blocked`: why no
+  leaf may be streamed here, '' when they may)."""
+  out: dict[int, Request] = {}
+  if isinstance(policy, Mapping):
+    for pat in policy:
+      try:
+        re.compile(pat)
+      except (re.error, TypeError) as e:
+        raise PlanError(f"jaxtier.offload: policy pattern {pat!r} is not a regular expression "
+                        f"({e}); patterns are searched in leaf paths like "
+                        f"{inv.leaves[0].path if inv.leaves else '[0]'!s} (escape brackets: "
+                        "r\"\\['w1'\\]\")") from e
+  for leaf in inv.leaves:
+    auto = (Request(host_exec, "optimizer state: touched once per step, updated where it lives")
+            if leaf.role == Role.OPTIMIZER_STATE else Request(
+                Placement.DEVICE, leaf.why if leaf.role != Role.PARAM
+                else "parameter: read by the step's compute"))
+    if is_named(policy, NamedPolicy.AUTO, NamedPolicy.OPTIMIZER_STATE_ON_HOST):
+      out[leaf.index] = auto
+    elif is_named(policy, NamedPolicy.NONE):
+      out[leaf.index] = Request(Placement.DEVICE, "policy 'none'")
+    elif callable(policy):
+      try:
+        asked = policy(leaf.path, leaf)
+      except Exception as e:  # pylint: disable=broad-except  (re-raised with the leaf named)
+        raise PlanError(f"jaxtier.offload: the policy callable raised for leaf {leaf.path} "
+                        f"({leaf.dtype}{list(leaf.shape)}): {e!r}; it is called as "
+                        "policy(path: str, leaf) and returns a placement name or None") from e
+      out[leaf.index] = auto if asked is None else Request(asked, USER_PLACED, True)
+    elif isinstance(policy, Mapping):
+      hit = next((p for pat, p in policy.items() if re.search(pat, leaf.path)), None)
+      out[leaf.index] = auto if hit is None else Request(hit, USER_PLACED, True)
+    else:
+      check_policy_form(policy, "jaxtier.offload")
+  if isinstance(policy, Mapping):
+    for pat in policy:
+      if not any(re.search(pat, leaf.path) for leaf in inv.leaves):
+        warnings.warn(f"jaxtier.offload: policy pattern {pat!r} matches no state leaf (paths "
+                      f"look like {inv.leaves[0].path if inv.leaves else 'none'}); the leaves it "
+                      "was meant for get the automatic placement", stacklevel=4)
+  for i, request in out.items():
+    leaf = inv.leaves[i]
+    placement = request.placement
+    if placement not in tuple(Placement):
+      raise PlanError(f"jaxtier.offload: leaf {leaf.path}: unknown placement {placement!r}; "
+                      f"expected one of {', '.join(Placement)}")
+    placement = Placement(placement)
+    out[i] = request = request._replace(placement=placement)
+    if placement == Placement.HOST_STREAM and leaf.role == Role.OPTIMIZER_STATE:
+      # A pattern for the layers' params also matches their optimizer state, whose paths
+      # mirror them: that state is not read by the layer loop; it lives on the host, updated
+      # in place by the fused host update, as a streamed param's optimizer state must.
+      placement = host_exec
+      # (Not `user_placed`: the solver may still decide where its update runs.)
+      out[i] = Request(placement, f"{USER_PLACED} as host_stream: optimizer state is not "
+                       "streamed; it lives in pinned_host, updated in place by the fused host "
+                       "update")
+    if placement == Placement.HOST_STREAM:
+      why = stream_blocked or layer_stacks.stream_reason(inv.closed_jaxpr.jaxpr, i)
+      if why:
+        raise PlanError(
+            f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) cannot be "
+            f"placed 'host_stream': {why}. Streaming serves a stack of layers read by a layer "
+            "loop (`jax.lax.scan`, `nnx.scan`) one slice per iteration; place this leaf "
+            "'host_xla' (copied whole for the step) or keep it on the device"
+            + (" (a policy pattern matched it: anchor the pattern to the params, e.g. "
+               r"r'^\[0\]\['layers'\]')" if isinstance(policy, Mapping) else "") + ".")
+    if placement in HOST_PLACEMENTS and not leaf.is_float:
+      raise PlanError(
+          f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) would be placed "
+          f"{placement}, but only floating-point leaves can live on the host (the fused host "
+          "update computes in floating point, and step counters are tiny). Keep it on the "
+          "device: return None or 'device' for it from the policy.")
+    if placement in EXECUTOR_PLACEMENTS and host_exec == Placement.HOST_CPU:
+      # On the CPU backend every executor is the CPU handler.
+      out[i] = out[i]._replace(placement=Placement.HOST_CPU)
+  return out

@@ -1,0 +1,311 @@
+"""The planning problem: items (params, fused updates) with their costs per placement."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis import step_costs as step_costs_lib
+from jaxtier._src.hardware.profile import HardwareProfile
+from jaxtier._src.planning import cost_model
+from jaxtier._src.vocab import Executor, Placement
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParamItem:
+  """A parameter leaf the solver may place.
+
+  Attributes:
+    index: state leaf index.
+    path: its pytree path (for reasons).
+    nbytes: its bytes per device.
+    grad_nbytes: its gradient's bytes per device (freed on the device when it lives on the
+      host: the gradient goes down layer by layer).
+    stage: the key of its stage (a stack of layers, or one layer) in the layer sequence.
+    stage_order: position of the stage in the sequence.
+    num_layers: layers in the stage (a stacked leaf's leading axis; 1 otherwise).
+    compute_secs: its share of the step's compute, seconds (forward + backward).
+    options: placements allowed: a subset of ('device', 'host_stream', 'host_dha'); one option
+      when the user's policy fixed it.
+    update: index into `Problem.updates` of the call that updates it (None: none).
+  """
+
+  index: int
+  path: str
+  nbytes: int
+  grad_nbytes: int
+  stage: str
+  stage_order: int
+  num_layers: int
+  compute_secs: float
+  options: tuple[str, ...] = (Placement.DEVICE,)
+  update: "int | None" = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpdateItem:
+  """The optimizer-state leaves of one fused host-update call.
+
+  Attributes:
+    seeds: their state leaf indices.
+    label: a path naming them (for reasons).
+    device_nbytes: their bytes when they stay on the device.
+    pinned_nbytes: pinned host bytes when on the host (fp32 masters included).
+    costs: {executor: cost_model.Cost} for each host executor allowed.
+    fixed: an executor (or 'device') the user's policy fixed, else None.
+    result_nbytes: device bytes of the results it writes to the device (new params): a fresh
+      buffer while the old param is still read, so the step's peak holds one more.
+  """
+
+  seeds: tuple[int, ...]
+  label: str
+  device_nbytes: int
+  pinned_nbytes: int
+  costs: Mapping[str, cost_model.Cost]
+  fixed: "str | None" = None
+  result_nbytes: int = 0
+
+  def best(self) -> tuple[str, cost_model.Cost]:
+    """(executor, cost) of the fastest allowed host executor."""
+    if self.fixed and self.fixed != Placement.DEVICE:
+      return self.fixed, self.costs[self.fixed]
+    name = min(self.costs, key=lambda e: (self.costs[e].secs, e))
+    return name, self.costs[name]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Problem:
+  """Everything the solver weighs.
+
+  Attributes:
+    params, updates: the decision units.
+    fixed_device_bytes: state bytes on the device whatever the solver does (step counts, keys,
+      leaves the user placed on the device, `host_xla` leaves: XLA copies them in for the step).
+    fixed_pinned_bytes: pinned bytes whatever the solver does (leaves the user placed on host).
+    fixed_costs: costs of leaves placed by the user (host_xla copies), added to the step.
+    transient_bytes: device bytes at the peak beyond the state, with every gradient on the
+      device and the traced activation policy (less the gradients of parameters already
+      placed off the device outside `params`: they never sit whole on the device).
+    fixed_buffer_bytes: the double buffers (layer weights and gradients, x 2) of parameters
+      already placed `host_stream` outside `params` (0 if none).
+    update_credit: transient device bytes freed per device byte of an `UpdateItem` on the
+      host (`step_costs.StepCosts.update_credit`; 0: none assumed). At most the transient bytes
+      beyond the gradients are freed in all.
+    other_compute_secs: compute outside the parameters' stages, seconds.
+    layer_flops_secs: seconds of compute the parameters' stages hold (sum of their
+      compute_secs; the activation policy's extra FLOPs scale them).
+    activations: the model's activation options (None: keep the traced policy).
+    device_budget, host_budget: per device, bytes (None: no limit).
+    profile, platform: rates, and 'gpu' / 'cpu'.
+  """
+
+  params: tuple[ParamItem, ...]
+  updates: tuple[UpdateItem, ...]
+  fixed_device_bytes: int
+  fixed_pinned_bytes: int
+  fixed_costs: tuple[cost_model.Cost, ...] = ()
+  transient_bytes: int
+  fixed_buffer_bytes: int = 0
+  update_credit: float = 0.0
+  other_compute_secs: float
+  activations: "cost_model.ActivationModel | None" = None
+  device_budget: "int | None" = None
+  host_budget: "int | None" = None
+  profile: HardwareProfile
+  platform: str = "gpu"
+
+
+_LAYER_INDEX = re.compile(r"^(.*?(?:\[|_|\.|/)(\d+)\]?)")
+
+
+def stage_key(path: str) -> "tuple[str, int] | None":
+  """(stage key, layer number) of a leaf path naming a numbered layer, else None.
+
+  The key is the path up to its first number (`['params']['layers_3']`, `.blocks[3]`,
+  `['h'][3]`); leaves with the same key belong to the same layer.
+  """
+  m = _LAYER_INDEX.match(path)
+  return (m.group(1), int(m.group(2))) if m else None
+
+
+def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, int]
+                   ) -> cost_model.UpdateTraffic:
+  """The bytes one compiled host-update call moves, per device.
+
+  Host operands (state leaves, fp32 masters) are read from pinned_host; results that alias
+  them are written back there; other operands (gradients, device params) are device reads and
+  other results (new params) device writes. Sizes per device: the global sizes scaled by the
+  component's first leaf's shard fraction.
+  """
+  seed = leaves[cc.component.seeds[0]]
+  global_bytes = int(np.prod(seed.shape, dtype=np.int64)) * _itemsize(seed.dtype)
+  frac = seed.nbytes / global_bytes if global_bytes else 1.0
+  read = write = dev_in = dev_out = 0.0
+  for spec in cc.operands:
+    if spec.kind == "host":
+      read += leaves[spec.index].nbytes
+    elif spec.kind == "master":
+      read += master_nbytes.get(spec.index, 0)
+    elif spec.kind == "value" and spec.var is not None:
+      aval = spec.var.aval
+      n = int(np.prod(aval.shape, dtype=np.int64))
+      if n > 1:
+        dev_in += n * _itemsize(aval.dtype) * frac
+  for r in cc.results:
+    nbytes = int(np.prod(r.shape, dtype=np.int64)) * np.dtype(r.dtype).itemsize * frac
+    if r.alias >= 0:
+      write += nbytes
+    else:
+      dev_out += nbytes
+  elements = int(np.prod(seed.shape, dtype=np.int64) * frac)
+  return cost_model.UpdateTraffic(host_read_bytes=int(read), host_write_bytes=int(write),
+                          device_in_bytes=int(dev_in), device_out_bytes=int(dev_out),
+                          elements=elements)
+
+
+def _itemsize(dtype: Any) -> int:
+  try:
+    return np.dtype(dtype).itemsize
+  except TypeError:
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    return jnp.dtype(dtype).itemsize
+
+
+def host_executors(platform: str) -> tuple[str, ...]:
+  """The host-update executors a plan may choose on `platform`."""
+  return (Placement.HOST_DHA, Placement.HOST_CPU, Placement.HOST_SPLIT) if platform == "gpu" else (Placement.HOST_CPU,)
+
+
+def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
+                  master_nbytes: Mapping[int, int], placement: Mapping[int, str],
+                  user_fixed: set[int], param_role: str, step_costs: step_costs_lib.StepCosts,
+                  streamable: frozenset[int] = frozenset(),
+                  dha_readable: frozenset[int] = frozenset(),
+                  activations: "cost_model.ActivationModel | None" = None,
+                  device_budget: "int | None", host_budget: "int | None",
+                  profile: HardwareProfile, platform: str) -> Problem:
+  """The solver's `Problem` for a traced step, from the planner's first cut.
+
+  Args:
+    leaves: the inventory's `LeafInfo`s (bytes per device).
+    jaxpr: the traced step's (open) jaxpr; its first invars are the state leaves.
+    compiled: the `CompiledComponent`s of the cut with every candidate optimizer-state leaf
+      on the host (one `UpdateItem` each).
+    master_nbytes: {param leaf index: bytes of its fp32 master} for that cut.
+    placement: {leaf index: placement} of that cut (host_xla for leaves whose update is not
+      one elementwise pass).
+    user_fixed: leaf indices the user's policy placed (not the solver's to move).
+    param_role: the inventory's role name of parameters.
+    step_costs: FLOPs and transient bytes of the device-only step, per device.
+    streamable, dha_readable: parameter leaves that may be `host_stream` / `host_dha`.
+    activations: the model's activation options, or None.
+    device_budget, host_budget: per device, bytes (None: no limit).
+    profile, platform: the rates and 'gpu' / 'cpu'.
+  """
+  executors = host_executors(platform)
+  seeded: dict[int, int] = {}
+  updates: list[UpdateItem] = []
+  for u, cc in enumerate(compiled):
+    seeds = tuple(cc.component.seeds)
+    traffic = update_traffic(cc, leaves, master_nbytes)
+    ms = sum(master_nbytes.get(r.master, 0) for r in cc.results if r.master >= 0)
+    fixed = None
+    if any(i in user_fixed for i in seeds):
+      # The call's executor (a call of host_stream leaves has one too: the cut's choice).
+      fixed = Executor(cc.executor).placement
+    names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
+    costs = {e: cost_model.update_cost(e, traffic, profile, platform=platform) for e in names}
+    updates.append(UpdateItem(
+        seeds=seeds, label=leaves[seeds[0]].path, device_nbytes=sum(leaves[i].nbytes
+                                                                   for i in seeds),
+        pinned_nbytes=sum(leaves[i].nbytes for i in seeds) + ms, costs=costs, fixed=fixed,
+        result_nbytes=traffic.device_out_bytes))
+    for i in seeds:
+      seeded[i] = u
+  update_of_param: dict[int, int] = {}
+  for u, cc in enumerate(compiled):
+    for j in cc.component.outputs:
+      if j < len(leaves) and leaves[j].role == param_role and j not in seeded:
+        update_of_param.setdefault(j, u)
+
+  first_use: dict[Any, int] = {}
+  for k, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if not isinstance(v, jc.Literal):
+        first_use.setdefault(v, k)
+  stacked = layer_stacks.stacked_layers(jaxpr, len(leaves))
+  params = [l for l in leaves if l.role == param_role and l.index not in user_fixed
+            and l.index not in seeded and l.is_float
+            and placement.get(l.index) in (Placement.DEVICE, Placement.HOST_STREAM, Placement.HOST_DHA)]
+  total = step_costs.compute_secs(profile)
+  elements = sum(int(np.prod(l.shape, dtype=np.int64)) for l in params)
+  items = []
+  for l in params:
+    n = int(np.prod(l.shape, dtype=np.int64))
+    if l.index in stacked:
+      k, length = stacked[l.index]
+      key, order, layers = f"scan@{k}", k, length
+    else:
+      sk = stage_key(l.path)
+      key = sk[0] if sk else l.path
+      order = first_use.get(jaxpr.invars[l.index], len(jaxpr.eqns))
+      layers = 1
+    opts = [Placement.DEVICE]
+    if placement.get(l.index) in (Placement.HOST_STREAM, Placement.HOST_DHA):
+      opts = [placement[l.index]]  # already placed (re-evaluating a plan)
+    else:
+      if l.index in streamable:
+        opts.append(Placement.HOST_STREAM)
+      if l.index in dha_readable:
+        opts.append(Placement.HOST_DHA)
+    items.append(ParamItem(index=l.index, path=l.path, nbytes=l.nbytes, grad_nbytes=l.nbytes,
+                           stage=key, stage_order=order, num_layers=layers,
+                           compute_secs=total * n / elements if elements else 0.0,
+                           options=tuple(opts), update=update_of_param.get(l.index)))
+  # A stage's order is that of its earliest member.
+  order_of: dict[str, int] = {}
+  for p in items:
+    order_of[p.stage] = min(order_of.get(p.stage, p.stage_order), p.stage_order)
+  items = [dataclasses.replace(p, stage_order=order_of[p.stage]) for p in items]
+
+  in_items = {p.index for p in items} | set(seeded)
+  fixed_device = fixed_pinned = 0
+  fixed_costs = []
+  grads = 0
+  for l in leaves:
+    if l.role == param_role and l.is_float:
+      grads += l.nbytes
+    if l.index in in_items:
+      continue
+    p = placement.get(l.index, Placement.DEVICE)
+    if p == Placement.DEVICE:
+      fixed_device += l.nbytes
+    elif p == Placement.HOST_XLA:
+      # On the device during the step (XLA copies it in), pinned between steps.
+      fixed_device += l.nbytes
+      fixed_pinned += l.nbytes
+      fixed_costs.append(cost_model.xla_copy_cost(l.nbytes, profile, platform=platform))
+    else:
+      fixed_pinned += l.nbytes
+  transient = max(int(step_costs.transient_bytes), grads)
+  # Parameters already streamed (or read zero-copy) whose update call the cut seeded with them
+  # are not decision units, but they still hold no gradient on the device (it goes down layer
+  # by layer) and a streamed one has its layers double-buffered: as `_evaluate` counts a
+  # streamed ParamItem, so that a plan re-evaluated after its cut predicts what the search did.
+  placed_off = [l for l in leaves if l.role == param_role and l.is_float and l.index in seeded
+                and placement.get(l.index) in (Placement.HOST_STREAM, Placement.HOST_DHA)]
+  transient -= sum(l.nbytes for l in placed_off)
+  fixed_buffers = max((4 * l.nbytes // max(1, stacked.get(l.index, (0, 1))[1])
+                       for l in placed_off if placement.get(l.index) == Placement.HOST_STREAM), default=0)
+  return Problem(params=tuple(items), updates=tuple(updates), fixed_device_bytes=fixed_device,
+                 fixed_pinned_bytes=fixed_pinned, fixed_costs=tuple(fixed_costs),
+                 transient_bytes=transient, fixed_buffer_bytes=fixed_buffers,
+                 update_credit=float(step_costs.update_credit),
+                 other_compute_secs=0.0 if elements else total, activations=activations,
+                 device_budget=device_budget, host_budget=host_budget, profile=profile,
+                 platform=platform)

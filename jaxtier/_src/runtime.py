@@ -1,0 +1,303 @@
+"""`OffloadedStep`: places the state and runs the planned step (planning: `pipeline`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src import pipeline
+from jaxtier._src.analysis import inventory as inv_lib
+from jaxtier._src.errors import AdmissionError
+from jaxtier._src.options import OffloadOptions
+from jaxtier._src.planning.plan import LeafPlan, Plan
+from jaxtier._src.units import format_bytes
+from jaxtier._src.vocab import MemoryKind
+
+log = logging.getLogger("jaxtier")
+
+# Calls 2 .. 1 + MEASURED_STEPS of an offloaded step are timed (synchronised) and reported
+# against the plan's prediction (`Plan.measured_step_secs`).
+MEASURED_STEPS = 3
+
+
+class OffloadedStep:
+  """A train step whose state lives across device and pinned host memory, per its plan.
+
+  Call it like the wrapped step: `state, metrics = step(state, batch)`. The state passed in is
+  donated (consumed); use the returned one.
+
+  Attributes:
+    plan: the `Plan` (None until the first `place` or call).
+  """
+
+  def __init__(self, fn: Callable[..., Any], options: OffloadOptions):
+    self._fn = fn
+    self._options = options
+    self.plan: "Plan | None" = None
+    self._planned: "pipeline.Planned | None" = None
+    self._calls, self._step_times = 0, []
+    self._masters: list[jax.Array] = []
+    self._master_sources: tuple[Any, ...] = ()
+    self._scratch: list[jax.Array] = []
+    functools.update_wrapper(self, fn)
+
+  # -- planning ----------------------------------------------------------------------------
+  def _ensure_plan(self, state: Any, args: Sequence[Any]) -> None:
+    """Plans the step for these inputs (`pipeline.plan_step`) unless planned for them."""
+    sig = pipeline.signature(state, args)
+    if self._planned is not None and sig == self._planned.signature:
+      return
+    changes = "" if self._planned is None else pipeline.changes(
+        self._planned.signature, sig, state, args)
+    if changes:
+      log.warning("jaxtier: the step's inputs changed since they were planned (%s): re-tracing "
+                  "and re-planning, as jax.jit re-traces", changes)
+    planned = pipeline.plan_step(self._fn, self._options, state, args, changes=changes)
+    self._planned, self.plan = planned, planned.plan
+    self._programs = planned.programs
+    self._calls, self._step_times = 0, []
+    self._masters, self._master_sources, self._scratch = [], (), []
+
+  def _check_arg_memory_kinds(self, args: Sequence[Any]) -> None:
+    """Raises ValueError naming an argument (not the state) whose memory kind is not the one
+    the step was compiled for (jax.jit's own error names neither the argument nor the fix)."""
+    for (path, x), want in zip(jax.tree_util.tree_flatten_with_path(args)[0], self._programs.arg_memory_kinds):
+      have = jc.memory_kind_of(x)
+      if have is not None and have != want:
+        raise ValueError(
+            f"jaxtier.offload: argument {jax.tree_util.keystr(path)} (after the state) is in "
+            f"{have!r} memory but the step was compiled with it in {want!r} memory. jaxtier "
+            "places only the state (the first argument); an array of the placed state passed "
+            "again as another argument lives where the plan put it (and is donated with the "
+            f"state). Pass arguments in {want!r} memory, e.g. jax.device_put(x, "
+            "jax.devices()[0]), or a copy (jnp.copy) made before the state was placed.")
+
+  def place(self, state: Any, *example_args: Any) -> Any:
+    """Moves each state leaf to its planned memory kind; returns the placed state.
+
+    Args:
+      state: the training state pytree (arrays only).
+      *example_args: the step's other arguments (e.g. a batch), needed to trace and plan the
+        step the first time; later calls may omit them.
+
+    Returns:
+      A pytree like `state` whose leaves carry `NamedSharding`s with memory kind 'device' or
+      'pinned_host'. The input state is left as it was (not donated).
+
+    Raises:
+      TypeError: a non-array leaf (named by path), or no example arguments before a plan exists.
+      jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
+    """
+    state = _arrays("OffloadedStep.place", state)
+    if self.plan is None and not example_args:
+      raise TypeError("OffloadedStep.place: the step has no plan yet; pass example arguments "
+                      "for tracing it, e.g. `step.place(state, batch)`")
+    if example_args:
+      self._ensure_plan(state, example_args)
+    inv_lib.check_leaves("OffloadedStep.place", state)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    placed = [_put(x, s, lp) for x, s, lp in zip(leaves, self._programs.state_shardings,
+                                                  self.plan.leaves)]
+    self._refresh_masters(leaves, placed)
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+  def _refresh_masters(self, original: list[Any], placed: list[Any]) -> None:
+    idx = self._programs.master_indices
+    if not idx:
+      return
+    sources = tuple(placed[i] for i in idx)
+    if len(self._master_sources) == len(sources) and all(
+        a is b for a, b in zip(self._master_sources, sources)):
+      return
+    if self._master_sources:
+      log.warning("jaxtier: the state's bf16/f16 params are not the ones the last step returned; "
+                  "re-deriving their fp32 master copies from them")
+    sh = self._programs.state_shardings
+    self._masters = [jax.device_put(jnp.asarray(original[i], jnp.float32),
+                                    sh[i].with_memory_kind("pinned_host")) for i in idx]
+    self._master_sources = sources
+
+  # -- running -----------------------------------------------------------------------------
+  def __call__(self, state: Any, *args: Any) -> tuple[Any, Any]:
+    """Runs one step: `(state, *args) -> (new_state, metrics)`, the state donated.
+
+    Arguments are positional, as the wrapped step takes them. Python numbers in the state
+    (Flax `TrainState.step`) become 0-d arrays in the returned state.
+
+    Raises:
+      ValueError: a state leaf was already donated to an earlier step (named by path).
+      TypeError: a non-array state leaf.
+    """
+    state = _arrays("jaxtier.offload", state)
+    inv_lib.check_leaves("jaxtier.offload", state)
+    self._ensure_plan(state, args)
+    self._check_arg_memory_kinds(args)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    want = self._programs.state_shardings
+    moved = [x if _same_placement(x, s) else jax.device_put(x, s) for x, s in zip(leaves, want)]
+    # The same buffer twice in the state (e.g. an optimizer keeping a reference to the params)
+    # cannot be donated twice: later occurrences get their own copy.
+    # Two Array objects may share one buffer (device_put to the sharding an array already
+    # has returns a new Array over the same buffer): compare buffers, not objects.
+    seen: set[Any] = set()
+    for i, x in enumerate(moved):
+      key = _buffer_key(x)
+      if key in seen:
+        moved[i] = jnp.copy(x)
+      seen.add(key)
+    self._refresh_masters(leaves, moved)
+    arg_leaves = jax.tree_util.tree_leaves(args)
+    self._ensure_scratch()
+    self._calls += 1
+    timing = 2 <= self._calls <= 1 + MEASURED_STEPS  # the first call compiles
+    t0 = time.perf_counter()
+    split = self._programs.split
+    dev, host = self._programs.leaf_groups(moved)
+    # 1. Forward, backward, streaming: host leaves are read, not donated (a failure here
+    #    leaves them intact).
+    # 2. The fused host updates, in place on the donated host leaves and masters. Dispatched
+    #    only once the compute program has succeeded: an update fed by a failed program would
+    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step;
+    #    a plan without host updates does not wait (dispatch stays asynchronous).
+    try:
+      first, feeds, rest, self._scratch = self._programs.compute(dev, host, arg_leaves,
+                                                                 self._scratch)
+      if self.plan.components:
+        jax.block_until_ready((first, feeds, rest, self._scratch))
+    except Exception as e:
+      self._scratch = []  # donated to the failed program; fresh buffers next time
+      if hasattr(e, "add_note"):
+        deleted = sum(x.is_deleted() for x in dev if isinstance(x, jax.Array))
+        e.add_note("jaxtier: the step failed before its host updates ran: the state's "
+                   "pinned_host leaves are intact and usable; " + (
+                       f"{deleted} of its {len(dev)} device leaves were donated to the failed "
+                       "program (as with jax.jit(donate_argnums=...))." if deleted else
+                       "its device leaves were not consumed (the program did not run)."))
+      raise
+    update_outs = []
+    if self.plan.components:
+      update = self._programs.update([x.sharding for x in feeds])
+      update_outs, self._masters = update(
+          [moved[i] for i in split.updated_host], [moved[i] for i in split.read_host],
+          self._masters, feeds, self._scratch)
+    outs = split.assemble(moved, list(first) + list(rest), update_outs,
+                          self._planned.inventory.out_treedef.num_leaves)
+    self._master_sources = tuple(outs[i] for i in self._programs.master_indices)
+    if timing:
+      self._record_step_time(outs, time.perf_counter() - t0)
+    out = jax.tree_util.tree_unflatten(self._planned.inventory.out_treedef, outs)
+    return out[0], out[1]
+
+  def _record_step_time(self, outs: list[Any], dispatch_secs: float) -> None:
+    """Times calls 2 .. 1 + MEASURED_STEPS (synchronised) and reports measured vs predicted."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(outs)
+    self._step_times.append(dispatch_secs + time.perf_counter() - t0)
+    if len(self._step_times) == MEASURED_STEPS:
+      measured = float(np.median(self._step_times))
+      self.plan = dataclasses.replace(self.plan, measured_step_secs=measured)
+      predicted = self.plan.predicted_step_secs
+      log.info("jaxtier: step time measured %.4g ms (median of %d)%s", measured * 1e3,
+               MEASURED_STEPS, "" if not predicted else
+               f", predicted {predicted * 1e3:.4g} ms ({predicted / measured:.3g} of measured)")
+
+  def lower(self, state: Any, *args: Any):
+    """`jax.stages.Lowered` of the step's compute program (forward, backward, streaming).
+
+    This is the program that holds the device memory: `.compile().memory_analysis()` gives
+    its peak. The fused host updates run in a second program (`lower_update`). The state need
+    not be placed yet: its leaves are lowered with the plan's shardings.
+    """
+    self._ensure_plan(state, args)
+    dev, host = self._programs.leaf_groups(self._programs.state_specs(state))
+    return self._programs.compute.lower(dev, host, jax.tree_util.tree_leaves(args),
+                                        self._scratch_avals())
+
+  def lower_update(self, state: Any, *args: Any):
+    """`jax.stages.Lowered` of the step's fused host-update program (its custom calls)."""
+    self._ensure_plan(state, args)
+    leaves = jax.tree_util.tree_leaves(state)
+    split = self._programs.split
+    compiled = self.lower(state, *args).compile()
+    feed_sh = list(compiled.output_shardings[1])
+    feed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+                  compiled.out_info[1]]
+    update = self._programs.update(feed_sh)
+    masters = self._masters or [jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
+                                for i in self._programs.master_indices]
+    return update.lower([leaves[i] for i in split.updated_host],
+                        [leaves[i] for i in split.read_host], masters, feed_avals,
+                        self._scratch_avals())
+
+  def _scratch_avals(self) -> list[Any]:
+    return self._scratch or [jax.ShapeDtypeStruct(s.shape, s.dtype)
+                             for s in self._programs.stream.scratch]
+
+  def _ensure_scratch(self) -> None:
+    """Allocates the pinned_host buffers that receive streamed leaves' gradients (once)."""
+    stream = self._programs.stream
+    if len(self._scratch) != len(stream.scratch):
+      self._scratch = [jax.device_put(np.zeros(s.shape, s.dtype), sh)
+                       for s, sh in zip(stream.scratch, self._programs.scratch_shardings)]
+
+
+def _put(x: Any, sharding: Any, leaf: LeafPlan) -> Any:
+  """`jax.device_put(x, sharding)`; an allocation failure is raised naming the leaf and sizes.
+
+  Raises:
+    jaxtier.AdmissionError: the memory kind's allocator could not hold the leaf (for pinned_host
+      on a GPU: XLA's pinned pool, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, or the host's
+      page-locking limits for one allocation of this size).
+  """
+  try:
+    return jax.device_put(x, sharding)
+  except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError has no stable home)
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+      raise
+    hint = ("XLA's pinned host pool is capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by "
+            "default) and allocates each leaf in one piece: raise the cap if the host has the "
+            "memory, or keep the leaf on the device (policy)" if leaf.memory_kind == MemoryKind.PINNED_HOST
+            else "lower device_budget so that the plan moves more state to the host")
+    raise AdmissionError(
+        f"OffloadedStep.place: could not allocate leaf {leaf.path} ({leaf.dtype}"
+        f"{list(leaf.shape)}, {format_bytes(leaf.nbytes)} = {leaf.nbytes} bytes per "
+        f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.") from e
+
+
+def _buffer_key(x: Any) -> Any:
+  """What identifies `x`'s storage: its shards' (device, buffer address), else the object."""
+  try:
+    return tuple((sh.device.id, sh.data.unsafe_buffer_pointer()) for sh in x.addressable_shards)
+  except Exception:  # pylint: disable=broad-except  (a backend without raw pointers)
+    return id(x)
+
+
+def _arrays(api: str, state: Any) -> Any:
+  """`state` with Python numbers (e.g. Flax `TrainState.step`) made 0-d arrays, as jax.jit does.
+
+  Raises:
+    TypeError: a leaf is a tracer: the offloaded step was called under jit/grad/vmap.
+  """
+  def fix(x):
+    if isinstance(x, jax.core.Tracer):
+      raise TypeError(f"{api}: called under a JAX transformation (jit, grad, vmap...); call the "
+                      "offloaded step directly: it compiles itself, with the placement baked in")
+    if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+      return jnp.asarray(x)
+    return x
+  return jax.tree.map(fix, state)
+
+
+def _same_placement(x: Any, s: Any) -> bool:
+  sh = getattr(x, "sharding", None)
+  return sh is not None and getattr(sh, "memory_kind", None) == s.memory_kind and (
+      sh.is_equivalent_to(s, x.ndim))

@@ -1,0 +1,67 @@
+"""How the example trainer places and checks its state: the offload modes and the budget verdict."""
+
+from __future__ import annotations
+
+import jaxtier
+
+
+def stream_layers_policy(path: str, leaf) -> "str | None":
+  """`offload="stream"`: the layer stack's params stream from pinned_host; the rest auto."""
+  return "host_stream" if leaf.role == "param" and "['layers']" in path else None
+
+
+OFFLOAD_MODES = ("none", "auto", "stream", "optimizer_state_on_host")
+
+
+class OverBudgetError(ValueError):
+  """`run(allow_over_budget=False)`: the plan does not fit the budget the caller gave.
+
+  Raised after planning (the plan is printed) and before the first step.
+  """
+
+
+def over_budget(plan, offload: str) -> "str | None":
+  """Why `plan` misses the device / host budget it was given, with the fix; None if it fits.
+
+  Over when a budget was given and: the compiled step's peak device memory (else the
+  predicted one) exceeds the device budget, the pinned bytes exceed the host budget, or the
+  plan says it does not fit (`Plan.fits`; unless it was re-planned for a smaller budget and
+  the compiled peak fits the one given).
+  """
+  if plan.device_budget is None and plan.host_budget is None:
+    return None
+  problems, fixes = [], []
+  predicted, compiled = plan.predicted_peak_hbm_bytes, plan.compiler_peak_hbm_bytes
+  peak = compiled if compiled is not None else predicted
+  replanned = (plan.device_budget is not None and plan.planned_device_budget is not None
+               and plan.planned_device_budget < plan.device_budget)
+  note_over = not plan.fits and not (
+      replanned and compiled is not None)
+  device_over = plan.device_budget is not None and peak is not None and (
+      peak > plan.device_budget or note_over)
+  if device_over:
+    figures = " and ".join(
+        f"{jaxtier.format_bytes(b)} {what}" for b, what in ((predicted, "predicted"),
+                                                     (compiled, "compiled")) if b is not None)
+    problems.append(f"peak device memory {figures}, over the --device_budget of "
+                    f"{jaxtier.format_bytes(plan.device_budget)}")
+    fixes.append(f"a larger --device_budget (at least "
+                 f"{jaxtier.format_bytes(max(b for b in (predicted, compiled) if b is not None))})")
+  host_over = plan.host_budget is not None and plan.pinned_bytes > plan.host_budget
+  if host_over:
+    problems.append(f"pinned host memory {jaxtier.format_bytes(plan.pinned_bytes)}, over the "
+                    f"--host_budget of {jaxtier.format_bytes(plan.host_budget)}")
+    fixes.append("a larger --host_budget")
+  if note_over and not problems:
+    problems.append(plan.verdicts[0])
+    fixes.append("larger budgets")
+  if not problems:
+    return None
+  if device_over:
+    fixes.append({
+        "optimizer_state_on_host": "--offload=auto or --offload=stream (more state in "
+                                   "pinned_host)",
+        "auto": "--offload=stream (the layers' params streamed from pinned_host)",
+    }.get(offload, "a smaller --batch_size or --seq_len"))
+  return (f"the plan does not fit: {'; '.join(problems)}. Fix: {', or '.join(fixes)}; or "
+          "--allow_over_budget to train anyway")

@@ -1,0 +1,1 @@
+"""Mechanisms not yet reached from `jaxtier.offload`: their API may change."""
