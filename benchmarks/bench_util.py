@@ -1,7 +1,12 @@
-"""Helpers the benchmark scripts share (imported as a sibling: `python3 benchmarks/<x>.py`)."""
+"""Helpers the benchmark scripts share.
+
+The workload scripts in `benchmarks/` import it as a sibling (`python3 benchmarks/<x>.py`); the
+scripts in `benchmarks/diagnostics/` put `benchmarks/` on `sys.path` first.
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import time
@@ -92,3 +97,96 @@ def versions(*modules: Any) -> dict:
   except (OSError, subprocess.SubprocessError):
     pass
   return v
+
+
+# ---- the result record: one schema for every workload --------------------------------------------
+#
+# `benchmarks/results/<workload>.json` (w1_streaming, w2_host_update, ...) holds one record:
+#   workload  what was run, in a sentence
+#   command   the script's command line
+#   date      when it ran (UTC, ISO 8601)
+#   commit    the checkout's short HEAD, "(tree uncommitted)" added when its files differed
+#   device    the device it ran on
+#   versions  python, jax, jaxlib, numpy and the script's other libraries
+#   figures   what was measured, by name
+#   bound     what the figures cannot beat (a link, host DRAM), by name: each a value named with
+#             its unit and "is": how it was obtained
+#   baseline  what the figures are compared with (the device-resident step, torch, a
+#             measurement), by name, in the same form
+#   ratio     name -> number, each name saying what over what
+# with at least one of bound and baseline, then optionally `call` (the run_h200.sh call that ran
+# the script: BENCH_CALL) and `error` (the section that failed). Any other key is the script's
+# own detail (its docstring says what it holds).
+
+RESULT_KEYS = ("workload", "command", "date", "commit", "device", "versions", "figures", "ratio")
+BOUND_KEYS = ("bound", "baseline")
+
+
+def utc_now() -> str:
+  """The time now, UTC, ISO 8601 to the second."""
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def device_name(device: Any = None) -> str:
+  """'platform:device kind' of `device` (default: JAX's first device), e.g. 'gpu:NVIDIA H200'."""
+  if device is None:
+    import jax  # pylint: disable=g-import-not-at-top
+    device = jax.devices()[0]
+  return f"{device.platform}:{getattr(device, 'device_kind', '?')}"
+
+
+def git_commit() -> str:
+  """The short hash of HEAD of the checkout these scripts are in, with " (tree uncommitted)"
+  when `git status` lists any file; "unknown (not a git checkout)" where git cannot say."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=here, timeout=10)
+    if rev.returncode != 0:
+      return "unknown (not a git checkout)"
+    status = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                            cwd=here, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return "unknown (not a git checkout)"
+  dirty = status.returncode != 0 or status.stdout.strip()
+  return rev.stdout.strip() + (" (tree uncommitted)" if dirty else "")
+
+
+def check_record(rec: dict) -> None:
+  """Raises ValueError naming the schema keys that `rec` lacks."""
+  missing = [k for k in RESULT_KEYS if k not in rec]
+  if not any(k in rec for k in BOUND_KEYS):
+    missing.append(" or ".join(BOUND_KEYS))
+  if missing:
+    raise ValueError(f"result record lacks {', '.join(missing)} (bench_util's schema)")
+
+
+def result_record(*, workload: str, command: str, device: str, versions: dict, figures: dict,
+                  ratio: dict, bound: dict | None = None, baseline: dict | None = None,
+                  date: str | None = None, commit: str | None = None, **detail: Any) -> dict:
+  """A workload's result in the schema above: its keys first, in order, then `detail`.
+
+  `date` and `commit` default to now and this checkout's; `versions` loses `jaxtier_git`
+  (`commit` says it); `call` is BENCH_CALL's value when that is set and `detail` has none.
+  """
+  versions = {k: v for k, v in (versions or {}).items() if k != "jaxtier_git"}
+  rec = {"workload": workload, "command": command, "date": date or utc_now(),
+         "commit": commit or git_commit(), "device": device, "versions": versions,
+         "figures": figures}
+  if bound is not None:
+    rec["bound"] = bound
+  if baseline is not None:
+    rec["baseline"] = baseline
+  rec["ratio"] = ratio
+  if os.environ.get("BENCH_CALL") and "call" not in detail:
+    rec["call"] = os.environ["BENCH_CALL"]
+  rec.update(detail)
+  check_record(rec)
+  return rec
+
+
+def write_result(rec: dict, out_dir: str, filename: str) -> str:
+  """Checks `rec` against the schema and writes it as `out_dir/filename`; returns the path."""
+  check_record(rec)
+  return write_json(rec, out_dir, filename)

@@ -5,23 +5,26 @@ own process so that peak device memory is its own: fp32 params with `--offload=n
 `auto` (AdamW moments in pinned_host, updated in place by the DHA kernel), and bf16 params
 with `none` and `auto` (auto adds fp32 master copies on the host). Checks that the loss traces
 match within bf16 tolerance (1e-2 relative: the decoder computes in bf16) and writes
-`$OUT/e2e_smoke.json` with step times, peak HBM and pinned host bytes, then prints a table.
+`$OUT/w3_end_to_end.json` (bench_util's result schema: `figures` each variant's step time,
+tokens/s, peak HBM and bytes by memory kind; `baseline` the device-resident run of each dtype;
+`ratio` each offloaded run's step time and peak HBM over its baseline's; beside them `runs`,
+each variant's whole record with its loss trace, and `checks`, the loss comparisons), then
+prints a table. `--variants` picks others: `stream` puts the layers' params in `host_stream`.
 
   python benchmarks/e2e_smoke.py --config=1b --steps=30 --batch_size=8 --seq_len=1024
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import subprocess
 import sys
 import time
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
+import bench_util  # (sibling module)
 import jaxtier  # noqa: F401  (jax first, then the extension)
 from jaxtier.examples import train as _train  # noqa: F401  (defines --config, --steps, ...)
 
@@ -45,11 +48,11 @@ _VARIANTS = flags.DEFINE_list(
 
 def child(variant: str) -> None:
   import dataclasses  # pylint: disable=g-import-not-at-top
+
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
-  import jaxtier  # noqa: F401  pylint: disable=g-import-not-at-top
   from jaxtier.examples import llama, train  # pylint: disable=g-import-not-at-top
   if _STACK_EVERY.value > 0:
     import faulthandler  # pylint: disable=g-import-not-at-top
@@ -73,6 +76,31 @@ def child(variant: str) -> None:
              peak_hbm_bytes=int(stats.get("peak_bytes_in_use", -1)),
              hbm_limit_bytes=int(stats.get("bytes_limit", -1)))
   print("RESULT " + json.dumps(out), flush=True)
+
+
+def summarize(runs):
+  """(figures, baseline, ratio) of the result schema from the variants' records."""
+  figures, baseline, ratio = {}, {}, {}
+  for v, r in runs.items():
+    if "error" in r:
+      figures[v] = {"error": f"the run failed: runs['{v}']['error']"}
+      continue
+    figures[v] = dict(step_secs_median=r["step_secs_median"], tokens_per_sec=r["tokens_per_sec"],
+                      peak_hbm_bytes=r["peak_hbm_bytes"], device_bytes=r["plan_bytes"]["device"],
+                      pinned_host_bytes=r["plan_bytes"]["pinned_host"])
+    if v.endswith(":none"):
+      baseline[v] = {"step_secs_median": r["step_secs_median"],
+                     "peak_hbm_bytes": r["peak_hbm_bytes"],
+                     "is": "device-resident (offload none): the baseline of its dtype's runs"}
+  for v, f in figures.items():
+    dtype, mode = v.split(":")
+    b = baseline.get(f"{dtype}:none")
+    if mode == "none" or b is None or "error" in f:
+      continue
+    ratio[f"{v} / {dtype}:none step time"] = f["step_secs_median"] / b["step_secs_median"]
+    if f["peak_hbm_bytes"] > 0 and b["peak_hbm_bytes"] > 0:  # -1: no memory stats (CPU)
+      ratio[f"{v} / {dtype}:none peak HBM"] = f["peak_hbm_bytes"] / b["peak_hbm_bytes"]
+  return figures, baseline, ratio
 
 
 def main(argv):
@@ -116,22 +144,18 @@ def main(argv):
       d = rel(a, b)
       checks[f"{dtype}_{mode}_vs_none_max_rel_loss_diff"] = d
       checks[f"{dtype}_{mode}_within_tolerance_{tol}"] = d <= tol
-  result = dict(
+  figures, baseline, ratio = summarize(runs)
+  result = bench_util.result_record(
       workload=f"e2e smoke: example decoder {_CONFIG.value}, batch {_BATCH.value} x seq "
                f"{_SEQ.value}, {_STEPS.value} steps, AdamW",
       command=("python benchmarks/e2e_smoke.py " + " ".join(
           f"--{k}={v}" for k, v in (("config", _CONFIG.value), ("steps", _STEPS.value),
                                     ("batch_size", _BATCH.value), ("seq_len", _SEQ.value),
                                     ("variants", ",".join(_VARIANTS.value))))),
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-      python=sys.version.split()[0], runs=runs, checks=checks)
-  os.makedirs(_OUT.value, exist_ok=True)
-  path = os.path.join(_OUT.value, "e2e_smoke.json")
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1)
-  print(f"\nwrote {path}")
-  print(f"{'variant':<12} {'ms/step':>9} {'tok/s':>10} {'peak HBM GiB':>13} "
+      device=bench_util.device_name(jax.devices()[0]), versions=bench_util.versions(jaxtier),
+      figures=figures, baseline=baseline, ratio=ratio, runs=runs, checks=checks)
+  bench_util.write_result(result, _OUT.value, "w3_end_to_end.json")
+  print(f"\n{'variant':<12} {'ms/step':>9} {'tok/s':>10} {'peak HBM GiB':>13} "
         f"{'pinned GiB':>11} {'loss0':>8} {'lossN':>8}")
   for v, r in runs.items():
     if "error" in r:

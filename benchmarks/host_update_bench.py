@@ -22,8 +22,13 @@ Case C1: 1.3e9 params with the best executor: step time (target < 0.45 s) and eq
 optax.adamw on a sample of the first leaf (ULP distances; XLA may contract to FMA, jaxtier does
 not, so a few ULP are expected, not bitwise equality).
 
-Writes `$OUT/host_update.json` (or `--out`), prints a table last. Fails fast: the first error
-stops the run with its section named; the JSON then holds what was measured and the error.
+Writes `$OUT/w2_host_update.json` (or `--out`) in bench_util's result schema, prints a table
+last: `figures` per path (params/s, step times, its bound and the ratio to it), `bound` the DRAM,
+link and split bounds, `baseline` torch's CPU AdamW and XLA native, `ratio` each path over its
+bound and the fastest jaxtier path over each baseline and over the DRAM bound; beside them the
+host baselines' raw figures, the link, the environment and the C1 case (`c1`). Fails fast: the
+first error stops the run with its section named; the JSON then holds what was measured and the
+error.
 
   python3 benchmarks/host_update_bench.py                   # on the H200, after `pip install .`
   python3 benchmarks/host_update_bench.py --cpu_dry_run     # logic check on a CPU-only machine
@@ -32,7 +37,6 @@ stops the run with its section named; the JSON then holds what was measured and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -41,18 +45,19 @@ import sys
 import textwrap
 import time
 
-import numpy as np
-
-import jax  # before jaxtier's extension (MEASURED.md)
-import jax.numpy as jnp
-import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from jaxtier._src import profile
-from jaxtier._src.primitives import host_update as hu
-
 import bench_util  # noqa: E402  (sibling module)
 from bench_util import log, median_secs  # noqa: E402
+import jax  # before jaxtier's extension (MEASURED.md)
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import numpy as np
+import optax
+
+from jaxtier._src.hardware import profile
+from jaxtier._src.primitives import base as ffi
+from jaxtier._src.primitives import host_update as hu
+from jaxtier._src.primitives import programs as op_programs
+from jaxtier._src.vocab import Executor
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 1e-4, 1e-3
 DRAM_BYTES_PER_PARAM = 28      # fp32 master/mu/nu read + written (24) + grad read + param written
@@ -90,8 +95,58 @@ def parse_args(argv):
 
 # ---- small helpers --------------------------------------------------------------------------------
 
+def summarize(res):
+  """(bound, baseline, ratio) of the result schema from the raw result `res`, as far as the
+  run got."""
+  b, figs = res.get("bounds", {}), res.get("figures", {})
+  bound = {}
+  if b:
+    bound["dram"] = {"params_per_sec": b["dram_params_per_sec"],
+                     "is": f"host DRAM {res['dram_gbps_used']:.1f} GB/s (the triad with "
+                           "write-allocate or the in-place stream, the higher) / "
+                           f"{DRAM_BYTES_PER_PARAM} B per param: the host CPU paths"}
+    bound["link"] = {"params_per_sec": b["link_params_per_sec"],
+                     "is": f"link duplex {res['link']['duplex_gbps_used']:.1f} GB/s / "
+                           f"{LINK_BYTES_PER_PARAM} B per param: host_dha, XLA native"}
+    bound["split"] = {"params_per_sec": b["split_params_per_sec"],
+                      "dha_fraction": b["split_best_fraction"],
+                      "is": "the best DHA/CPU mix under both limits (split_bound)"}
+  baseline = {name: {"params_per_sec": f["params_per_sec"], "is": (
+      "MaxText-style: each state leaf jax.device_put to the device in the step, optax.adamw "
+      "there, the new state back to pinned_host" if name == "xla native" else
+      f"torch.optim.AdamW on CPU tensors of the same size, {f.get('threads')} threads")}
+              for name, f in figs.items() if not name.startswith("jaxtier")}
+  bound_name = {v["params_per_sec"]: k for k, v in bound.items()}
+  ratio = {f"{name} / {bound_name.get(f['bound_params_per_sec'], 'its')} bound": f["ratio_to_bound"]
+           for name, f in figs.items() if f.get("ratio_to_bound") is not None}
+  ours = [name for name in figs if name.startswith("jaxtier")]
+  if ours:
+    best = max(ours, key=lambda name: figs[name]["params_per_sec"])
+    for name in baseline:
+      ratio[f"{best} / {name}"] = figs[best]["params_per_sec"] / baseline[name]["params_per_sec"]
+    if "dram" in bound:
+      ratio[f"{best} / dram bound"] = figs[best]["params_per_sec"] / bound["dram"]["params_per_sec"]
+  return bound, baseline, ratio
+
+
+def record(res, **overrides):
+  """The raw result `res` as a record of bench_util's schema (`overrides`: date, commit, ...)."""
+  bound, baseline, ratio = summarize(res)
+  detail = {k: v for k, v in res.items()
+            if k not in ("command", "date", "versions", "figures", "device", "bounds")}
+  fields = dict(
+      workload=(f"W2: one AdamW step of {res.get('num_params', 0) / 1e9:.3f}e9 params, fp32 "
+                "master, mu and nu in pinned_host updated in place, bf16 grads and params on the "
+                "device"),
+      command=res["command"], date=res["date"], device=res.get("device", "?"),
+      versions=res["versions"], figures=res.get("figures", {}), bound=bound, baseline=baseline,
+      ratio=ratio)
+  fields.update(overrides)
+  return bench_util.result_record(**fields, **detail)
+
+
 def write_json():
-  bench_util.write_json(RESULT, FLAGS.out, "host_update.json")
+  bench_util.write_result(record(RESULT), FLAGS.out, "w2_host_update.json")
 
 
 def Section(name):  # noqa: N802  (used as `with Section(...)`)
@@ -242,7 +297,7 @@ class Bench:
     self.bc1 = jax.device_put((1 - B1 ** t).reshape(1).astype(jnp.float32), self.dev)
     self.bc2 = jax.device_put((1 - B2 ** t).reshape(1).astype(jnp.float32), self.dev)
     self.count = jax.device_put(jnp.zeros((), jnp.int32), self.dev)
-    self.prog = profile.adamw_program(b1=B1, b2=B2, eps=EPS, weight_decay=WD)
+    self.prog = op_programs.adamw_program(b1=B1, b2=B2, eps=EPS, weight_decay=WD)
 
   def state_bytes(self):
     return 12 * self.num_params
@@ -254,7 +309,7 @@ class Bench:
 
     def step(masters, mus, nus, grads, lr, bc1, bc2):
       outs = [hu.host_update(prog, [masters[i], mus[i], nus[i], grads[i], lr, bc1, bc2], shapes,
-                             list(profile.ADAMW_ALIASES), executor=executor, dha_fraction=fraction)
+                             list(op_programs.ADAMW_ALIASES), executor=executor, dha_fraction=fraction)
               for i in range(L)]
       return tuple([o[k] for o in outs] for k in range(4))
 
@@ -438,8 +493,7 @@ def main(argv):
   global FLAGS
   FLAGS = parse_args(argv)
   RESULT.update(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                versions=bench_util.versions(optax), figures={}, host={"cpu_count": os.cpu_count()},
+                date=bench_util.utc_now(), versions=bench_util.versions(optax), figures={}, host={"cpu_count": os.cpu_count()},
                 env={k: os.environ.get(k) for k in ("JAXTIER_CPU_THREADS",
                                                     "JAXTIER_HOST_CPU_CHUNK_BYTES", "XLA_FLAGS",
                                                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")})
@@ -459,7 +513,7 @@ def main(argv):
     if backend != "gpu" and not FLAGS.cpu_dry_run:
       raise RuntimeError(f"JAX backend is {backend!r}; this benchmark needs the GPU "
                          "(use --cpu_dry_run for a logic check)")
-    from jaxtier._src import ffi  # pylint: disable=g-import-not-at-top
+
     if backend == "gpu" and not ffi.has_cuda():
       raise RuntimeError("jaxtier was built without CUDA: reinstall with "
                          "-Ccmake.define.JAXTIER_ENABLE_CUDA=ON")
@@ -494,29 +548,29 @@ def main(argv):
   rates = {}
 
   with Section("jaxtier host_dha"):
-    secs, all_secs = median_secs(bench.jaxtier_step(hu.HOST_DHA, 0.5), FLAGS.reps)
+    secs, all_secs = median_secs(bench.jaxtier_step(Executor.HOST_DHA, 0.5), FLAGS.reps)
     zero_copy = profile.DEFAULT_PROFILE.dha_rw_gbps * 1e9 / LINK_BYTES_PER_PARAM
-    rates[(hu.HOST_DHA, 0.5)] = figure(
+    rates[(Executor.HOST_DHA, 0.5)] = figure(
         "jaxtier host_dha", secs, all_secs, P, link_bound, "link duplex / 24 B per param",
         zero_copy_params_per_sec=zero_copy,
         zero_copy_note=(f"{profile.DEFAULT_PROFILE.dha_rw_gbps} GB/s zero-copy read + write "
                         "(MEASURED.md, not re-measured here) / 24 B per param"))
 
   with Section("jaxtier host_cpu"):
-    secs, all_secs = median_secs(bench.jaxtier_step(hu.HOST_CPU, 0.5), FLAGS.reps)
-    rates[(hu.HOST_CPU, 0.5)] = figure("jaxtier host_cpu", secs, all_secs, P, dram_bound,
+    secs, all_secs = median_secs(bench.jaxtier_step(Executor.HOST_CPU, 0.5), FLAGS.reps)
+    rates[(Executor.HOST_CPU, 0.5)] = figure("jaxtier host_cpu", secs, all_secs, P, dram_bound,
                                        "host DRAM (triad with write-allocate, or in-place stream) / 28 B per param")
 
   with Section("jaxtier split (3 fractions)"):
-    r_dha, r_cpu = rates[(hu.HOST_DHA, 0.5)], rates[(hu.HOST_CPU, 0.5)]
+    r_dha, r_cpu = rates[(Executor.HOST_DHA, 0.5)], rates[(Executor.HOST_CPU, 0.5)]
     measured = profile.HardwareProfile(dha_adamw_params_per_sec=r_dha,
                                        cpu_adamw_params_per_sec=r_cpu)
     f0 = profile.split_fraction(measured)
     fractions = sorted({round(min(0.95, max(0.05, f0 + d)), 3) for d in (-0.1, 0.0, 0.1)})
     RESULT["split_fraction_from_rates"] = f0
     for f in fractions:
-      secs, all_secs = median_secs(bench.jaxtier_step(hu.SPLIT, f), FLAGS.reps)
-      rates[(hu.SPLIT, f)] = figure(f"jaxtier split f={f:.3f}", secs, all_secs, P, sb,
+      secs, all_secs = median_secs(bench.jaxtier_step(Executor.SPLIT, f), FLAGS.reps)
+      rates[(Executor.SPLIT, f)] = figure(f"jaxtier split f={f:.3f}", secs, all_secs, P, sb,
                                     "best DHA/CPU mix under DRAM and link limits",
                                     dha_fraction=f)
 

@@ -52,17 +52,16 @@ if "--smoke" in sys.argv[1:]:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import numpy as np  # noqa: E402
-
-import jax  # noqa: E402  (before jaxtier's extension: MEASURED.md)
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
-import jaxtier  # noqa: E402
-from jaxtier._src import multipath  # noqa: E402
-
 import bench_util  # noqa: E402  (sibling module)
 from bench_util import log, median_secs  # noqa: E402
+import jax  # noqa: E402  (before jaxtier's extension: MEASURED.md)
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+import numpy as np  # noqa: E402
+
+import jaxtier  # noqa: E402
+from jaxtier.experimental import multipath
 
 FLAGS = None
 RESULT: dict = {}

@@ -27,7 +27,11 @@ for the 8b and 13b configs with --platform=gpu; their outputs are saved next to 
 (`plan_8b.txt`, `plan_13b.txt`) and the JSON records that they say they used the default
 profile.
 
-Writes `$OUT/planner.json` (or `--out`), prints a table last. Must finish in < 4 minutes.
+Writes `$OUT/w5_planner.json` (or `--out`) in bench_util's result schema, prints a table last:
+`figures` each case's predictions (step time, the cost model's and the compiler's peak HBM),
+`baseline` its measured step time and peak HBM, `ratio` predicted / measured of each; beside
+them `cases` (each case's whole record: plan, notes, losses, budgets), `bars`, `claims` and the
+compute correction. Must finish in < 4 minutes.
 
   python3 benchmarks/planner_bench.py                 # on the H200, after `pip install .`
   python3 benchmarks/planner_bench.py --cpu_dry_run   # logic check on a CPU-only machine
@@ -37,15 +41,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 import traceback
 
+import bench_util  # noqa: E402  (sibling module)
 from bench_util import log  # noqa: E402  (sibling module)
 
 CASES = ("fits", "optimizer_offload", "streaming")
@@ -275,6 +278,40 @@ def cli_without_gpu(args, out_dir: str) -> dict:
   return res
 
 
+def summarize(cases: dict):
+  """(figures, baseline, ratio) of the result schema from the cases' records."""
+  figures, baseline, ratio = {}, {}, {}
+  for name, r in cases.items():
+    if "error" in r:
+      figures[name] = {"error": f"the case failed: cases['{name}']['error']"}
+      continue
+    figures[name] = {k: r.get(k) for k in (
+        "predicted_step_secs", "predicted_peak_hbm_bytes", "compiler_peak_hbm_bytes",
+        "critical_path", "device_budget_bytes", "degraded")}
+    baseline[name] = {"measured_step_secs": r["measured_step_secs"],
+                      "measured_peak_hbm_bytes": r["measured_peak_hbm_bytes"],
+                      "is": "measured: the median step after the warm-up steps; "
+                            "memory_stats()['peak_bytes_in_use']"}
+    ratio[f"{name} step time predicted / measured"] = r["step_time_ratio"]
+    if "step_time_ratio_corrected" in r and name != "fits":  # fits is the correction's source
+      ratio[f"{name} step time corrected by fits / measured"] = r["step_time_ratio_corrected"]
+    ratio[f"{name} peak HBM compiled / measured"] = r["compiler_peak_ratio"]
+    ratio[f"{name} peak HBM cost model / measured"] = r["peak_hbm_ratio"]
+  return figures, baseline, ratio
+
+
+def record(result: dict, **overrides) -> dict:
+  """The raw `result` as a record of bench_util's schema (`overrides`: date, commit, ...)."""
+  figures, baseline, ratio = summarize(result["cases"])
+  detail = {k: v for k, v in result.items()
+            if k not in ("workload", "command", "date", "device", "versions")}
+  fields = dict(workload=result["workload"], command=result["command"], date=result["date"],
+                device=result["device"], versions=result["versions"], figures=figures,
+                baseline=baseline, ratio=ratio)
+  fields.update(overrides)
+  return bench_util.result_record(**fields, **detail)
+
+
 def main(argv=None):
   args = parse_args(argv if argv is not None else sys.argv[1:])
   if args.cpu_dry_run:
@@ -294,24 +331,17 @@ def main(argv=None):
   result = {
       "workload": "W5 planner prediction",
       "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "device": (jax.devices()[0].device_kind if not args.cpu_dry_run else "cpu (dry run)"),
-      "versions": {"python": platform.python_version(), "jax": jax.__version__},
+      "date": bench_util.utc_now(),
+      "device": bench_util.device_name(jax.devices()[0]) + (
+          " (dry run)" if args.cpu_dry_run else ""),
+      "versions": bench_util.versions(),
       "bars": {"step_time": STEP_TIME_BAR, "peak_hbm": PEAK_HBM_BAR},
       "cpu_dry_run": args.cpu_dry_run, "cases": {},
   }
-  try:
-    import jaxlib  # pylint: disable=g-import-not-at-top
-    result["versions"]["jaxlib"] = jaxlib.__version__
-  except Exception:  # pylint: disable=broad-except
-    pass
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "planner.json")
   for case in args.cases.split(","):
     log(f"== case {case}")
     result["cases"][case] = run_child(args, case)
-    with open(path, "w") as f:
-      json.dump(result, f, indent=1, default=str)
+    bench_util.write_result(record(result), args.out, "w5_planner.json")
   if not args.skip_cli:
     log("== jaxtier plan on a machine without a GPU (JAX_PLATFORMS=cpu)")
     result["cli_without_gpu"] = cli_without_gpu(args, args.out)
@@ -348,9 +378,7 @@ def main(argv=None):
                                        else None),
   }
   result["total_secs"] = time.perf_counter() - t_start
-  with open(path, "w") as f:
-    json.dump(result, f, indent=1, default=str)
-  log(f"wrote {path}")
+  bench_util.write_result(record(result), args.out, "w5_planner.json")
   gib = 2.0**30
   print(f"\n{'case':<18} {'pred ms':>9} {'meas ms':>9} {'ratio':>6} {'pred GiB':>9} "
         f"{'comp GiB':>9} {'meas GiB':>9} {'ratio':>6} {'comp/meas':>9}  critical path / notes")

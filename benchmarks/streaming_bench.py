@@ -13,6 +13,11 @@ batch 16,384, `h = tanh(h @ W[l])` in `lax.scan`. All variants in one process, o
 Forward efficiency = max(device, transfer) / measured; forward+backward efficiency = device
 fwd+bwd (gradients kept on the device) / measured. HBM temp from `memory_analysis()`.
 
+Writes `--out`/w1_streaming.json in bench_util's result schema: `figures` per variant (ms, every
+rep's ms, HBM temp bytes, ...), `bound` the forward bound max(device fwd, transfer), `baseline`
+the device-only fwd+bwd, `ratio` the efficiencies above (and XLA native's); beside them
+`targets` (the ratios' targets) and `layer_bytes`.
+
   python benchmarks/streaming_bench.py --out=/tmp/out            # H200
   python benchmarks/streaming_bench.py --smoke                   # tiny shapes, any backend
 """
@@ -20,8 +25,6 @@ fwd+bwd (gradients kept on the device) / measured. HBM temp from `memory_analysi
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -70,6 +73,30 @@ def xla_native_loss(W, x):
   return jnp.mean(h.astype(jnp.float32))
 
 
+TARGETS = {"jaxtier_fwd_vs_ideal": 0.95, "jaxtier_fwdbwd_vs_device": 0.92}
+
+
+def summarize(figures):
+  """(bound, baseline, ratio) of the result schema from the variants' figures."""
+  f = figures
+  compute_fwd, transfer = f["device fwd"]["ms"], f["transfer h2d (device_put)"]["ms"]
+  ideal = max(compute_fwd, transfer)
+  bound = {"fwd": {"ms": ideal, "is": "max('device fwd', 'transfer h2d (device_put)'): the "
+                                      "slower of the compute and the link"}}
+  baseline = {"fwd+bwd": {"ms": f["device fwd+bwd"]["ms"],
+                          "is": "'device fwd+bwd': the weights and gradients on the device"}}
+  ratios = {
+      "jaxtier_fwd_vs_ideal": ideal / f["jaxtier fwd"]["ms"],
+      "xla_native_fwd_vs_ideal": ideal / f["xla native fwd"]["ms"],
+      "jaxtier_fwdbwd_vs_device": f["device fwd+bwd"]["ms"] / f[
+          "jaxtier fwd+bwd (grads to host)"]["ms"],
+  }
+  if "ms" in f.get("xla native fwd+bwd", {}):
+    ratios["xla_native_fwdbwd_vs_device"] = f["device fwd+bwd"]["ms"] / f[
+        "xla native fwd+bwd"]["ms"]
+  return bound, baseline, ratios
+
+
 def main(argv):
   a = parse_args(argv)
   dev = jax.devices()[0]
@@ -87,8 +114,7 @@ def main(argv):
   w_bytes = L * d * d * 2
   layer_bytes = d * d * 2
   flops_fwd = 2 * B * d * d * L
-  res = {"figures": {}}
-  fig = res["figures"]
+  fig = {}
 
   def record(name, secs, times, **extra):
     fig[name] = dict(ms=secs * 1e3, ms_all=[t * 1e3 for t in times], **extra)
@@ -150,11 +176,11 @@ def main(argv):
   st = tr.place({"W": jax.device_put(W_host, on_host), "opt": tx.init(W_host)}, x)
   c = tr.lower(st, x).compile()
   # The compute program alone (internal handles): fwd + bwd + gradients to the host.
-  dev_leaves, host_leaves = tr._leaf_groups(jax.tree.leaves(st))
+  dev_leaves, host_leaves = tr._programs.leaf_groups(jax.tree.leaves(st))
   tr._ensure_scratch()
 
   def compute_only():
-    _, _, _, tr._scratch = tr._compute(dev_leaves, host_leaves, [x], tr._scratch)
+    _, _, _, tr._scratch = tr._programs.compute(dev_leaves, host_leaves, [x], tr._scratch)
     return tr._scratch
   s, t = median_secs(compute_only, a.reps)
   grad = np.asarray(tr._scratch[0].astype(jnp.float32))
@@ -170,32 +196,16 @@ def main(argv):
   s, t = median_secs(full_step, a.reps)
   record("jaxtier full SGD step (fwd+bwd+host update)", s, t)
 
-  f = fig
-  compute_fwd, transfer = f["device fwd"]["ms"], f["transfer h2d (device_put)"]["ms"]
-  ideal = max(compute_fwd, transfer)
-  ratios = {
-      "jaxtier_fwd_vs_ideal": ideal / f["jaxtier fwd"]["ms"],
-      "xla_native_fwd_vs_ideal": ideal / f["xla native fwd"]["ms"],
-      "jaxtier_fwdbwd_vs_device": f["device fwd+bwd"]["ms"] / f[
-          "jaxtier fwd+bwd (grads to host)"]["ms"],
-  }
-  if "ms" in f.get("xla native fwd+bwd", {}):
-    ratios["xla_native_fwdbwd_vs_device"] = f["device fwd+bwd"]["ms"] / f[
-        "xla native fwd+bwd"]["ms"]
-  res.update(
+  bound, baseline, ratios = summarize(fig)
+  rec = bench_util.result_record(
       workload=f"W1: {L} x {d}x{d} bf16 weights ({w_bytes / 1e9:.2f} GB) in pinned_host, batch "
                f"{B}, h = tanh(h @ W[l])",
       command="python benchmarks/streaming_bench.py " + " ".join(argv),
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      device=dev.device_kind, jax=jax.__version__, layer_bytes=layer_bytes,
-      ratios=ratios, targets={"jaxtier_fwd_vs_ideal": 0.95, "jaxtier_fwdbwd_vs_device": 0.92},
-      git=bench_util.versions().get("jaxtier_git"))
-  os.makedirs(a.out, exist_ok=True)
-  path = os.path.join(a.out, "streaming.json")
-  with open(path, "w") as fh:
-    json.dump(res, fh, indent=1)
-  print(f"\nwrote {path}")
-  print(f"{'variant':<44} {'ms':>9} {'HBM temp GiB':>13}")
+      device=bench_util.device_name(dev), versions=bench_util.versions(optax, jaxtier),
+      figures=fig, bound=bound, baseline=baseline, ratio=ratios, targets=TARGETS,
+      layer_bytes=layer_bytes)
+  bench_util.write_result(rec, a.out, "w1_streaming.json")
+  print(f"\n{'variant':<44} {'ms':>9} {'HBM temp GiB':>13}")
   for name, r in fig.items():
     if "ms" not in r:
       print(f"{name:<44} {'ERROR':>9}")

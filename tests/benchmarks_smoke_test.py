@@ -1,8 +1,8 @@
 """The GPU benchmark scripts' logic, at toy sizes on the CPU, so that they do not rot in CI.
 
 Each script has a mode for this (`--smoke` / `--cpu_dry_run`); its figures mean nothing here.
-The scripts run in a subprocess from the repository's `benchmarks/` folder (they import their
-sibling `bench_util`), against the installed jaxtier.
+The scripts run in a subprocess from the repository's `benchmarks/` folder and its
+`diagnostics/` (they import `benchmarks/bench_util.py`), against the installed jaxtier.
 """
 
 import json
@@ -15,21 +15,22 @@ import pytest
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 CASES = {
-    "streaming_bench.py": (["--smoke"], "streaming.json"),
-    "streaming_primitives_check.py": (["--cpu_dry_run"], "streaming_primitives.json"),
-    "dha_crossover.py": (["--cpu_dry_run"], "dha_crossover.json"),
-    "host_update_bench.py": (["--cpu_dry_run", "--skip_torch"], "host_update.json"),
-    "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "planner.json"),
-    "host_cpu_microbench.py": (["--smoke"], "host_cpu_microbench.json"),
+    "streaming_bench.py": (["--smoke"], "w1_streaming.json"),
+    "diagnostics/streaming_primitives_check.py": (["--cpu_dry_run"], "streaming_primitives.json"),
+    "diagnostics/dha_crossover.py": (["--cpu_dry_run"], "dha_crossover.json"),
+    "host_update_bench.py": (["--cpu_dry_run", "--skip_torch"], "w2_host_update.json"),
+    "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "w5_planner.json"),
+    "diagnostics/host_cpu_microbench.py": (["--smoke"], "host_cpu_microbench.json"),
     "e2e_smoke.py": (["--config=tiny", "--steps=3", "--batch_size=2", "--seq_len=32",
-                      "--variants=fp32:none,fp32:stream"], "e2e_smoke.json"),
+                      "--variants=fp32:none,fp32:stream"], "w3_end_to_end.json"),
 }
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_benchmark_runs_at_toy_sizes(script, tmp_path):
   args, result = CASES[script]
-  out = str(tmp_path / result) if script == "streaming_primitives_check.py" else str(tmp_path)
+  out = (str(tmp_path / result) if script == "diagnostics/streaming_primitives_check.py"
+         else str(tmp_path))
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   p = subprocess.run([sys.executable, os.path.join(BENCH, script), *args, f"--out={out}"],
