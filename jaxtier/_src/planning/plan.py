@@ -90,6 +90,8 @@ class Plan:
       which it misses, `verdicts` says so for people); the step still runs as planned.
     violations: the limits the plan misses.
     verdicts: why the plan does not fit, one sentence per finding, for people.
+    num_planning_notes: how many of `notes` the planner wrote (the verdicts print after
+      them, before the notes that verifying and refining added).
     components: the fused host updates the lowering runs, one compiled op program each
       (`program_compiler.CompiledComponent`); not part of the plan's JSON.
   """
@@ -114,6 +116,7 @@ class Plan:
   fits: bool = True
   violations: tuple[BudgetViolation, ...] = ()
   verdicts: tuple[str, ...] = ()
+  num_planning_notes: "int | None" = None
   components: tuple = dataclasses.field(default=(), repr=False, compare=False)
 
   def binding_violation(self) -> "BudgetViolation | None":
@@ -177,8 +180,10 @@ class Plan:
     lines.append(f"pinned host: {format_bytes(self.pinned_bytes)} per device"
                  f"{_budget(self.host_budget)}")
     lines.append(f"activations: {self.activation_policy}")
-    lines.extend(f"note: {n}" for n in self.notes)
+    k = len(self.notes) if self.num_planning_notes is None else self.num_planning_notes
+    lines.extend(f"note: {n}" for n in self.notes[:k])
     lines.extend(f"note: {v}" for v in verdict_lines(self.verdicts))
+    lines.extend(f"note: {n}" for n in self.notes[k:])
     return lines
 
 

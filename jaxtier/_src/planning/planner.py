@@ -220,7 +220,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               resource_secs=dict(pred.resource_secs), segments=tuple(pred.segments),
               activation_policy=act_label, planned_device_budget=solver_budget,
               notes=tuple(notes), fits=not verdicts, violations=tuple(violations),
-              verdicts=tuple(verdicts), components=tuple(compiled))
+              verdicts=tuple(verdicts), num_planning_notes=len(notes),
+              components=tuple(compiled))
   try:
     _admit(plan, pinnable_bytes, pinnable_what)
   except PlanError as e:
