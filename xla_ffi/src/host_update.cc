@@ -47,7 +47,7 @@ using host_update::Instruction;
 // Elements per interpreted block: 256 fp32 = 1 KiB per register, so a typical optimizer
 // program (about 10 live registers), its memory streams' current block and the prefetched next
 // one stay in L1 even when two hyperthreads share it. (Measured with
-// benchmarks/host_cpu_microbench.py: 256 and 512 ran alike on one thread, 1024 was slower.)
+// benchmarks/diagnostics/host_cpu_microbench.py: 256 and 512 ran alike on one thread, 1024 was slower.)
 constexpr int kBlock = 256;
 // Below this many elements the call runs on the calling thread.
 constexpr int64_t kMinParallelElements = 65536;

@@ -85,9 +85,10 @@ class HardwareProfile:
   # reached 2.30e9 params/s x 24 B = 55 GB/s (W2) and the 1b e2e run 52 GB/s: the kernel's rate.
   dha_rw_gbps: float = 52.0
   host_dram_gbps: float = 80.5
-  # W2 (host_update.json): host_cpu 2.03e9 params/s, transfers included.
+  # W2's first run (benchmarks/results/host_update.json at b26faa2): host_cpu 2.03e9 params/s,
+  # transfers included.
   cpu_adamw_params_per_sec: float = 2.0e9
-  # W2 (host_update.json): host_dha 2.739e9 params/s.
+  # W2 (w2_host_update.json): host_dha 2.739e9 params/s.
   dha_adamw_params_per_sec: float = 2.739e9
   # The DHA update kernel's time per call is not bytes over one rate: on the H200 it moved
   # 16 B/param (moments only) at 53 GB/s, 24 B/param (W2) at 66 GB/s and 28 B/param (a
