@@ -19,7 +19,6 @@ Commands:
 from __future__ import annotations
 
 import logging
-import re
 import sys
 
 from absl import app, flags
@@ -110,11 +109,10 @@ def plan_main() -> None:
   print(plan)
   # The plan may fit only with another activation policy than the model's: `train` runs the
   # model's unless told (its fit is checked against the step it compiles).
-  other = re.search(r"\(jax\.checkpoint_policies\.(\w+)\); the traced step uses",
-                    plan.activation_policy)
+  other = plan.assumed_checkpoint_policy
   if other:
-    print(f"note: this plan assumes the activation policy {other.group(1)}, not the model's: "
-          f"train with --remat_policy={other.group(1)} to run it (the model's own policy holds "
+    print(f"note: this plan assumes the activation policy {other}, not the model's: "
+          f"train with --remat_policy={other} to run it (the model's own policy holds "
           "more activations than planned)")
   if _PLOT.value:
     print(f"plot: {path}")

@@ -79,6 +79,8 @@ class Plan:
       'link_d2h', 'dha', 'host_cpu').
     segments: the step's serial phases: (name, seconds, bounding resource).
     activation_policy: the activation policy the prediction assumes.
+    assumed_checkpoint_policy: the `jax.checkpoint_policies` name of that policy where it is
+      not the traced step's (the model must apply it for the prediction to hold), else None.
     planned_device_budget: the device budget the solver planned against (the given one, or on
       a GPU without one, what the device has less a margin), bytes.
     notes: where the figures come from (profile, transient bytes), and warnings.
@@ -109,6 +111,7 @@ class Plan:
   resource_secs: dict = dataclasses.field(default_factory=dict)
   segments: tuple = ()
   activation_policy: str = "as traced (not modelled)"
+  assumed_checkpoint_policy: "str | None" = None
   planned_device_budget: "int | None" = None
   notes: tuple[str, ...] = ()
   compiler_peak_hbm_bytes: "int | None" = None

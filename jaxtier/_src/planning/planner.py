@@ -187,11 +187,13 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
                                         limit_bytes=available))
   for line in verdict_lines(verdicts):
     log.warning("jaxtier: %s", line)
+  assumed = None
   if activations is not None:
     chosen = act_policy or activations.traced
     act_label = f"{chosen} (jax.checkpoint_policies.{activations.checkpoint_policy[chosen]})"
     if chosen != activations.traced:
       act_label += f"; the traced step uses {activations.traced}: apply it in the model"
+      assumed = activations.checkpoint_policy[chosen]
   else:
     act_label = "as traced (not modelled)"
   leaves = []
@@ -218,7 +220,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               len(compiled), predicted_step_secs=pred.step_secs,
               critical_path=pred.critical_path, predicted_peak_hbm_bytes=pred.peak_hbm_bytes,
               resource_secs=dict(pred.resource_secs), segments=tuple(pred.segments),
-              activation_policy=act_label, planned_device_budget=solver_budget,
+              activation_policy=act_label, assumed_checkpoint_policy=assumed,
+              planned_device_budget=solver_budget,
               notes=tuple(notes), fits=not verdicts, violations=tuple(violations),
               verdicts=tuple(verdicts), num_planning_notes=len(notes),
               components=tuple(compiled))
