@@ -145,10 +145,8 @@ def _gather_impl(table: jax.Array, ids: jax.Array) -> jax.Array:
   if ffi_disabled():
     return _gather_reference(table, ids)
 
-
-  ffi.ensure_registered()
   out = jax.ShapeDtypeStruct(tuple(ids.shape) + (table.shape[1],), table.dtype)
-  return jax.ffi.ffi_call(GATHER_TARGET, out, vmap_method="sequential")(table, ids)
+  return ffi.ffi_call(GATHER_TARGET, out, vmap_method="sequential")(table, ids)
 
 
 def _gather_reference(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -356,13 +354,11 @@ def _matmul_impl(x: jax.Array, w: jax.Array, index: int, transpose: bool) -> jax
   if ffi_disabled():
     return _matmul_reference(x, w, index, transpose)
 
-
-  ffi.ensure_registered()
   m, r = x.shape
   out = jax.ShapeDtypeStruct((m, out_cols), x.dtype)
   partial = jax.ShapeDtypeStruct(
       matmul_partial_shape(m, r, out_cols, x.dtype, _num_sms()), jnp.float32)
-  call = jax.ffi.ffi_call(MATMUL_TARGET, (out, partial), vmap_method="sequential")
+  call = ffi.ffi_call(MATMUL_TARGET, (out, partial), vmap_method="sequential")
   y, _ = call(x, w, index=np.int64(index), transpose=np.int32(int(transpose)))
   return y
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from typing import Any
 
 import jax
 
@@ -75,3 +76,26 @@ def ensure_registered() -> None:
 def ffi_disabled() -> bool:
   """True when the kill switch `JAXTIER_DISABLE_FFI=1` asks for the pure-JAX reference."""
   return os.environ.get("JAXTIER_DISABLE_FFI", "0") not in ("", "0", "false", "False")
+
+
+def ffi_call(target: str, results: Any, *, aliases: "dict[int, int] | None" = None,
+             has_side_effect: bool = False, vmap_method: "str | None" = None) -> Any:
+  """`jax.ffi.ffi_call` of one of jaxtier's targets, its handlers registered first.
+
+  Args:
+    target: the custom call's name (`jaxtier_<family>_ffi`, `module.cc`'s `registrations()`).
+    results: the result types (`jax.ShapeDtypeStruct`s), one or a sequence.
+    aliases: {operand index: result index} updated in place (input_output_aliases).
+    has_side_effect: keep the call even when its results are unused (the streaming calls).
+    vmap_method: as `jax.ffi.ffi_call`'s (None: not batchable).
+
+  Returns:
+    The callable `jax.ffi.ffi_call` returns: `call(*operands, **attributes)`.
+
+  Raises:
+    ExtensionMissing: as `ensure_registered`.
+  """
+  ensure_registered()
+  kwargs = {} if vmap_method is None else {"vmap_method": vmap_method}
+  return jax.ffi.ffi_call(target, results, input_output_aliases=aliases or {},
+                          has_side_effect=has_side_effect, **kwargs)

@@ -193,13 +193,8 @@ def host_update(program: Program, operands: Sequence[jax.Array],
     raise ValueError(f"host_update: expected dha_fraction in [0, 1], got {dha_fraction!r}")
   if ffi_disabled():
     return _reference(program, operands, results)
-
-
-  ffi.ensure_registered()
-  call = jax.ffi.ffi_call(
-      TARGET, tuple(results),
-      input_output_aliases={a: r for r, a in enumerate(aliases) if a >= 0},
-      has_side_effect=False)
+  call = ffi.ffi_call(TARGET, tuple(results),
+                      aliases={a: r for r, a in enumerate(aliases) if a >= 0})
   out = call(*operands,
              program=np.ascontiguousarray(program.code.reshape(-1), dtype=np.int32),
              consts=np.ascontiguousarray(program.consts, dtype=np.float32),

@@ -192,10 +192,7 @@ def send(host_leaves: Sequence[jax.Array], values: Sequence[jax.Array], index: i
 
 def _call(target: str, results: list[Any], aliases: dict[int, int], operands: list[Any],
           **attributes: Any) -> Sequence[jax.Array]:
-
-
-  ffi.ensure_registered()
-  call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases, has_side_effect=True)
+  call = ffi.ffi_call(target, results, aliases=aliases, has_side_effect=True)
   return call(*operands, **attributes)
 
 
