@@ -109,7 +109,7 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   `predicted_peak_hbm_bytes`, `resource_secs`. `streamable` / `dha_readable` (state leaf
   indices) allow `host_stream` / `host_dha` placements of parameters (`streamable` None: every
   parameter the lowering can stream, as `offload` plans); `activations` (a
-  `cost_model.ActivationModel`) lets the plan choose the activation policy.
+  `jaxtier.ActivationModel`) lets the plan choose the activation policy.
 
   Raises:
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
