@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 
@@ -92,8 +93,8 @@ def test_plan_that_assumes_another_activation_policy_says_how_to_train_it(tmp_pa
 
 def test_plan_offload_stream_plans_as_train_runs_it(tmp_path):
   # --offload=stream is one of the flag's values (train's): plan places the layers' params
-  # host_stream as train does (it used to pass the string on to jaxtier.plan, which refused it
-  # after a help dump).
+  # host_stream as train does, rather than passing 'stream' on to jaxtier.plan as a policy
+  # name (it is none, and would be refused).
   out = _cli(tmp_path, "plan", "--config=tiny", "--offload=stream", "--json")
   assert out.returncode == 0, out.stderr[-2000:]
   plan = json.loads(out.stdout)
@@ -164,3 +165,32 @@ def test_train_over_budget_runs_with_allow_over_budget_and_within_budget(tmp_pat
   out = _train(tmp_path, "--offload=auto", "--device_budget=1GiB")
   assert out.returncode == 0, out.stderr[-2000:]
   assert "done: loss" in out.stdout and "error" not in out.stderr
+
+
+def _plan_on_this_backend(tmp_path, *args):
+  """`jaxtier plan` on the backend the tests run on (not forced to the CPU), pool cap unset."""
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+  env.pop("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", None)
+  return subprocess.run([sys.executable, "-m", "jaxtier", "plan", *args], capture_output=True,
+                        text=True, env=env, cwd=tmp_path, timeout=600)
+
+
+def test_plan_cli_gpu_on_cpu_says_default_profile_and_plots(tmp_path):
+  png = tmp_path / "plan.png"
+  # 'small' keeps its activations (about 5 GB here): under 2 GB the plan rematerialises.
+  out = _plan_on_this_backend(tmp_path, "--config=small", "--platform=gpu",
+                              "--device_budget=2GB", f"--plot={png}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  if jax.default_backend() != "gpu":
+    assert "no GPU here" in text and "the default hardware profile: an H200 machine" in text
+  assert re.search(r"predicted step: [0-9.]+ ms, critical path: \w+", text)
+  assert "predicted peak HBM:" in text and "DOES NOT FIT" not in text
+  assert "activations: remat (jax.checkpoint_policies.nothing_saveable); the traced step uses " \
+         "keep: apply it in the model" in text
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+  js = _plan_on_this_backend(tmp_path, "--config=small", "--platform=gpu", "--json")
+  assert js.returncode == 0, js.stderr[-3000:]
+  data = json.loads(js.stdout)
+  assert data["predicted_step_secs"] > 0 and data["predicted_peak_hbm_bytes"] > 0
+  assert {l["placement"] for l in data["leaves"]} == {"device"}  # fits the default budget

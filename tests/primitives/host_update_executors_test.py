@@ -21,13 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
 import pytest
 
-from jaxtier._src.hardware import calibrate as calibration
-from jaxtier._src.hardware import profile
 from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.primitives import programs as op_programs
 from jaxtier._src.primitives.host_update import Op
-from jaxtier._src.vocab import Executor
 from jaxtier._src.lowering import hlo as hlo_lib
 
 # The executors compared with host_dha on the GPU: (executor, dha_fraction).
@@ -204,34 +201,6 @@ def test_hlo_guard_cpu(executor, fraction):
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == 1
 
 
-def test_profile_split_fraction_and_calibrate():
-  p = profile.HardwareProfile(cpu_adamw_params_per_sec=1e9, dha_adamw_params_per_sec=3e9)
-  assert profile.split_fraction(p) == pytest.approx(0.75)
-  assert 0 < profile.split_fraction() < 1
-  with pytest.raises(ValueError, match="expected link_h2d_gbps > 0"):
-    profile.HardwareProfile(link_h2d_gbps=0)
-  measured = calibration.calibrate(num_params=1 << 16)
-  assert measured.cpu_adamw_params_per_sec > 0
-  if jax.default_backend() == "cpu":  # no link to measure: the H200's figure stays
-    assert measured.link_h2d_gbps == profile.DEFAULT_PROFILE.link_h2d_gbps
-  else:
-    assert measured.link_h2d_gbps != profile.DEFAULT_PROFILE.link_h2d_gbps
-    assert "gpu and host measured" in measured.source
-  assert calibration.calibrate(measure_cpu=False, measure_device=False) == profile.DEFAULT_PROFILE
-  if jax.default_backend() == "cpu":  # the compute device is this CPU: its rates replace an H200's
-    compute_only = calibration.calibrate(measure_cpu=False)
-    assert compute_only.matmul_tflops != profile.DEFAULT_PROFILE.matmul_tflops
-    assert compute_only.cpu_adamw_params_per_sec == profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec
-
-
-def test_measure_gpu_adamw_runs_each_executor():
-  # On the GPU it times the executors; here the same programs (memory kinds, aliases, donation)
-  # run on the CPU backend's handler: each compiles and runs.
-  rates = calibration.measure_gpu_adamw(jax.devices()[0], 1 << 12, reps=1)
-  assert set(rates) == {Executor.HOST_DHA, Executor.HOST_CPU}
-  assert all(r > 0 for r in rates.values())
-
-
 # ---- GPU: executors against the DHA kernel, bit for bit -----------------------------------------
 
 _DHA = {}
@@ -300,48 +269,3 @@ def test_hlo_guard_gpu(gpu, executor, fraction):
   assert hlo_lib.hlo_violations(hlo) == []
   assert "S(5)" in hlo  # the state reaches the call in the host memory space
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == 1
-
-
-def test_public_calibrate_stores_the_profile_where_the_planner_loads_it(tmp_path, monkeypatch):
-  import jaxtier
-  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-  measured = jaxtier.calibrate(measure_device=False, num_params=1 << 14)
-  assert "calibrated" in measured.source
-  assert profile.load() == measured  # the default cache path of this device and jax version
-  elsewhere = str(tmp_path / "p.json")
-  again = jaxtier.calibrate(path=elsewhere, measure_device=False, num_params=1 << 14)
-  assert profile.load(elsewhere) == again
-  assert jaxtier.calibrate(save=False, measure_cpu=False, measure_device=False) == (
-      profile.DEFAULT_PROFILE)
-
-
-def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
-  import json
-  import os
-  import subprocess
-  import sys
-  p = profile.HardwareProfile(cpu_adamw_params_per_sec=1.5e9)
-  path = profile.save(p, str(tmp_path / "p.json"))
-  assert profile.load(path) == p
-  assert profile.load(str(tmp_path / "missing.json")) == profile.DEFAULT_PROFILE
-  (tmp_path / "bad.json").write_text(json.dumps(
-      {"format_version": profile.PROFILE_FORMAT_VERSION, "warp_factor": 9}))
-  with pytest.raises(ValueError, match=r"unknown fields \['warp_factor'\]"):
-    profile.load(str(tmp_path / "bad.json"))
-  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
-  out = subprocess.run([sys.executable, "-m", "jaxtier", "calibrate"], capture_output=True,
-                       text=True, env=env, cwd=tmp_path, timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert "saved to" in out.stdout
-  saved = profile.load(out.stdout.strip().splitlines()[-1].split("saved to ", 1)[1])
-  assert saved.cpu_adamw_params_per_sec > 1e7  # measured here, not the default
-  assert saved.cpu_adamw_params_per_sec != profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec
-  if jax.default_backend() == "cpu":
-    assert "no GPU here" in out.stdout
-    # The CPU backend's compute device is this CPU: its rates, far below an H200's.
-    assert 1e-4 < saved.matmul_tflops < profile.DEFAULT_PROFILE.matmul_tflops / 10
-    assert 0.1 < saved.hbm_gbps < profile.DEFAULT_PROFILE.hbm_gbps
-  else:  # the GPU's own figures
-    assert "no GPU here" not in out.stdout
-    assert saved.link_h2d_gbps != profile.DEFAULT_PROFILE.link_h2d_gbps
-    assert saved.matmul_tflops > 10

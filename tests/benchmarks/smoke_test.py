@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+BENCH = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                     "benchmarks"))
 
 CASES = {
     "streaming_bench.py": (["--smoke"], "w1_streaming.json"),

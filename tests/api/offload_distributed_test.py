@@ -71,7 +71,7 @@ WORKER = textwrap.dedent("""
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jaxtier
-    import distributed_test as T
+    import offload_distributed_test as T
 
     assert jax.process_count() == 2 and jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -243,7 +243,7 @@ def test_losses_and_shards_equal_a_one_device_reference(cluster):
 
 def test_process_local_numpy_state_stays_on_its_own_device(cluster):
   # A state of numpy leaves has no mesh: each process must train its own copy on its own first
-  # device (before the fix, process 1's state went to process 0's device and was lost).
+  # device (not process 0's, where process 1's state would be lost).
   for pid, r in enumerate(cluster):
     run = r["local_run"]
     assert run["error"] is None, (pid, run["error"])

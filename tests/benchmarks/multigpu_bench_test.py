@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "benchmarks", "multigpu_bench.py")
+SCRIPT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                      "benchmarks", "multigpu_bench.py"))
 
 
 def _bench(tmp_path, *flags):

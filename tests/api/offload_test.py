@@ -15,7 +15,8 @@ from conftest import optax_train_step
 # a GPU (these tests run on both; the H200 benchmark script runs them there).
 HOST_EXEC = "host_dha" if jax.default_backend() == "gpu" else "host_cpu"
 # The rule-based plan (every optimizer-state leaf to pinned_host): what these tests of the host
-# update need. Policy 'auto' keeps a state that fits on the device (planner_test.py tests it).
+# update need. Policy 'auto' keeps a state that fits on the device (tests/planning/
+# planner_test.py tests it).
 ON_HOST = "optimizer_state_on_host"
 
 
@@ -68,7 +69,7 @@ def test_adamw_offloaded_equals_device_50_steps():
   assert ref[-1] < 0.8 * ref[0]
 
 
-def test_plan_places_optimizer_state_in_pinned_host():  # case C4: pinned only
+def test_plan_places_optimizer_state_in_pinned_host():
   step = jaxtier.offload(_step_fn(TX), policy=ON_HOST)
   state = step.place(_mlp_state(TX), _batch())
   placements = step.plan.placements()
@@ -233,7 +234,7 @@ def test_bad_budget_is_refused(kw):
     jaxtier.offload(_step_fn(TX), **kw)
 
 
-def test_admission_refuses_before_allocating_state_intact():  # case C5
+def test_admission_refuses_before_allocating_state_intact():
   state = _mlp_state(TX)
   before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
   step = jaxtier.offload(_step_fn(TX), host_budget=1000, policy=ON_HOST)
@@ -410,9 +411,9 @@ def test_gpu_plan_keeps_the_chosen_executor_per_fused_call():
 def test_metrics_of_host_updated_leaves_come_back_on_the_device():
   # A metric that is an updated host leaf (a moment), an elementwise function of one, or a
   # param: the host update produces the first two in pinned_host. With the state a tuple
-  # (params first), JAX paired such a metric with a donated pinned_host input buffer while
-  # its sharding said device, and the process aborted (SIGABRT) on the first step. Metrics now
-  # come back on the device and equal jax.jit's.
+  # (params first), JAX would pair such a metric with a donated pinned_host input buffer while
+  # its sharding says device, and the process would abort (SIGABRT) on the first step. The
+  # metrics must come back on the device and equal jax.jit's.
   tx = optax.adamw(1e-3)
   loss_grad = jax.value_and_grad(_loss)
 
@@ -559,8 +560,8 @@ def test_a_changed_state_leaf_is_named_when_the_retrace_fails():
 def test_a_step_that_changes_a_leafs_shape_is_refused_naming_it():
   # Placement is per leaf and kept from step to step: a step whose update broadcasts a leaf to
   # a new shape (here: a moment given a leading axis makes the param it updates grow) is
-  # refused at trace time with the leaf, both shapes and the likely cause (it used to reach
-  # the runtime, which aborted the process on a memory-kind mismatch).
+  # refused at trace time with the leaf, both shapes and the likely cause, before it reaches
+  # the runtime, which would abort the process on a memory-kind mismatch.
   step = jaxtier.offload(_step_fn(TX), policy={r"\['opt'\].*w2": "host_cpu"})
   state = step.place(_mlp_state(TX), _batch())
   state, _ = step(state, _batch())

@@ -366,7 +366,7 @@ def test_adamw_on_gpu_matches_optax_device(gpu):
 
 
 def test_import_jaxtier_first_in_fresh_process(tmp_path):
-  # The package imports jax before its extension (MEASURED.md: the other order crashed on
+  # The package imports jax before its extension (MEASURED.md: the other order crashes on
   # the H200); a fresh process that imports jaxtier first must run a host update.
   code = ("import jaxtier, jax, jax.numpy as jnp, numpy as np\n"
           "from jaxtier._src.primitives import host_update as hu\n"

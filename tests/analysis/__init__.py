@@ -1,0 +1,1 @@
+"""Tests of jaxtier/_src/analysis/: FLOP counting, the timing of scan bodies."""

@@ -1,0 +1,59 @@
+"""Step costs: FLOPs counted from the jaxpr (every scan iteration, stacked layers found) and
+scan bodies timed on this device in place of the analytic compute figure."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxtier
+from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis import step_costs as step_costs_lib
+from jaxtier._src.hardware import profile
+
+
+def test_jaxpr_flops_count_scan_iterations_and_stacked_leaves():
+  def f(w, x):
+    h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+    return jnp.sum(h @ jnp.ones((64, 2)))
+  w = jax.ShapeDtypeStruct((6, 64, 64), jnp.float32)
+  x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+  closed = jax.make_jaxpr(jax.grad(f))(w, x)
+  flops, ew = step_costs_lib.jaxpr_costs(closed)
+  layer = 2 * 128 * 64 * 64
+  # forward: 6 layers + head; backward: 2 dots per layer (dh, dW) + the head's dh.
+  assert flops == pytest.approx(3 * 6 * layer + 2 * (2 * 128 * 64 * 2))
+  assert ew > 0
+  # XLA's own count sees the scan body once.
+  xla = jax.jit(jax.grad(f)).lower(w, x).compile().cost_analysis()
+  xla = xla[0] if isinstance(xla, list) else xla
+  assert xla["flops"] < flops / 2
+  assert layer_stacks.stacked_layers(closed.jaxpr, 1) == {
+      0: (layer_stacks.stacked_layers(closed.jaxpr, 1)[0][0], 6)}
+
+
+def test_scan_bodies_timed_replace_their_analytic_compute(monkeypatch):
+  def f(w, x):
+    h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+    return jnp.sum(h @ jnp.ones((64, 2)))
+  w = jnp.ones((6, 64, 64), jnp.float32) * 0.01
+  x = jnp.ones((128, 64), jnp.float32)
+  closed = jax.make_jaxpr(jax.grad(f))(w, x)
+  timed = step_costs_lib.time_scan_bodies(closed, reps=2)
+  # The forward scan and its transpose: two bodies, 6 iterations each.
+  assert (timed.count, timed.iterations) == (2, 12)
+  assert timed.secs > 0
+  flops, ew = step_costs_lib.jaxpr_costs(closed)
+  # What the bodies account for analytically: every dot except the head's two.
+  assert timed.flops == pytest.approx(flops - 2 * (2 * 128 * 64 * 2))
+  costs = step_costs_lib.StepCosts(flops=flops, elementwise_bytes=ew, transient_bytes=0,
+                                   transient_source="-", timed=timed)
+  prof = profile.DEFAULT_PROFILE
+  rest = step_costs_lib.compute_secs(flops - timed.flops, ew - timed.elementwise_bytes, prof)
+  assert costs.compute_secs(prof) == pytest.approx(timed.secs + rest)
+  assert "2 scan bodies timed on this device" in costs.compute_source(prof)
+  # No scan: nothing to time; the analytic formula stays.
+  assert step_costs_lib.time_scan_bodies(jax.make_jaxpr(lambda a: a @ a)(jnp.ones((8, 8)))) is None
+  # Through the planner (forced on the CPU backend): the plan's notes say how compute was found.
+  monkeypatch.setenv("JAXTIER_TIME_SCANS", "1")
+  plan = jaxtier.plan(lambda w, x: (w - 0.1 * jax.grad(f)(w, x), None), w, x)
+  assert any("scan bodies timed" in n for n in plan.notes), plan.notes

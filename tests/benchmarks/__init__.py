@@ -1,0 +1,1 @@
+"""Tests of the GPU benchmark scripts in benchmarks/, at toy sizes on the CPU."""

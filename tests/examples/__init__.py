@@ -1,0 +1,1 @@
+"""Tests of the example decoder, its data pipeline and trainer (jaxtier/examples/)."""

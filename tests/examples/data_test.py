@@ -1,0 +1,61 @@
+"""The example data pipeline (jaxtier/examples/data.py): the default corpus, text and token
+files, their errors, and the batches drawn from them."""
+
+import numpy as np
+import pytest
+
+from jaxtier.examples import data
+
+
+def test_default_corpus_files_sorted_stdlib():
+  files = data.default_corpus_files()
+  assert len(files) > 100
+  assert all(f.suffix == ".py" for f in files)
+  assert not any("site-packages" in f.parts for f in files)
+  assert files == data.default_corpus_files()
+
+
+def test_load_text_and_token_files(tmp_path):
+  text = tmp_path / "a.txt"
+  text.write_text("héllo", encoding="utf-8")
+  tokens = data.load_tokens([text])
+  assert tokens.dtype == np.uint16
+  assert bytes(tokens.astype(np.uint8)) == "héllo".encode("utf-8")
+  token_file = tmp_path / "t.u16"
+  np.array([1, 2, 300], "<u2").tofile(token_file)
+  np.testing.assert_array_equal(data.load_tokens([token_file], vocab_size=512),
+                                [1, 2, 300])
+  assert data.load_tokens([text, text], max_bytes=8).size == 8
+
+
+def test_load_errors(tmp_path):
+  empty = tmp_path / "empty.txt"
+  empty.write_bytes(b"")
+  with pytest.raises(ValueError, match="empty.txt"):
+    data.load_tokens([empty])
+  with pytest.raises(ValueError, match="at least one path"):
+    data.load_tokens([])
+  odd = tmp_path / "odd.bin"
+  odd.write_bytes(b"abc")
+  with pytest.raises(ValueError, match=r"odd\.bin.*3 bytes"):
+    data.load_tokens([odd])
+  big = tmp_path / "big.u16"
+  np.array([5, 256], "<u2").tofile(big)
+  with pytest.raises(ValueError, match=r"big\.u16.*256"):
+    data.load_tokens([big], vocab_size=256)
+  with pytest.raises(FileNotFoundError):
+    data.load_tokens([tmp_path / "missing.txt"])
+
+
+def test_batches(corpus):
+  with pytest.raises(ValueError, match="at least seq_len \\+ 1 = 11"):
+    data.batches(np.arange(10, dtype=np.uint16), 2, 10, seed=0)
+  it_a = data.batches(corpus, 3, 16, seed=5)
+  it_b = data.batches(corpus, 3, 16, seed=5)
+  for _ in range(3):
+    a, b = next(it_a), next(it_b)
+    assert a.shape == (3, 17) and a.dtype == np.int32
+    np.testing.assert_array_equal(a, b)
+  tokens = np.arange(20, dtype=np.uint16)
+  batch = next(data.batches(tokens, 4, 19, seed=0))
+  np.testing.assert_array_equal(batch, np.tile(np.arange(20), (4, 1)))

@@ -1,0 +1,69 @@
+"""The example decoder (jaxtier/examples/llama.py): shapes, parameter counts, init, loss, bf16,
+config errors (CPU, seconds)."""
+
+import math
+
+from examples._micro import MICRO
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtier.examples import data, llama
+
+
+def test_model_output_shape_and_param_count():
+  model = llama.init_model(MICRO, seed=0)
+  logits = model(jnp.zeros((3, 10), jnp.int32))
+  assert logits.shape == (3, 10, MICRO.vocab_size)
+  assert logits.dtype == jnp.float32
+  params = nnx.state(model, nnx.Param)
+  assert sum(x.size for x in jax.tree.leaves(params)) == llama.param_count(MICRO)
+  # Layer weights are stacked: one leaf per weight with a leading num_layers axis.
+  assert params["layers"]["attn"]["wq"][...].shape == (2, 32, 2, 16)
+  assert params["layers"]["mlp"]["w_down"][...].shape == (2, 64, 32)
+
+
+@pytest.mark.parametrize("name", list(llama.CONFIGS))
+def test_param_count_of_named_configs(name):
+  count = llama.param_count(llama.CONFIGS[name])
+  expected = {"tiny": (3e5, 1e6), "small": (1.5e7, 2.5e7), "1b": (0.95e9, 1.1e9),
+              "8b": (7e9, 9e9), "13b": (12e9, 14e9)}[name]
+  assert expected[0] <= count <= expected[1]
+
+
+def test_init_is_deterministic_and_causal():
+  a, b = llama.init_model(MICRO, 7), llama.init_model(MICRO, 7)
+  for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+    np.testing.assert_array_equal(x, y)
+  tokens = jnp.arange(12, dtype=jnp.int32)[None]
+  changed = tokens.at[0, 8].set(200)
+  np.testing.assert_allclose(a(tokens)[0, :8], a(changed)[0, :8], atol=1e-5)
+
+
+def test_initial_loss_near_uniform(corpus):
+  model = llama.init_model(MICRO, seed=0)
+  batch = jnp.asarray(next(data.batches(corpus, 4, 32, seed=0)))
+  loss = llama.loss_fn(model, batch)
+  assert loss.dtype == jnp.float32
+  assert abs(float(loss) - math.log(256)) < 0.3
+
+
+def test_bf16_compute():
+  config = llama.LlamaConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64,
+                             max_seq_len=16, dtype=jnp.bfloat16,
+                             remat_policy="nothing_saveable")
+  model = llama.init_model(config, seed=0)
+  batch = jnp.ones((2, 9), jnp.int32)
+  loss, grads = nnx.value_and_grad(llama.loss_fn)(model, batch)
+  assert loss.dtype == jnp.float32 and math.isfinite(float(loss))
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="num_heads"):
+    llama.LlamaConfig(d_model=30, num_layers=1, num_heads=4, d_ff=8, max_seq_len=8)
+  with pytest.raises(ValueError, match="remat_policy"):
+    llama.LlamaConfig(d_model=32, num_layers=1, num_heads=2, d_ff=8,
+                      max_seq_len=8, remat_policy="nope")

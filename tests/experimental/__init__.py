@@ -1,0 +1,1 @@
+"""Tests of jaxtier/experimental/: DHA compute and the multi-path fetch."""

@@ -1,0 +1,1 @@
+"""Tests of jaxtier/_src/hardware/: the hardware profile, its storage and calibration."""

@@ -1,0 +1,97 @@
+"""The hardware profile: its rates and validation, its storage (save, load, stale files ignored)
+and the defaults used where no profile was stored or the platform is absent."""
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import jax
+from planning._toy import P
+import pytest
+
+from jaxtier._src.hardware import calibrate as calibration
+from jaxtier._src.hardware import profile
+
+
+def test_profile_rates_and_validation():
+  assert P.cpu_update_gbps() == pytest.approx(32.0)  # 1e9 params/s x 32 B/param
+  assert profile.split_fraction(P) == pytest.approx(0.75)
+  with pytest.raises(ValueError, match="expected dha_read_gbps > 0"):
+    profile.HardwareProfile(dha_read_gbps=-1.0)
+  with pytest.raises(ValueError, match="expected device_kind to be a string"):
+    profile.HardwareProfile(device_kind=3)
+  d = profile.DEFAULT_PROFILE
+  assert d.is_default and d.link_duplex_gbps < d.link_h2d_gbps + d.link_d2h_gbps
+  assert d.pinnable_bytes == 64 * 2**30 and d.hbm_bytes < 144 * 2**30
+
+
+def test_load_profile_for_an_absent_platform_is_the_default(tmp_path):
+  if jax.default_backend() == "gpu":
+    pytest.skip("this machine has a GPU")
+  assert profile.load(platform="gpu") == profile.DEFAULT_PROFILE
+  p = calibration.calibrate(num_params=1 << 14)
+  assert p.device_kind == jax.devices()[0].device_kind and "calibrated" in p.source
+  assert p.host_dram_gbps > 0 and p.cpu_threads >= 1
+  assert p.link_h2d_gbps == profile.DEFAULT_PROFILE.link_h2d_gbps  # not measured here
+  assert profile.load(profile.save(p, str(tmp_path / "p.json"))) == p
+
+
+def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch, caplog):
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  path = profile.cache_path()
+  os.makedirs(os.path.dirname(path))
+  # What an older build stored: no format version, and an H200's matmul rate for this machine.
+  old = dataclasses.replace(profile.DEFAULT_PROFILE, cpu_adamw_params_per_sec=1.5e9,
+                            device_kind=jax.devices()[0].device_kind,
+                            source="calibrated on cpu (host measured, 2026-11-01)")
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(old), f)
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load() is profile.DEFAULT_PROFILE
+    assert profile.load() is profile.DEFAULT_PROFILE
+  stale = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+  assert len(stale) == 1, stale  # once per path
+  assert f"ignoring {path}: written by an older jaxtier" in stale[0]
+  assert "python -m jaxtier calibrate" in stale[0]
+  # An older version number is stale too; the current one loads.
+  with open(path, "w") as f:
+    json.dump({"format_version": profile.PROFILE_FORMAT_VERSION - 1,
+               **dataclasses.asdict(old)}, f)
+  assert profile.load() is profile.DEFAULT_PROFILE
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load(profile.save(old)) == old
+  assert not caplog.records
+  with open(path) as f:
+    assert json.load(f)["format_version"] == profile.PROFILE_FORMAT_VERSION
+
+
+def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
+  p = profile.HardwareProfile(cpu_adamw_params_per_sec=1.5e9)
+  path = profile.save(p, str(tmp_path / "p.json"))
+  assert profile.load(path) == p
+  assert profile.load(str(tmp_path / "missing.json")) == profile.DEFAULT_PROFILE
+  (tmp_path / "bad.json").write_text(json.dumps(
+      {"format_version": profile.PROFILE_FORMAT_VERSION, "warp_factor": 9}))
+  with pytest.raises(ValueError, match=r"unknown fields \['warp_factor'\]"):
+    profile.load(str(tmp_path / "bad.json"))
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+  out = subprocess.run([sys.executable, "-m", "jaxtier", "calibrate"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "saved to" in out.stdout
+  saved = profile.load(out.stdout.strip().splitlines()[-1].split("saved to ", 1)[1])
+  assert saved.cpu_adamw_params_per_sec > 1e7  # measured here, not the default
+  assert saved.cpu_adamw_params_per_sec != profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec
+  if jax.default_backend() == "cpu":
+    assert "no GPU here" in out.stdout
+    # The CPU backend's compute device is this CPU: its rates, far below an H200's.
+    assert 1e-4 < saved.matmul_tflops < profile.DEFAULT_PROFILE.matmul_tflops / 10
+    assert 0.1 < saved.hbm_gbps < profile.DEFAULT_PROFILE.hbm_gbps
+  else:  # the GPU's own figures
+    assert "no GPU here" not in out.stdout
+    assert saved.link_h2d_gbps != profile.DEFAULT_PROFILE.link_h2d_gbps
+    assert saved.matmul_tflops > 10

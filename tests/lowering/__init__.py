@@ -1,0 +1,1 @@
+"""Tests of jaxtier/_src/lowering/: the rewrite into programs, host_stream."""

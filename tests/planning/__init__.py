@@ -1,0 +1,1 @@
+"""Tests of jaxtier/_src/planning/: cost formulas, the solver, policies, the planner."""

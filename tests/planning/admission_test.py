@@ -1,0 +1,36 @@
+"""Refusals before anything is allocated: a state over the device budget names its largest
+leaves and the rule-based plan it fell back to, and says when the host limit binds first."""
+
+import jax
+import jax.numpy as jnp
+from planning._toy import HOST_EXEC, STEP, mlp_state, toy_batch
+import pytest
+
+import jaxtier
+
+
+def test_infeasible_budget_names_the_largest_leaves():
+  with pytest.raises(jaxtier.PlanError) as err:
+    jaxtier.plan(STEP, mlp_state(), toy_batch(), device_budget=10_000)
+  msg = str(err.value)
+  assert "over the device budget of 9.77 KiB (10000 bytes)" in msg
+  assert "['params']['w1'] 256.00 KiB" in msg
+  refused = err.value.plan
+  # The refused plan is the rule-based one: optimizer state on the host, said in its notes.
+  assert {l.placement for l in refused.leaves if l.role == "optimizer_state"} == {HOST_EXEC}
+  assert not refused.fits and refused.verdicts and "DOES NOT FIT" in str(refused)
+
+
+def test_refusal_names_the_host_limit_when_it_binds_and_budget_above_the_gpu_is_noted():
+  # The 8b decoder against a 10 GiB device budget for an absent H200 (pinnable: the default
+  # profile's 64 GiB): offloading everything movable would pin 87 GiB, so the refusal says the
+  # host limit binds, not only "raise device_budget"; a budget above the GPU's memory is noted.
+  from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
+  _, state, step = train.make_train_state("8b", 1e-3, abstract=True)
+  batch = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+  with pytest.raises(jaxtier.PlanError, match=r"over the device budget of 10\.00 GiB.*But the "
+                     r"host limit binds first: moving every leaf it may move to the host would "
+                     r"pin [0-9.]+ GiB, over the host limit of 64\.00 GiB"):
+    jaxtier.plan(step, state, batch, device_budget="10GiB", platform="gpu")
+  plan = jaxtier.plan(step, state, batch, device_budget="200GiB", platform="gpu")
+  assert any("device budget 200.00 GiB is above this GPU's memory" in n for n in plan.notes)

@@ -1,0 +1,87 @@
+"""The cost model's formulas against values computed by hand under a profile of round numbers:
+the host update per executor, XLA's own copies, compute, a streamed stage, activation choices."""
+
+import dataclasses
+
+from planning._toy import GB, P
+import pytest
+
+from jaxtier._src.analysis import step_costs as step_costs_lib
+from jaxtier._src.hardware import profile
+from jaxtier._src.planning import cost_model
+
+
+def test_update_cost_formulas():
+  t = cost_model.UpdateTraffic(host_read_bytes=GB, host_write_bytes=GB, device_in_bytes=GB // 2,
+                               device_out_bytes=GB // 4)
+  dha = cost_model.update_cost("host_dha", t, P)
+  # Elements unknown: max(R / 100, W / 50, (R + W) / 60 (duplex), (R + W) / 80 (dha_rw)) GB/s
+  # = max(0.01, 0.02, 0.0333, 0.025) s.
+  assert dha.secs == pytest.approx(2 / 60) and dha.bound == "dha"
+  assert (dha.h2d_bytes, dha.d2h_bytes) == (GB, GB)
+  # With the elements: the kernel's time N * t + (R + W) / u, t from the AdamW rate at 24
+  # bytes per element: t = 1 / 3e9 - 24 / u. 125e6 elements (16 B each), u = 121 GB/s.
+  n = 125 * 10**6
+  t_n = dataclasses.replace(t, elements=n)
+  per_elem = 1 / 3e9 - 24 / 121e9
+  kernel = n * per_elem + 2 * GB / 121e9
+  assert cost_model.update_cost("host_dha", t_n, P).secs == pytest.approx(max(2 / 60, kernel))
+  # The fitted default reproduces W2's AdamW rate (24 B/param) and the H200's 16 B/param one.
+  d = profile.DEFAULT_PROFILE
+  w2 = cost_model.UpdateTraffic(host_read_bytes=12 * n, host_write_bytes=12 * n, device_in_bytes=0,
+                                device_out_bytes=0, elements=n)
+  assert n / cost_model.update_cost("host_dha", w2, d).secs == pytest.approx(
+      d.dha_adamw_params_per_sec)
+  moments = dataclasses.replace(w2, host_read_bytes=8 * n, host_write_bytes=8 * n)
+  assert n / cost_model.update_cost("host_dha", moments, d).secs == pytest.approx(3.34e9, rel=0.01)
+  cpu = cost_model.update_cost("host_cpu", t, P)
+  # M = R + W + 2 (D_in + D_out) = 3.5 GB at 32 GB/s; links: 0.5 GB / 40, 0.25 GB / 50.
+  assert cpu.secs == pytest.approx(3.5 / 32) and cpu.bound == "host_cpu"
+  assert (cpu.h2d_bytes, cpu.d2h_bytes) == (GB // 4, GB // 2)
+  split = cost_model.update_cost("host_split", t, P, dha_fraction=0.8)
+  dram = (0.8 * 2.0 + 0.2 * 3.5) / 100  # both executors' host DRAM traffic
+  assert split.secs == pytest.approx(max(0.8 * 2 / 60, 0.2 * 3.5 / 32, dram))
+  assert split.bound == "dha" and split.secs < min(dha.secs, cpu.secs)
+  # On the CPU backend pinned_host is host memory: every byte once, at the CPU rate.
+  on_cpu = cost_model.update_cost("host_dha", t, P, platform="cpu")
+  assert on_cpu.secs == pytest.approx(2.75 / 32) and on_cpu.h2d_bytes == 0
+  with pytest.raises(ValueError, match="expected executor"):
+    cost_model.update_cost("host_gpu", t, P)
+
+
+def test_xla_copy_and_compute_formulas():
+  c = cost_model.xla_copy_cost(GB, P)
+  assert c.secs == pytest.approx(1 / 50 + 1 / 40) and c.bound == "link_d2h"
+  # FLOPs at 100 TFLOP/s plus half the elementwise bytes at 1000 GB/s.
+  assert step_costs_lib.compute_secs(1e14, 2e12, P) == pytest.approx(1.0 + 0.5 * 2.0)
+
+
+def test_stream_stage_formulas():
+  # Nothing streamed: the stage is its compute.
+  c = cost_model.stream_stage(compute_secs=0.3, num_layers=10, fetch_bytes=0, grad_bytes=0,
+                              profile=P)
+  assert c.secs == pytest.approx(0.3) and c.bound == "compute" and c.h2d_bytes == 0
+  # Compute-bound streaming: per layer fetch 0.1 GB (2 ms at 50 GB/s) under 10 ms forward;
+  # only the first fetch is exposed.
+  c = cost_model.stream_stage(compute_secs=0.3, num_layers=10, fetch_bytes=GB, grad_bytes=GB,
+                              profile=P)
+  assert c.secs == pytest.approx(0.3 + 0.1 / 50) and c.bound == "compute"
+  assert (c.h2d_bytes, c.d2h_bytes) == (2 * GB, GB)
+  # Link-bound: 1 GB per layer. Forward 1/50 s; backward both directions at 30 GB/s each
+  # (duplex 60 / 2): max(2 x 10 ms, 1/30, 1/30) s; plus the first fetch.
+  c = cost_model.stream_stage(compute_secs=0.03, num_layers=1, fetch_bytes=GB, grad_bytes=GB,
+                              profile=P)
+  assert c.secs == pytest.approx(1 / 50 + 1 / 30 + 1 / 50) and c.bound == "link_h2d"
+
+
+def test_activation_choices():
+  model = cost_model.ActivationModel.simple(keep_bytes=100, remat_bytes=10, forward_flops=7.0,
+                                            traced="remat")
+  ch = cost_model.activation_choices(model)
+  assert ch["remat"] == cost_model.ActivationChoice(policy="remat", device_delta_bytes=0,
+                                                    extra_flops=0.0, offload_bytes=0)
+  assert ch["keep"].device_delta_bytes == 90 and ch["keep"].extra_flops == -7.0
+  assert ch["offload"].offload_bytes == 90 and ch["offload"].device_delta_bytes == 0
+  with pytest.raises(ValueError, match="expected traced in"):
+    cost_model.ActivationModel.simple(keep_bytes=1, remat_bytes=1, forward_flops=0,
+                                      traced="sometimes")

@@ -1,0 +1,1 @@
+"""Tests of jaxtier/_src/primitives/: the custom calls (fused host update, streaming)."""

@@ -1,0 +1,15 @@
+"""Units: rates printed with three significant digits, as the plan's compute source shows them."""
+
+from jaxtier._src import units
+from jaxtier._src.analysis import step_costs as step_costs_lib
+from jaxtier._src.hardware import profile
+
+
+def test_rates_print_with_three_significant_digits():
+  assert [units.format_rate(x) for x in (0.4377, 0.000412, 80.54, 700.0, 4000.0, 2.3e9)] == [
+      "0.438", "0.000412", "80.5", "700", "4000", "2.3e+09"]
+  prof = profile.HardwareProfile(matmul_tflops=0.4377, hbm_gbps=12.34)
+  costs = step_costs_lib.StepCosts(flops=1.0, elementwise_bytes=1.0, transient_bytes=0,
+                                   transient_source="test")
+  assert ("matmul FLOPs at 0.438 TFLOP/s plus elementwise bytes at 12.3 GB/s HBM"
+          in costs.compute_source(prof))
