@@ -61,8 +61,12 @@ SCRIPT = PRELUDE + textwrap.dedent("""
 
 
 def _run(script: str, tmp_path) -> dict:
-  """Runs `script` in a fresh interpreter (its own 8-device XLA_FLAGS); returns its RESULT."""
-  env = dict(os.environ)
+  """Runs `script` in a fresh interpreter (its own 8-device XLA_FLAGS); returns its RESULT.
+
+  On the CPU backend (JAX_PLATFORMS=cpu): the 8 forced host devices are CPU devices, also on a
+  machine with a GPU (where the default backend would be the one GPU).
+  """
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                      cwd=tmp_path, timeout=600)
