@@ -30,7 +30,7 @@ program ends (an unwaited copy may outlive the buffers it reads or writes).
 
 Why `has_side_effect=True` on all three calls. Their results are pure functions of their
 operands only from XLA's point of view; what matters here is when the copies run. Without the
-flag (checked on XLA:CPU, jax 0.10.2; tests/stream_test.py keeps the checks):
+flag (checked on XLA:CPU, jax 0.10.2; tests/primitives/stream_test.py keeps the checks):
 - XLA's CSE merges two fetches of the same leaf and index with the same `after` operands (the
   forward and the backward fetch of a layer, when the rewrite gives them no distinct `after`):
   the first slice then stays alive from the forward pass to the backward pass, which is the
