@@ -27,10 +27,8 @@ import jaxtier  # (imports jax first)
 
 try:  # the example trainer defines the flags of train and plan (its model's configs)
   from jaxtier.examples import train as train_lib
-except ImportError as e:  # flax / optax / tqdm: the `examples` extra
-  sys.exit(f"python -m jaxtier: the example trainer needs {e.name!r}: install jaxtier with its "
-           "examples extra, pip install 'jaxtier[examples]' (from a checkout: "
-           "pip install '.[examples]')")
+except ImportError:  # flax / optax / tqdm: the `examples` extra; calibrate runs without it
+  train_lib = None
 
 COMMANDS = ("train", "plan", "calibrate")
 _JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
@@ -134,8 +132,12 @@ def plan_main() -> None:
 def _unwritable(path: str) -> "str | None":
   """Why the image file `path` cannot be written (no such directory, not writable, a format
   matplotlib does not write), else None."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec("matplotlib") is None:
+    return ("drawing the plan needs matplotlib: pip install 'jaxtier[plot]' (from a checkout: "
+            "pip install '.[plot]')")
   folder = os.path.dirname(os.path.abspath(path))
   if os.path.isdir(path):
     return "expected an image file name (e.g. plan.png), got a directory"
@@ -228,5 +230,19 @@ def calibrate_main() -> None:
   print(f"saved to {path}")
 
 
+def _missing_examples_extra(argv: list[str]) -> "str | None":
+  """Why `train` / `plan` cannot run here (the `examples` extra is missing), else None."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  if train_lib is not None or len(argv) < 2 or argv[1] not in ("train", "plan"):
+    return None
+  missing = [m for m in ("flax", "optax", "tqdm") if importlib.util.find_spec(m) is None]
+  return (f"python -m jaxtier {argv[1]}: the example trainer needs {', '.join(missing) or 'its'} "
+          "packages: install jaxtier with its examples extra, pip install 'jaxtier[examples]' "
+          "(from a checkout: pip install '.[examples]')")
+
+
 if __name__ == "__main__":
+  _why = _missing_examples_extra(sys.argv)
+  if _why:
+    sys.exit(_why)
   sys.exit(app.run(main))

@@ -194,3 +194,22 @@ def test_plan_cli_gpu_on_cpu_says_default_profile_and_plots(tmp_path):
   data = json.loads(js.stdout)
   assert data["predicted_step_secs"] > 0 and data["predicted_peak_hbm_bytes"] > 0
   assert {l["placement"] for l in data["leaves"]} == {"device"}  # fits the default budget
+
+
+def test_without_the_examples_extra_calibrate_runs_and_plan_names_the_extra(tmp_path):
+  # The library and `calibrate` need none of flax / optax / tqdm (the `examples` extra); the
+  # example model's `train` and `plan` say which are missing and what to install.
+  blocked = ("import runpy, sys\n"
+             "sys.modules.update(flax=None, optax=None, tqdm=None)  # as if not installed\n"
+             "sys.argv = ['jaxtier', *sys.argv[1:]]\n"
+             "runpy.run_module('jaxtier', run_name='__main__', alter_sys=True)\n")
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+  run = lambda *args: subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True,
+                                     text=True, env=env, cwd=tmp_path, timeout=120)
+  out = run("plan", "--config=tiny")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert ("python -m jaxtier plan: the example trainer needs flax, optax, tqdm packages: install "
+          "jaxtier with its examples extra, pip install 'jaxtier[examples]'") in out.stderr
+  out = run("calibrate", "--json")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert json.loads(out.stdout)["host_dram_gbps"] > 0

@@ -19,8 +19,15 @@ def plot_plan(plan, path: str, *, title: str = "jaxtier plan") -> str:
 
   Returns:
     The path written.
+
+  Raises:
+    ImportError: matplotlib is not installed (the `plot` extra).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("jaxtier.plot_plan needs matplotlib: pip install 'jaxtier[plot]' (from a "
+                      "checkout: pip install '.[plot]')") from e
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
