@@ -95,3 +95,12 @@ def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
     assert "no GPU here" not in out.stdout
     assert saved.link_h2d_gbps != profile.DEFAULT_PROFILE.link_h2d_gbps
     assert saved.matmul_tflops > 10
+
+
+def test_a_profile_file_that_is_not_json_is_ignored_with_a_warning(tmp_path, caplog):
+  path = tmp_path / "profile.json"
+  path.write_text("{garbage")
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load(str(path)) is profile.DEFAULT_PROFILE
+  assert f"ignoring {path}: not a profile" in caplog.text
+  assert "python -m jaxtier calibrate" in caplog.text

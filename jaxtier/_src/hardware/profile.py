@@ -211,8 +211,9 @@ def load(path: "str | None" = None, *, platform: "str | None" = None,
       or because the stored one is stale.
 
   Returns:
-    The profile; `DEFAULT_PROFILE` where none is stored, or where the stored one was written in
-    an older format (its "format_version" missing or below `PROFILE_FORMAT_VERSION`).
+    The profile; `DEFAULT_PROFILE` where none is stored, where the file is not JSON, or where
+    the stored one was written in an older format (its "format_version" missing or below
+    `PROFILE_FORMAT_VERSION`).
 
   Raises:
     ValueError: the file holds unknown fields or non-positive rates.
@@ -229,8 +230,15 @@ def load(path: "str | None" = None, *, platform: "str | None" = None,
       log.warning("jaxtier: no hardware profile at %s; planning with the H200 defaults. Run "
                   "`python -m jaxtier calibrate` once on this machine.", path)
     return DEFAULT_PROFILE
-  with open(path) as f:
-    data = json.load(f)
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except ValueError as e:  # not JSON (a truncated or overwritten file): as a stale profile
+    if warn and path not in _WARNED:
+      _WARNED.add(path)
+      log.warning("jaxtier: ignoring %s: not a profile (%s); planning with the defaults. Run "
+                  "`python -m jaxtier calibrate`.", path, e)
+    return DEFAULT_PROFILE
   version = data.pop("format_version", None) if isinstance(data, dict) else None
   if not isinstance(version, int) or version < PROFILE_FORMAT_VERSION:
     if warn and path not in _WARNED:
