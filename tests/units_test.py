@@ -1,5 +1,7 @@
 """Units: rates printed with three significant digits, as the plan's compute source shows them."""
 
+import pytest
+
 from jaxtier._src import units
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.hardware import profile
@@ -13,3 +15,15 @@ def test_rates_print_with_three_significant_digits():
                                    transient_source="test")
   assert ("matmul FLOPs at 0.438 TFLOP/s plus elementwise bytes at 12.3 GB/s HBM"
           in costs.compute_source(prof))
+
+
+def test_sizes_parse_as_written_and_bad_ones_are_refused_naming_what():
+  assert units.parse_bytes("80GB") == 80 * 10**9
+  assert units.parse_bytes("16GiB") == 16 * 2**30
+  assert units.parse_bytes(512) == 512 and units.parse_bytes(None) is None
+  with pytest.raises(ValueError, match=r"^parse_bytes: expected a size like 80GB"):
+    units.parse_bytes("abc")
+  with pytest.raises(ValueError, match=r"^host_budget: expected a size > 0 bytes"):
+    units.parse_bytes(-1, "host_budget")
+  assert [units.format_bytes(n) for n in (12, 3 * 2**20, 3 * 2**29)] == [
+      "12 B", "3.00 MiB", "1.50 GiB"]

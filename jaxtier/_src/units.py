@@ -13,11 +13,21 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: "int | float | str | None", name: str) -> "int | None":
+def parse_bytes(value: "int | float | str | None", name: str = "parse_bytes") -> "int | None":
   """Bytes from an int/float (bytes) or a string like '80GB', '16GiB', '512MiB'; None = no limit.
 
+  'GB', 'MB', 'KB', 'TB' are powers of 10; 'GiB', 'MiB', 'KiB', 'TiB' powers of 2; no unit (or
+  'B') is bytes.
+
+  Args:
+    value: the size, or None.
+    name: what the size is, for the error message (e.g. 'jaxtier.offload: device_budget').
+
+  Returns:
+    The size in bytes (int), or None for None.
+
   Raises:
-    PlanError: not a size, or a size <= 0.
+    PlanError (a ValueError): not a size, or a size <= 0.
   """
   if value is None:
     return None
@@ -37,6 +47,7 @@ def parse_bytes(value: "int | float | str | None", name: str) -> "int | None":
 
 
 def format_bytes(n: int) -> str:
+  """`n` bytes as people read them: '1.50 GiB', '3.00 MiB', '12 B' (powers of 2, two decimals)."""
   for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if abs(n) >= size:
       return f"{n / size:.2f} {unit}"

@@ -17,7 +17,7 @@ class MemoryKind(enum.StrEnum):
 
 
 class Placement(enum.StrEnum):
-  """Where one state leaf lives and how the step reaches it (DESIGN.md's vocabulary).
+  """Where one state leaf lives and how the step reaches it (docs/design.md's vocabulary).
 
   - `device`: stays in HBM.
   - `host_dha`: in pinned_host; its update is a GPU kernel reading and writing it in place

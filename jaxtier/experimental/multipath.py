@@ -7,7 +7,7 @@ device's own host link: N devices, each its own PCIe link, each carrying all B b
 fetch takes B / link_rate however many devices there are. `fetch_replicated` instead has device
 k read only its 1/N slice from the host (B / N bytes over its link) and then all-gathers the
 slices over `axis_name` (on GPUs: NVLink, ~10x the PCIe rate), so the host side takes
-B / (N * link_rate) and the N links work at once (DESIGN.md: multi-path transfer).
+B / (N * link_rate) and the N links work at once (docs/design.md, "Multi-device").
 
 Per device and fetch, for a slice of B bytes and N devices along `axis_name`:
 
