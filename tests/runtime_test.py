@@ -69,3 +69,74 @@ def test_offloaded_step_reports_measured_against_predicted_step_time(caplog):
   assert "measured step:" in str(off.plan)
   assert any("step time measured" in r.getMessage() and "predicted" in r.getMessage()
              for r in caplog.records)
+
+
+_TX = optax.adamw(1e-2)
+
+
+def _init_state(key):
+  k1, k2 = jax.random.split(key)
+  params = {"w1": jax.random.normal(k1, (64, 128)), "w2": jax.random.normal(k2, (128, 8))}
+  return {"params": params, "opt": _TX.init(params)}
+
+
+def _init_step(state, batch):
+  x, y = batch
+  loss, g = jax.value_and_grad(
+      lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(state["params"])
+  updates, opt = _TX.update(g, state["opt"], state["params"])
+  return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+
+_INIT_BATCH = (jnp.ones((16, 64)), jnp.zeros((16, 8)))
+
+
+def test_init_builds_each_leaf_in_its_planned_memory_kind_with_init_fns_values():
+  key = jax.random.key(0)
+  off = jaxtier.offload(_init_step, policy="optimizer_state_on_host")
+  state = off.init(_init_state, key, example_args=(_INIT_BATCH,))
+  want = _init_state(key)
+  for (path, x), lp, y in zip(jax.tree_util.tree_flatten_with_path(state)[0], off.plan.leaves,
+                              jax.tree.leaves(want)):
+    assert x.sharding.memory_kind == lp.memory_kind, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert {l.memory_kind for l in off.plan.leaves if l.role == "optimizer_state"
+          and len(l.shape)} == {"pinned_host"}
+  # Trains as jax.jit does from the same initial state.
+  ref_step = jax.jit(_init_step, donate_argnums=0)
+  for _ in range(3):
+    state, m = off(state, _INIT_BATCH)
+    want, m_ref = ref_step(want, _INIT_BATCH)
+    np.testing.assert_allclose(float(m["loss"]), float(m_ref["loss"]), rtol=1e-5)
+
+
+def test_init_programs_create_host_leaves_in_pinned_host_in_chunks():
+  # The initialisers' out_shardings put every host leaf in pinned_host (it is never a device
+  # output moved out afterwards), device leaves in one program, and no program computes more
+  # host bytes than its chunk (here one leaf's worth), so none holds the whole host state.
+  from jaxtier._src.lowering import programs as programs_lib
+  key = jax.random.key(1)
+  off = jaxtier.offload(_init_step, policy="optimizer_state_on_host")
+  off.init(_init_state, key, example_args=(_INIT_BATCH,))
+  plan = off.plan
+  treedef = jax.tree.structure(jax.eval_shape(_init_state, key))
+  largest = max(l.nbytes for l in plan.leaves if l.memory_kind == "pinned_host")
+  progs = programs_lib.initializers(_init_state, plan, off._programs.state_shardings, treedef,
+                                    chunk_bytes=largest)
+  host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"]
+  assert progs[0][0] == [l.index for l in plan.leaves if l.memory_kind == "device"]
+  assert sorted(i for idx, _ in progs[1:] for i in idx) == host and len(progs) - 1 == len(host)
+  for indices, program in progs:
+    compiled = program.lower(key).compile()
+    kinds = [s.memory_kind for s in compiled.output_shardings]
+    assert kinds == [plan.leaves[i].memory_kind for i in indices], (indices, kinds)
+    assert sum(plan.leaves[i].nbytes for i in indices if i in host) <= largest
+
+
+def test_init_errors_name_the_fix_and_allocate_nothing():
+  off = jaxtier.offload(_init_step, policy="optimizer_state_on_host")
+  with pytest.raises(TypeError, match=r"no plan yet; pass example arguments .*example_args="):
+    off.init(_init_state, jax.random.key(0))
+  off.init(_init_state, jax.random.key(0), example_args=(_INIT_BATCH,))
+  with pytest.raises(ValueError, match="init_fn returns 2 leaves; the step was planned for"):
+    off.init(lambda key: {"a": jnp.zeros(3), "b": jnp.zeros(4)}, jax.random.key(0))

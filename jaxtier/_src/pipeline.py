@@ -57,16 +57,17 @@ class Planned:
 
 
 def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
-              *, changes: str = "") -> Planned:
+              *, changes: str = "", abstract: bool = False) -> Planned:
   """Plans `fn(state, *args)`, lowers the plan and verifies it by compiling.
 
   `changes`: why the step is planned again ('' the first time), added to a tracing error.
+  `abstract`: the state's leaves are `jax.ShapeDtypeStruct`s (`OffloadedStep.init`).
 
   Raises:
     jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
   """
   try:
-    inv = inv_lib.take_inventory(fn, state, args)
+    inv = inv_lib.take_inventory(fn, state, args, allow_abstract=abstract)
   except Exception as e:
     if changes and hasattr(e, "add_note"):
       e.add_note(f"jaxtier: the step was traced again because its inputs changed since they "

@@ -16,6 +16,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src import pipeline
 from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.errors import AdmissionError
+from jaxtier._src.lowering import programs as programs_lib
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.planning.plan import LeafPlan, Plan
 from jaxtier._src.units import format_bytes
@@ -50,8 +51,9 @@ class OffloadedStep:
     functools.update_wrapper(self, fn)
 
   # -- planning ----------------------------------------------------------------------------
-  def _ensure_plan(self, state: Any, args: Sequence[Any]) -> None:
-    """Plans the step for these inputs (`pipeline.plan_step`) unless planned for them."""
+  def _ensure_plan(self, state: Any, args: Sequence[Any], abstract: bool = False) -> None:
+    """Plans the step for these inputs (`pipeline.plan_step`) unless planned for them
+    (`abstract`: the state's leaves are `jax.ShapeDtypeStruct`s)."""
     sig = pipeline.signature(state, args)
     if self._planned is not None and sig == self._planned.signature:
       return
@@ -60,7 +62,8 @@ class OffloadedStep:
     if changes:
       log.warning("jaxtier: the step's inputs changed since they were planned (%s): re-tracing "
                   "and re-planning, as jax.jit re-traces", changes)
-    planned = pipeline.plan_step(self._fn, self._options, state, args, changes=changes)
+    planned = pipeline.plan_step(self._fn, self._options, state, args, changes=changes,
+                                 abstract=abstract)
     self._planned, self.plan = planned, planned.plan
     self._programs = planned.programs
     self._calls, self._step_times = 0, []
@@ -108,6 +111,50 @@ class OffloadedStep:
                                                   self.plan.leaves)]
     self._refresh_masters(leaves, placed)
     return jax.tree_util.tree_unflatten(treedef, placed)
+
+  def init(self, init_fn: Callable[..., Any], *init_args: Any,
+           example_args: Sequence[Any] = ()) -> Any:
+    """Creates the state where the plan puts it: each leaf born in its memory kind.
+
+    The plan is made from `jax.eval_shape(init_fn, *init_args)` (no memory holds the state
+    while planning); then jitted initialisers compute the leaves with the plan's shardings as
+    their `out_shardings` (`lowering.programs.initializers`): the device leaves in one program,
+    the pinned_host leaves in programs sized to fit the device memory the plan leaves free. No
+    leaf is built on the device and then moved out, and no memory holds the whole state at
+    once unless the plan keeps it there. The values are those of `init_fn(*init_args)`.
+
+    Args:
+      init_fn: `init_fn(*init_args) -> state`, a pure function (e.g. of a PRNG key or seed)
+        returning the training state pytree the step takes.
+      *init_args: its arguments (arrays or Python scalars, traced as `jax.jit` traces them).
+      example_args: the step's other arguments (e.g. a batch), needed to trace and plan the
+        step the first time.
+
+    Returns:
+      The state, its leaves in their planned memory kinds (as `place` returns it).
+
+    Raises:
+      TypeError: no example arguments before a plan exists.
+      ValueError: `init_fn` returns another structure than the one planned.
+      jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
+    """
+    abstract = jax.eval_shape(init_fn, *init_args)
+    if self.plan is None and not example_args:
+      raise TypeError("OffloadedStep.init: the step has no plan yet; pass example arguments "
+                      "for tracing it, e.g. `step.init(init_fn, key, example_args=(batch,))`")
+    if example_args:
+      self._ensure_plan(abstract, tuple(example_args), abstract=True)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    if len(leaves) != len(self.plan.leaves):
+      raise ValueError(f"OffloadedStep.init: init_fn returns {len(leaves)} leaves; the step was "
+                       f"planned for {len(self.plan.leaves)}")
+    made: list[Any] = [None] * len(leaves)
+    for indices, program in programs_lib.initializers(
+        init_fn, self.plan, self._programs.state_shardings, treedef):
+      for i, x in zip(indices, program(*init_args)):
+        made[i] = x
+    self._refresh_masters(made, made)
+    return jax.tree_util.tree_unflatten(treedef, made)
 
   def _refresh_masters(self, original: list[Any], placed: list[Any]) -> None:
     idx = self._programs.master_indices

@@ -126,14 +126,19 @@ def check_leaves(api: str, state: Any, allow_abstract: bool = False) -> list[tup
 
 
 def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
-                   api: str = "jaxtier.offload") -> Inventory:
+                   api: str = "jaxtier.offload", allow_abstract: "bool | None" = None
+                   ) -> Inventory:
   """Traces `fn(state, *args)` and classifies the state's leaves.
+
+  `allow_abstract`: accept `jax.ShapeDtypeStruct` state leaves (None: only for `jaxtier.plan`).
 
   Raises:
     TypeError: a non-array state leaf (named by path), or an output that is not
       `(new_state, metrics)` with the state's structure.
   """
-  flat = check_leaves(api, state, allow_abstract=(api == "jaxtier.plan"))
+  if allow_abstract is None:
+    allow_abstract = api == "jaxtier.plan"
+  flat = check_leaves(api, state, allow_abstract=allow_abstract)
   for what, tree in (("state leaf", state), ("argument", tuple(args))):
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
       axes = jc.explicit_axes(x)

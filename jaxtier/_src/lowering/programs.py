@@ -134,3 +134,63 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
                       scratch_shardings=scratch_sh, master_shardings=master_sh,
                       arg_memory_kinds=[sh.memory_kind for sh in arg_sh], compute=compute,
                       make_update=make_update, master_indices=masters)
+
+
+# The most bytes of pinned_host leaves one initialiser program computes when the plan gives no
+# device headroom to size it by (the CPU backend, or no budget).
+INIT_CHUNK_BYTES = 4 << 30
+
+
+def initializers(init_fn: Callable[..., Any], plan: Plan, shardings: Sequence[Any],
+                 treedef: Any, chunk_bytes: "int | None" = None
+                 ) -> list[tuple[list[int], Any]]:
+  """Jitted programs that create the state's leaves where `plan` puts them.
+
+  Each program computes some leaves of `init_fn(*args)` (XLA drops the rest of the
+  computation) with the plan's shardings as its `out_shardings`, so every leaf is born in its
+  memory kind: the device leaves in one program; the pinned_host leaves in programs of at most
+  `chunk_bytes` each (a leaf larger than that alone), so that no program holds the whole host
+  state on the device while it computes it. By default `chunk_bytes` is half the device
+  memory the plan leaves free (its planned budget less its device bytes), else
+  INIT_CHUNK_BYTES.
+
+  Args:
+    init_fn: `init_fn(*args) -> state`, a pure function (e.g. of a PRNG key) whose output has
+      the pytree structure `treedef` the plan was made for.
+    plan: the plan of the state's leaves (`LeafPlan.memory_kind`, `nbytes` per device).
+    shardings: one `NamedSharding` per leaf (`state_shardings`).
+    treedef: the state's pytree structure.
+    chunk_bytes: bytes of pinned_host leaves per program (None: as above).
+
+  Returns:
+    [(leaf indices, jitted program returning those leaves as a list)], device leaves first.
+
+  Raises:
+    ValueError: `init_fn`'s output is not of structure `treedef`.
+  """
+  if chunk_bytes is None:
+    budget = plan.planned_device_budget or plan.device_budget
+    free = None if budget is None else budget - plan.device_bytes
+    chunk_bytes = max(free // 2, 1) if free and free > 0 else INIT_CHUNK_BYTES
+  device = [l.index for l in plan.leaves if l.memory_kind == MemoryKind.DEVICE]
+  groups, size = [device] if device else [], 0
+  for leaf in plan.leaves:
+    if leaf.memory_kind == MemoryKind.DEVICE:
+      continue
+    if not groups or groups[-1] is device or size + leaf.nbytes > chunk_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(leaf.index)
+    size += leaf.nbytes
+
+  def program(indices: list[int]) -> Any:
+    def leaves_of(*args):
+      out = init_fn(*args)
+      flat, got = jax.tree_util.tree_flatten(out)
+      if got != treedef:
+        raise ValueError("OffloadedStep.init: expected init_fn to return a state of the planned "
+                         f"structure {treedef}, got {got}")
+      return [flat[i] for i in indices]
+    return jax.jit(leaves_of, out_shardings=[shardings[i] for i in indices])
+
+  return [(g, program(g)) for g in groups]
