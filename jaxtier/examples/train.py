@@ -29,7 +29,8 @@ import jaxtier
 from . import data as data_lib
 from . import llama
 from .budgets import OFFLOAD_MODES, OverBudgetError, over_budget, stream_layers_policy
-from .train_state import OptimizerConfig, lookup_config, make_train_state, placement_table
+from .train_state import (OptimizerConfig, lookup_config, make_train_state, placement_table,
+                          state_initializer)
 
 __all__ = [
     "OptimizerConfig",
@@ -67,12 +68,12 @@ _FALLBACK_DEFAULTS = RunDefaults(steps=100, batch_size=8, learning_rate=1e-3,
 
 
 def _check_host_memory(config: llama.LlamaConfig, config_name: str,
-                       optimizer_config: OptimizerConfig, seed: int, init_on_host: bool) -> None:
+                       optimizer_config: OptimizerConfig, seed: int) -> None:
   """Raises ValueError, before anything is allocated, when the initial state is built in host
-  memory (the CPU backend, or `init_on_host`) and needs more than 90% of what the host has
-  available (MemAvailable): building it would end in the kernel's OOM killer or an allocator
-  abort, not an error."""
-  if not (init_on_host or jax.default_backend() == "cpu"):
+  memory (the CPU backend) and needs more than 90% of what the host has available
+  (MemAvailable): building it would end in the kernel's OOM killer or an allocator abort, not
+  an error."""
+  if jax.default_backend() != "cpu":
     return
 
   available = jaxtier.available_host_bytes()
@@ -86,7 +87,7 @@ def _check_host_memory(config: llama.LlamaConfig, config_name: str,
         f"run: the {config_name} state (params and optimizer state) needs {gib(need)} of host "
         f"memory to build here, and this host has {gib(available)} available; use a smaller "
         "--config (e.g. tiny or small), or a GPU machine whose host memory holds the state "
-        "(--init_on_host builds it there, --offload=auto places what does not fit the GPU).")
+        "(--offload=auto places there what does not fit the GPU).")
 
 
 def _offload_step(train_step, *, device_budget, host_budget, policy="auto"):
@@ -116,7 +117,6 @@ def run(
     device_budget: str | int | None = None,
     host_budget: str | int | None = None,
     remat_policy: str | None = None,
-    init_on_host: bool = False,
     progress: bool = True,
     allow_over_budget: bool = True,
 ) -> dict[str, Any]:
@@ -150,8 +150,6 @@ def run(
     remat_policy: ``None`` keeps the config's ``remat_policy``; ``"none"``
       turns rematerialisation off; any other value is a
       ``jax.checkpoint_policies`` name applied to each decoder layer.
-    init_on_host: build the initial state on the host CPU backend (for models
-      whose state does not fit on the device); ``step.place`` then moves it.
     progress: show a tqdm progress bar.
     allow_over_budget: if False, raise `OverBudgetError` before the first step when a
       ``device_budget`` / ``host_budget`` was given and the plan does not fit it
@@ -202,15 +200,15 @@ def run(
   optimizer_config = OptimizerConfig(
       learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
       clip_norm=1.0 if clip else None)
-  _check_host_memory(config, config_name, optimizer_config, seed, init_on_host)
+  _check_host_memory(config, config_name, optimizer_config, seed)
   t_start = time.perf_counter()
-  if init_on_host:
-    with jax.default_device(jax.devices("cpu")[0]):
-      _, state, train_step = make_train_state(config, optimizer_config, seed)
-  else:
-    _, state, train_step = make_train_state(config, optimizer_config, seed)
+  # The state is built by a jitted initialiser: under jaxtier each leaf is born where the plan
+  # puts it (`OffloadedStep.init`), never built on the device and moved out.
+  _, shapes, train_step = make_train_state(config, optimizer_config, seed, abstract=True)
+  init_state = state_initializer(config, optimizer_config, seed)
   num_params = llama.param_count(config)
-  state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves(state))
+  state_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                    for x in jax.tree.leaves(shapes))
   print(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens of "
         f"data, batch {batch_size} x seq {seq_len}, {steps} steps, "
         f"offload={offload}")
@@ -222,7 +220,7 @@ def run(
     step = _offload_step(train_step,
                          policy=stream_layers_policy if offload == "stream" else offload,
                          device_budget=_budget(device_budget), host_budget=_budget(host_budget))
-    state = step.place(state, first_batch)
+    state = step.init(init_state, example_args=(first_batch,))
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
     print(step.plan)
@@ -240,6 +238,7 @@ def run(
       print(f"warning: {' and '.join(given)} not used: --offload=none runs jax.jit with all "
             "state on the device and applies no budget; use --offload=auto (or stream / "
             "optimizer_state_on_host) for jaxtier to plan within it")
+    state = jax.jit(init_state)()
     step = jax.jit(train_step, donate_argnums=0)
     print("state placement (no offload):")
     print(placement_table(state))
@@ -362,8 +361,6 @@ _REMAT_POLICY = flags.DEFINE_string(
 _ALLOW_OVER_BUDGET = flags.DEFINE_bool(
     "allow_over_budget", False, "Train even when the plan does not fit the --device_budget / "
     "--host_budget given (by default that is an error before the first step).")
-_INIT_ON_HOST = flags.DEFINE_bool("init_on_host", False, "Build the initial state "
-                                  "on the host CPU (models too big for the device).")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -374,8 +371,7 @@ def main(argv: Sequence[str]) -> None:
       seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
       warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
       device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
-      remat_policy=_REMAT_POLICY.value, init_on_host=_INIT_ON_HOST.value,
-      allow_over_budget=_ALLOW_OVER_BUDGET.value)
+      remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value)
 
 
 if __name__ == "__main__":

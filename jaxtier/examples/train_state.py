@@ -133,6 +133,27 @@ def make_train_state(
   return graphdef, state, train_step
 
 
+def state_initializer(config: llama.LlamaConfig | str, optimizer_config: OptimizerConfig | float,
+                      seed: int = 0) -> Callable[[], nnx.State]:
+  """`init() -> state`: the state ``make_train_state`` builds, as a pure function to jit.
+
+  ``jax.jit(init)()`` (or ``OffloadedStep.init(init, ...)``, which jits it with the plan's
+  shardings) creates the leaves where the jit's out_shardings put them. The state is
+  ``nnx.State`` of ``(model, optimizer)``, of the structure ``make_train_state`` returns.
+  """
+  if isinstance(config, str):
+    config = lookup_config(config)
+  if not isinstance(optimizer_config, OptimizerConfig):
+    optimizer_config = OptimizerConfig(learning_rate=float(optimizer_config))
+  tx = make_optimizer(optimizer_config)
+
+  def init() -> nnx.State:
+    model = llama.init_model(config, seed)
+    return nnx.state((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+
+  return init
+
+
 def _role(path) -> str:
   top = path[0].key if hasattr(path[0], "key") else path[0]
   if top == 0:
