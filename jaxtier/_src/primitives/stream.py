@@ -2,7 +2,7 @@
 
 Three custom calls (C++: `xla_ffi/src/stream.cc` for the CPU handlers,
 `xla_ffi/src/stream_kernels.cu` for the CUDA handlers, `xla_ffi/src/stream.h` for what they
-share; contract: docs/design.md, "Streaming: fetch / wait / send"):
+share; why: docs/design.md, "Streaming"). This docstring is their contract:
 
 - `fetch(host_leaves, index, after=...)` starts copying slice `index` (axis 0) of each stacked
   leaf (memory kind `pinned_host`, passed whole) into a new device array, on jaxtier's h2d copy
