@@ -13,7 +13,7 @@ from jaxtier._src.hardware import profile
 from jaxtier._src.options import MISSING, OffloadOptions
 from jaxtier._src.planning import cost_model
 from jaxtier._src.planning import plan as plan_lib
-from jaxtier._src.runtime import OffloadedStep, _arrays
+from jaxtier._src.runtime import OffloadedStep, as_arrays
 from jaxtier._src.hardware import host as host_lib
 
 log = logging.getLogger("jaxtier")
@@ -118,7 +118,7 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   platform = platform or jax.default_backend()
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
-  return pipeline.plan_only(fun, options, _arrays("jaxtier.plan", state), args,
+  return pipeline.plan_only(fun, options, as_arrays("jaxtier.plan", state), args,
                             platform=platform, streamable=streamable,
                             dha_readable=dha_readable, activations=activations)
 

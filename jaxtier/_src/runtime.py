@@ -99,7 +99,7 @@ class OffloadedStep:
       TypeError: a non-array leaf (named by path), or no example arguments before a plan exists.
       jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
     """
-    state = _arrays("OffloadedStep.place", state)
+    state = as_arrays("OffloadedStep.place", state)
     if self.plan is None and not example_args:
       raise TypeError("OffloadedStep.place: the step has no plan yet; pass example arguments "
                       "for tracing it, e.g. `step.place(state, batch)`")
@@ -183,7 +183,7 @@ class OffloadedStep:
       ValueError: a state leaf was already donated to an earlier step (named by path).
       TypeError: a non-array state leaf.
     """
-    state = _arrays("jaxtier.offload", state)
+    state = as_arrays("jaxtier.offload", state)
     inv_lib.check_leaves("jaxtier.offload", state)
     self._ensure_plan(state, args)
     self._check_arg_memory_kinds(args)
@@ -328,7 +328,7 @@ def _buffer_key(x: Any) -> Any:
     return id(x)
 
 
-def _arrays(api: str, state: Any) -> Any:
+def as_arrays(api: str, state: Any) -> Any:
   """`state` with Python numbers (e.g. Flax `TrainState.step`) made 0-d arrays, as jax.jit does.
 
   Raises:

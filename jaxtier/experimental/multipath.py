@@ -252,7 +252,7 @@ def host_read_shapes(hlo_text: str) -> list[tuple[str, str, tuple[int, ...], int
   Returns:
     Rows as above, in program order; empty when no host parameter is read.
   """
-  host = hlo_lib._host_parameters(hlo_text)  # pylint: disable=protected-access
+  host = hlo_lib.host_parameters(hlo_text)
   params: dict[str, int] = {}
   rows = []
   for name, rhs in hlo_lib.entry_instructions(hlo_text):
@@ -261,11 +261,11 @@ def host_read_shapes(hlo_text: str) -> list[tuple[str, str, tuple[int, ...], int
       if "S(5)" in rhs.split(" parameter(")[0] or int(num.group(1)) in host:
         params[name] = int(num.group(1))
       continue
-    ops = hlo_lib._operands(rhs)  # pylint: disable=protected-access
+    ops = hlo_lib.operands_of(rhs)
     if not any(o in params for o in ops):
       continue
     m = _SHAPE.match(rhs)
-    opcode = hlo_lib._OPCODE.search(rhs)  # pylint: disable=protected-access
+    opcode = hlo_lib.OPCODE.search(rhs)
     if m is None:
       continue
     shape = tuple(int(d) for d in m.group(2).split(",") if d)

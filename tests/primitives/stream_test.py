@@ -293,7 +293,7 @@ def test_hlo_guard_host_leaf_is_the_entry_parameter(target, monkeypatch):
   monkeypatch.delenv("JAXTIER_DISABLE_FFI", raising=False)
   text = _compiled_single_calls()[target].compile().as_text()
   assert hlo_lib.hlo_violations(text, target=target) == []
-  assert hlo_lib._host_parameters(text) == {0}  # the host leaf is in S(5)
+  assert hlo_lib.host_parameters(text) == {0}  # the host leaf is in S(5)
   # The call reads the entry parameter itself: no copy, slice or fusion in between.
   (operands,) = _call_operands(text, target)
   params = _entry_parameters(text)

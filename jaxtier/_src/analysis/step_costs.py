@@ -23,7 +23,7 @@ ELEMENTWISE_HBM_FRACTION = 0.5
 _MIN_ELEMENTS = 1 << 12
 
 
-def _gb(rate_gbps: float) -> float:
+def gbps_to_bytes_per_sec(rate_gbps: float) -> float:
   return rate_gbps * 1e9
 
 
@@ -108,7 +108,7 @@ def compute_secs(flops: float, elementwise_bytes: float, profile: HardwareProfil
     profile: the rates.
   """
   return flops / (profile.matmul_tflops * 1e12) + (
-      ELEMENTWISE_HBM_FRACTION * elementwise_bytes / _gb(profile.hbm_gbps))
+      ELEMENTWISE_HBM_FRACTION * elementwise_bytes / gbps_to_bytes_per_sec(profile.hbm_gbps))
 
 
 def _nbytes(aval: Any) -> int:

@@ -25,7 +25,7 @@ def _split_top(text: str) -> list[str]:
   return [p.strip() for p in parts]
 
 
-def _host_parameters(hlo_text: str) -> set[int]:
+def host_parameters(hlo_text: str) -> set[int]:
   """Entry parameter numbers whose layout is in the host memory space S(5)."""
   m = re.search(r"entry_computation_layout=\{\((.*?)\)->", hlo_text)
   if not m:
@@ -64,7 +64,7 @@ def hlo_violations(hlo_text: str, target: str = hu.TARGET) -> list[str]:
   Returns:
     Human-readable violations; empty when clean, or a single line when no `target` call exists.
   """
-  host_params = _host_parameters(hlo_text)
+  host_params = host_parameters(hlo_text)
   defs: dict[str, str] = {}
   calls: list[tuple[str, list[str]]] = []
   bad: list[str] = []
@@ -73,10 +73,10 @@ def hlo_violations(hlo_text: str, target: str = hu.TARGET) -> list[str]:
     if "_xla_compute_type" in rhs:
       bad.append(f"{name}: host compute in the entry computation")
     if f'custom_call_target="{target}"' in rhs:
-      calls.append((name, _operands(rhs)))
+      calls.append((name, operands_of(rhs)))
 
   def opcode(rhs: str) -> str:
-    m = _OPCODE.search(rhs)
+    m = OPCODE.search(rhs)
     return m.group(1) if m else "?"
 
   def host_source(name: str, depth: int = 0) -> bool:
@@ -88,7 +88,7 @@ def hlo_violations(hlo_text: str, target: str = hu.TARGET) -> list[str]:
           num is not None and int(num.group(1)) in host_params)
     if depth > 8 or op not in _MOVES:
       return False
-    return any(host_source(a, depth + 1) for a in _operands(rhs))
+    return any(host_source(a, depth + 1) for a in operands_of(rhs))
 
   for name, args in calls:
     for a in args:
@@ -104,12 +104,12 @@ _MOVES = frozenset({"copy", "copy-start", "copy-done", "dynamic-slice", "slice",
                     "fusion", "get-tuple-element", "reshape", "transpose", "convert"})
 
 
-_OPCODE = re.compile(r"(?:^|\s)([a-z][a-z0-9\-]*)\(")
+OPCODE = re.compile(r"(?:^|\s)([a-z][a-z0-9\-]*)\(")
 
 
-def _operands(rhs: str) -> list[str]:
+def operands_of(rhs: str) -> list[str]:
   """Instruction names an HLO instruction's right-hand side reads."""
-  m = _OPCODE.search(rhs)
+  m = OPCODE.search(rhs)
   inner = rhs[m.end():] if m else ""
   depth, out = 1, []
   for ch in inner:

@@ -44,7 +44,7 @@ def _prefix_regex(leaves: list[LeafPlan]) -> str:
   return "^" + re.escape(m.group(1) if m else top)
 
 
-def _admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE
+def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE
            ) -> None:
   host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
   host_bytes = lambda l: (l.nbytes if l.memory_kind == "pinned_host" else 0) + l.master_nbytes

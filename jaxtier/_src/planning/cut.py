@@ -16,7 +16,7 @@ from jaxtier._src.vocab import Placement, Role
 log = logging.getLogger("jaxtier")
 
 
-def _cut(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
+def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
          executor_leaves: set[int], hardware: "profile.HardwareProfile", host_exec: str,
          user_placed: "set[int] | frozenset[int]" = frozenset()) -> tuple[list[Any], set[int]]:
   """Cuts the host updates around `executor_leaves` and compiles each into an op program.

@@ -27,10 +27,10 @@ from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
 from jaxtier._src.planning import cost_model, solver
 from jaxtier._src.planning import problem as problem_lib
-from jaxtier._src.planning.admission import _admit, default_device_budget
-from jaxtier._src.planning.cut import _cut
+from jaxtier._src.planning.admission import admit, default_device_budget
+from jaxtier._src.planning.cut import cut_updates
 from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan, verdict_lines
-from jaxtier._src.planning.policy import Policy, _requested
+from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, Executor, NamedPolicy, Placement,
                                 Role, is_named)
@@ -91,7 +91,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   """
   host_exec = Placement.HOST_DHA if platform == "gpu" else Placement.HOST_CPU
   hardware = hardware or profile.DEFAULT_PROFILE
-  req = _requested(inv, policy, host_exec, stream_blocked)
+  req = requested(inv, policy, host_exec, stream_blocked)
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
   # host_stream leaves are read by the layer loops through the streaming calls and updated
   # in place by a fused host update, like the executor placements.
@@ -100,7 +100,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   reasons = {i: r.reason for i, r in req.items()}
   placement = {i: r.placement for i, r in req.items()}
   user_fixed = {i for i, r in req.items() if r.user_placed}
-  compiled, masters = _cut(inv, placement, reasons, executor_leaves, hardware, host_exec,
+  compiled, masters = cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
                            user_fixed)
   solve = (not is_named(policy, NamedPolicy.NONE, NamedPolicy.OPTIMIZER_STATE_ON_HOST)
            and len(user_fixed) < len(inv.leaves))
@@ -143,7 +143,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     problem = problem_for(placement)
     sol = solver.solve(problem)
     _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, solver_budget)
-    compiled, masters = _cut(inv, placement, reasons, executor_leaves, hardware, host_exec,
+    compiled, masters = cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
                              user_fixed)
     if not sol.fits:
       verdict, missed = _not_fitting(sol, solver_budget, host_limit, problem,
@@ -226,7 +226,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               verdicts=tuple(verdicts), num_planning_notes=len(notes),
               components=tuple(compiled))
   try:
-    _admit(plan, pinnable_bytes, pinnable_what)
+    admit(plan, pinnable_bytes, pinnable_what)
   except PlanError as e:
     e.plan = plan
     raise

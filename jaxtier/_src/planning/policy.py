@@ -36,7 +36,7 @@ def check_policy_form(policy: Any, api: str) -> None:
                   f"placement or a {{regex: placement}} dict, got {policy!r}")
 
 
-def _requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: str = ""
+def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: str = ""
                ) -> dict[int, Request]:
   """Placement asked by the policy for each leaf, with its reason (`stream_blocked`: why no
   leaf may be streamed here, '' when they may)."""
