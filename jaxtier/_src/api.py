@@ -71,7 +71,8 @@ def calibrate(*, save: bool = True, path: "str | None" = None,
               **options: Any) -> profile.HardwareProfile:
   """Measures this machine's `HardwareProfile` and stores it where the planner finds it.
 
-  What is measured, and how, is `jaxtier._src.hardware.calibrate.calibrate` (on a GPU: the link each way
+  What is measured, and how, is `jaxtier._src.hardware.calibrate.calibrate` (on a GPU: the
+  link each way
   and in duplex, zero-copy read / write / read+write, both host-update executors' AdamW rates,
   bf16 matmul, HBM bandwidth and capacity; everywhere: host DRAM bandwidth, the CPU executor,
   the pinnable host memory; without a GPU the GPU figures stay the H200 defaults, with a

@@ -44,6 +44,7 @@ class OffloadedStep:
     self._options = options
     self.plan: "Plan | None" = None
     self._planned: "pipeline.Planned | None" = None
+    self._programs: "programs_lib.StepPrograms | None" = None  # the planned step's programs
     self._calls, self._step_times = 0, []
     self._masters: list[jax.Array] = []
     self._master_sources: tuple[Any, ...] = ()
@@ -72,7 +73,8 @@ class OffloadedStep:
   def _check_arg_memory_kinds(self, args: Sequence[Any]) -> None:
     """Raises ValueError naming an argument (not the state) whose memory kind is not the one
     the step was compiled for (jax.jit's own error names neither the argument nor the fix)."""
-    for (path, x), want in zip(jax.tree_util.tree_flatten_with_path(args)[0], self._programs.arg_memory_kinds):
+    for (path, x), want in zip(jax.tree_util.tree_flatten_with_path(args)[0],
+                               self._programs.arg_memory_kinds):
       have = jc.memory_kind_of(x)
       if have is not None and have != want:
         raise ValueError(
@@ -312,7 +314,8 @@ def _put(x: Any, sharding: Any, leaf: LeafPlan) -> Any:
       raise
     hint = ("XLA's pinned host pool is capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by "
             "default) and allocates each leaf in one piece: raise the cap if the host has the "
-            "memory, or keep the leaf on the device (policy)" if leaf.memory_kind == MemoryKind.PINNED_HOST
+            "memory, or keep the leaf on the device (policy)"
+            if leaf.memory_kind == MemoryKind.PINNED_HOST
             else "lower device_budget so that the plan moves more state to the host")
     raise AdmissionError(
         f"OffloadedStep.place: could not allocate leaf {leaf.path} ({leaf.dtype}"

@@ -1,4 +1,4 @@
-"""The example's training state: the decoder, its optimizer (optax AdamW), and their state as one pytree."""
+"""The example's training state: the decoder, its optax AdamW and their state as one pytree."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Inventory: the training state's leaves, their sizes and roles, and the traced step.
 
-Stage 1 of jaxtier's data flow (docs/design.md, "Where things are"): trace `train_step(state, *args)`, list every leaf
+Stage 1 of jaxtier's data flow (docs/design.md, "Where things are"): trace
+`train_step(state, *args)`, list every leaf
 of `state` with its pytree path, shape, dtype, sharding and bytes per device, and give it a role
 from its uses in the traced jaxpr:
 

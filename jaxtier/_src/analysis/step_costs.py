@@ -1,4 +1,4 @@
-"""What the device-only step costs: FLOPs, memory-bound bytes, transient bytes, timed scan bodies."""
+"""What the device-only step costs: FLOPs, memory-bound and transient bytes, timed scan bodies."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ ELEMENTWISE_HBM_FRACTION = 0.5
 _MIN_ELEMENTS = 1 << 12
 
 
-def gbps_to_bytes_per_sec(rate_gbps: float) -> float:
+def bytes_per_sec(rate_gbps: float) -> float:
   return rate_gbps * 1e9
 
 
@@ -108,7 +108,7 @@ def compute_secs(flops: float, elementwise_bytes: float, profile: HardwareProfil
     profile: the rates.
   """
   return flops / (profile.matmul_tflops * 1e12) + (
-      ELEMENTWISE_HBM_FRACTION * elementwise_bytes / gbps_to_bytes_per_sec(profile.hbm_gbps))
+      ELEMENTWISE_HBM_FRACTION * elementwise_bytes / bytes_per_sec(profile.hbm_gbps))
 
 
 def _nbytes(aval: Any) -> int:

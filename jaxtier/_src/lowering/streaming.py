@@ -162,7 +162,8 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
   aliased operand and result. XLA's GPU passes `host-offload-legalize` and `host-offloader`
   follow every pinned_host entry parameter through the custom calls that alias it; at a call
   with several results they follow all of them, so a chain of L calls of k aliased results
-  costs them k**L paths. Measured on the H200 (`benchmarks/diagnostics/offload_pass_trace.py`): with one
+  costs them k**L paths. Measured on the H200 (`benchmarks/diagnostics/offload_pass_trace.py`):
+  with one
   send and one wait per layer for the 1b decoder's 9 gradients, 2 layers cost 729 visits of
   each call and 4 layers did not compile in 5 minutes; with one call per buffer the walks are
   linear. (The fetch reads its host leaves without aliasing them, so one fetch serves all.)

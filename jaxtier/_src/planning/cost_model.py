@@ -26,7 +26,7 @@ import dataclasses
 import math
 from typing import Any, Iterable, Mapping
 
-from jaxtier._src.analysis.step_costs import gbps_to_bytes_per_sec
+from jaxtier._src.analysis.step_costs import bytes_per_sec
 from jaxtier._src.hardware.profile import HardwareProfile, split_fraction
 from jaxtier._src.vocab import Placement
 
@@ -131,22 +131,22 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
 
   r, w = float(traffic.host_read_bytes), float(traffic.host_write_bytes)
   d_in, d_out = float(traffic.device_in_bytes), float(traffic.device_out_bytes)
-  cpu_rate = gbps_to_bytes_per_sec(profile.cpu_update_gbps())
+  cpu_rate = bytes_per_sec(profile.cpu_update_gbps())
   if platform != "gpu":
     secs = (r + w + d_in + d_out) / cpu_rate
     return Cost(secs=secs, cpu_secs=secs, bound="host_cpu" if secs else "")
 
   def dha() -> Cost:
     kernel = (profile.dha_update_secs(traffic.elements, r + w) if traffic.elements
-              else (r + w) / gbps_to_bytes_per_sec(profile.dha_rw_gbps))
-    secs = max(r / gbps_to_bytes_per_sec(profile.dha_read_gbps), w / gbps_to_bytes_per_sec(profile.dha_write_gbps),
-               (r + w) / gbps_to_bytes_per_sec(profile.link_duplex_gbps), kernel)
+              else (r + w) / bytes_per_sec(profile.dha_rw_gbps))
+    secs = max(r / bytes_per_sec(profile.dha_read_gbps), w / bytes_per_sec(profile.dha_write_gbps),
+               (r + w) / bytes_per_sec(profile.link_duplex_gbps), kernel)
     return Cost(secs=secs, h2d_bytes=r, d2h_bytes=w, dha_secs=secs, bound="dha")
 
   def cpu() -> Cost:
     m = r + w + 2 * (d_in + d_out)
-    parts = {"host_cpu": m / cpu_rate, "link_d2h": d_in / gbps_to_bytes_per_sec(profile.link_d2h_gbps),
-             "link_h2d": d_out / gbps_to_bytes_per_sec(profile.link_h2d_gbps)}
+    parts = {"host_cpu": m / cpu_rate, "link_d2h": d_in / bytes_per_sec(profile.link_d2h_gbps),
+             "link_h2d": d_out / bytes_per_sec(profile.link_h2d_gbps)}
     bound = max(parts, key=parts.get)
     return Cost(secs=parts[bound], h2d_bytes=d_out, d2h_bytes=d_in, cpu_secs=m / cpu_rate,
                 bound=bound)
@@ -158,7 +158,8 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
   if executor == Placement.HOST_SPLIT:
     f = split_fraction(profile) if dha_fraction is None else float(dha_fraction)
     a, b = dha(), cpu()
-    dram = (f * (r + w) + (1 - f) * (r + w + 2 * (d_in + d_out))) / gbps_to_bytes_per_sec(profile.host_dram_gbps)
+    dram = (f * (r + w) + (1 - f) * (r + w + 2 *
+                                     (d_in + d_out))) / bytes_per_sec(profile.host_dram_gbps)
     parts = {"dha": f * a.secs, b.bound: (1 - f) * b.secs, "host_dram": dram}
     bound = max(parts, key=parts.get)
     return Cost(secs=parts[bound], h2d_bytes=f * a.h2d_bytes + (1 - f) * b.h2d_bytes,
@@ -176,9 +177,10 @@ def xla_copy_cost(nbytes: int, profile: HardwareProfile, *, platform: str = "gpu
   On the CPU platform the copies are host memory copies at host_dram bandwidth (read + write).
   """
   if platform != "gpu":
-    secs = 2 * 2 * nbytes / gbps_to_bytes_per_sec(profile.host_dram_gbps)
+    secs = 2 * 2 * nbytes / bytes_per_sec(profile.host_dram_gbps)
     return Cost(secs=secs, bound="host_dram" if secs else "")
-  h2d, d2h = nbytes / gbps_to_bytes_per_sec(profile.link_h2d_gbps), nbytes / gbps_to_bytes_per_sec(profile.link_d2h_gbps)
+  h2d, d2h = nbytes / bytes_per_sec(profile.link_h2d_gbps), nbytes / bytes_per_sec(
+      profile.link_d2h_gbps)
   return Cost(secs=h2d + d2h, h2d_bytes=nbytes, d2h_bytes=nbytes,
               bound="link_h2d" if h2d >= d2h else "link_d2h")
 
@@ -210,14 +212,15 @@ def stream_stage(*, compute_secs: float, num_layers: int, fetch_bytes: float,
   c_b = c - c_f
   s, g = fetch_bytes / n, grad_bytes / n
   r, w, a = dha_read_bytes / n, dha_write_bytes / n, act_offload_bytes / n
-  h2d, d2h = gbps_to_bytes_per_sec(profile.link_h2d_gbps), gbps_to_bytes_per_sec(profile.link_d2h_gbps)
+  h2d, d2h = bytes_per_sec(profile.link_h2d_gbps), bytes_per_sec(profile.link_d2h_gbps)
   both_back = (s + a) > 0 and g > 0
-  h2d_b = gbps_to_bytes_per_sec(profile.link_duplex_gbps) / 2 if both_back else h2d
-  d2h_b = gbps_to_bytes_per_sec(profile.link_duplex_gbps) / 2 if both_back else d2h
-  fwd = {"compute": c_f, "link_h2d": s / h2d + r / gbps_to_bytes_per_sec(profile.dha_read_gbps),
+  h2d_b = bytes_per_sec(profile.link_duplex_gbps) / 2 if both_back else h2d
+  d2h_b = bytes_per_sec(profile.link_duplex_gbps) / 2 if both_back else d2h
+  fwd = {"compute": c_f, "link_h2d": s / h2d + r / bytes_per_sec(profile.dha_read_gbps),
          "link_d2h": a / d2h}
-  bwd = {"compute": c_b, "link_h2d": s / h2d_b + r / gbps_to_bytes_per_sec(profile.dha_read_gbps) + a / h2d_b,
-         "link_d2h": g / d2h_b + w / gbps_to_bytes_per_sec(profile.dha_write_gbps)}
+  bwd = {"compute": c_b,
+         "link_h2d": s / h2d_b + r / bytes_per_sec(profile.dha_read_gbps) + a / h2d_b,
+         "link_d2h": g / d2h_b + w / bytes_per_sec(profile.dha_write_gbps)}
   t_f, t_b = max(fwd.values()), max(bwd.values())
   exposed = s / h2d
   secs = n * (t_f + t_b) + exposed
@@ -227,8 +230,8 @@ def stream_stage(*, compute_secs: float, num_layers: int, fetch_bytes: float,
   else:
     bound = "link_h2d" if n * (fwd["link_h2d"] + bwd["link_h2d"]) >= n * (
         fwd["link_d2h"] + bwd["link_d2h"]) else "link_d2h"
-  dha = n * (r / gbps_to_bytes_per_sec(profile.dha_read_gbps) + r / gbps_to_bytes_per_sec(profile.dha_read_gbps) +
-             w / gbps_to_bytes_per_sec(profile.dha_write_gbps))
+  dha = n * (r / bytes_per_sec(profile.dha_read_gbps) + r / bytes_per_sec(profile.dha_read_gbps) +
+             w / bytes_per_sec(profile.dha_write_gbps))
   return Cost(secs=secs, h2d_bytes=n * (2 * s + 2 * r + a), d2h_bytes=n * (g + w + a),
               dha_secs=dha, bound=bound)
 
@@ -381,8 +384,8 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
   everything = layers + up + xla
   compute = layer_compute_secs + other_compute_secs
   resource = {"compute": compute,
-              "link_h2d": everything.h2d_bytes / gbps_to_bytes_per_sec(profile.link_h2d_gbps),
-              "link_d2h": everything.d2h_bytes / gbps_to_bytes_per_sec(profile.link_d2h_gbps),
+              "link_h2d": everything.h2d_bytes / bytes_per_sec(profile.link_h2d_gbps),
+              "link_d2h": everything.d2h_bytes / bytes_per_sec(profile.link_d2h_gbps),
               "dha": everything.dha_secs, "host_cpu": everything.cpu_secs}
   return Prediction(step_secs=step, critical_path=critical, segments=tuple(segments),
                     resource_secs=resource, peak_hbm_bytes=int(peak_hbm_bytes),
@@ -402,5 +405,3 @@ def _dominant(costs: list[Cost]) -> str:
 
 def safe_div(a: float, b: float) -> float:
   return a / b if b else (math.inf if a else 0.0)
-
-

@@ -32,8 +32,8 @@ from jaxtier._src.planning.cut import cut_updates
 from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan, verdict_lines
 from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.units import format_bytes
-from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, Executor, NamedPolicy, Placement,
-                                Role, is_named)
+from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, Executor, NamedPolicy,
+                                Placement, Role, is_named)
 
 log = logging.getLogger("jaxtier")
 
@@ -154,9 +154,12 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement)
   # A call's placement: its leaves' executor (a call of only host_stream leaves: the cut's).
-  final_updates = {u: next((placement[i] for i in item.seeds if placement[i] != Placement.HOST_STREAM),
-                           Executor(cc.executor).placement)
-                   for u, (item, cc) in enumerate(zip(final.updates, compiled))}
+  final_updates = {
+      u:
+          next((placement[i] for i in item.seeds if placement[i] != Placement.HOST_STREAM),
+               Executor(cc.executor).placement)
+      for u, (item, cc) in enumerate(zip(final.updates, compiled))
+  }
   final_params = {p.index: placement[p.index] for p in final.params}
   pred = solver.evaluate_fixed(final, final_params, final_updates, act_policy).prediction
   if solver_budget is not None and pred.peak_hbm_bytes > solver_budget and not verdicts:
@@ -339,5 +342,3 @@ def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int 
                                      if host else "every leaf on the device"))
   return ("no placement the planner can make fits the budgets; this is " + what + ": "
           + "; ".join(parts or ["over a budget"])), missed
-
-

@@ -178,7 +178,9 @@ def _itemsize(dtype: Any) -> int:
 
 def host_executors(platform: str) -> tuple[str, ...]:
   """The host-update executors a plan may choose on `platform`."""
-  return (Placement.HOST_DHA, Placement.HOST_CPU, Placement.HOST_SPLIT) if platform == "gpu" else (Placement.HOST_CPU,)
+  if platform == "gpu":
+    return (Placement.HOST_DHA, Placement.HOST_CPU, Placement.HOST_SPLIT)
+  return (Placement.HOST_CPU,)
 
 
 def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
@@ -239,9 +241,11 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       if not isinstance(v, jc.Literal):
         first_use.setdefault(v, k)
   stacked = layer_stacks.stacked_layers(jaxpr, len(leaves))
-  params = [l for l in leaves if l.role == param_role and l.index not in user_fixed
-            and l.index not in seeded and l.is_float
-            and placement.get(l.index) in (Placement.DEVICE, Placement.HOST_STREAM, Placement.HOST_DHA)]
+  params = [
+      l for l in leaves
+      if l.role == param_role and l.index not in user_fixed and l.index not in seeded and l.is_float
+      and placement.get(l.index) in (Placement.DEVICE, Placement.HOST_STREAM, Placement.HOST_DHA)
+  ]
   total = step_costs.compute_secs(profile)
   elements = sum(int(np.prod(l.shape, dtype=np.int64)) for l in params)
   items = []
@@ -300,8 +304,11 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
   placed_off = [l for l in leaves if l.role == param_role and l.is_float and l.index in seeded
                 and placement.get(l.index) in (Placement.HOST_STREAM, Placement.HOST_DHA)]
   transient -= sum(l.nbytes for l in placed_off)
-  fixed_buffers = max((4 * l.nbytes // max(1, stacked.get(l.index, (0, 1))[1])
-                       for l in placed_off if placement.get(l.index) == Placement.HOST_STREAM), default=0)
+  fixed_buffers = max((4 * l.nbytes // max(1,
+                                           stacked.get(l.index, (0, 1))[1])
+                       for l in placed_off
+                       if placement.get(l.index) == Placement.HOST_STREAM),
+                      default=0)
   return Problem(params=tuple(items), updates=tuple(updates), fixed_device_bytes=fixed_device,
                  fixed_pinned_bytes=fixed_pinned, fixed_costs=tuple(fixed_costs),
                  transient_bytes=transient, fixed_buffer_bytes=fixed_buffers,

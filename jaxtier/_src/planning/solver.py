@@ -84,7 +84,12 @@ def _stage_options(stage: list[ParamItem]) -> list[dict[int, str]]:
     eligible = sorted((p for p in free if host in p.options), key=lambda p: -p.nbytes)
     for j in range(1, len(eligible) + 1):
       chosen = {p.index for p in eligible[:j]}
-      out.append({**fixed, **{p.index: (host if p.index in chosen else Placement.DEVICE) for p in free}})
+      out.append({
+          **fixed,
+          **{
+              p.index: (host if p.index in chosen else Placement.DEVICE) for p in free
+          }
+      })
   return out
 
 
@@ -101,7 +106,8 @@ def _stage_cost(stage: list[ParamItem], assign: Mapping[int, str], *, scale: flo
                          act_offload_bytes=act_offload_bytes, profile=profile)
 
 
-def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cost_model.ActivationChoice | None",
+def _evaluate(problem: Problem, host_updates: frozenset[int],
+              act: "cost_model.ActivationChoice | None",
               allow_host_params: bool) -> "Solution | None":
   """Best parameter placements given the optimizer items on the host and the activation policy."""
   prof = problem.profile
@@ -208,7 +214,9 @@ def _evaluate(problem: Problem, host_updates: frozenset[int], act: "cost_model.A
                     profile=prof)
   fits = (budget is None or peak <= budget) and (
       problem.host_budget is None or pinned <= problem.host_budget)
-  upd = {u: (updates[u].best()[0] if u in on_host else Placement.DEVICE) for u in range(len(updates))}
+  upd = {
+      u: (updates[u].best()[0] if u in on_host else Placement.DEVICE) for u in range(len(updates))
+  }
   return Solution(params=params, updates=upd, activation_policy=act.policy if act else None,
                   prediction=pred, fits=fits,
                   device_free_bytes=None if budget is None else int(budget - peak))
@@ -273,7 +281,8 @@ def solve(problem: Problem) -> Solution:
     with `fits=False`.
   """
   updates = problem.updates
-  fixed_host = frozenset(u for u, it in enumerate(updates) if it.fixed and it.fixed != Placement.DEVICE)
+  fixed_host = frozenset(
+      u for u, it in enumerate(updates) if it.fixed and it.fixed != Placement.DEVICE)
   movable = [u for u, it in enumerate(updates) if not it.fixed]
   # Greedy knapsack order: least seconds added per device byte freed first.
   movable.sort(key=lambda u: (updates[u].best()[1].secs / max(1, updates[u].device_nbytes), u))
@@ -330,7 +339,8 @@ def evaluate_fixed(problem: Problem, params: Mapping[int, str], host_updates: Ma
                              device_budget=None, host_budget=None)
   act = None
   if problem.activations is not None:
-    act = cost_model.activation_choices(problem.activations)[activation or problem.activations.traced]
+    act = cost_model.activation_choices(problem.activations)[activation or
+                                                             problem.activations.traced]
   host = frozenset(u for u, e in host_updates.items() if e != Placement.DEVICE)
   sol = _evaluate(prob, host, act, True)
   budget = problem.device_budget

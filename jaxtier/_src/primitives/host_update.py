@@ -2,7 +2,8 @@
 
 Custom call `jaxtier_host_update_ffi` (C++: `xla_ffi/src/host_update.cc` for the CPU handler,
 `xla_ffi/src/host_update_kernels.cu` for the CUDA handler; format: docs/design.md, "Op program
-format"). The lowering stage (`jaxtier/_src/lowering/rewrite.py`) compiles the elementwise part of an
+format"). The lowering stage (`jaxtier/_src/lowering/rewrite.py`) compiles the elementwise part
+of an
 optimizer update (any optax chain of elementwise maps) into a `Program`; `host_update` runs it.
 
 Operands are arrays of N elements (read at element i) or 1 element (broadcast scalars); results
