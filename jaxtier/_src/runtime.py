@@ -123,7 +123,8 @@ class OffloadedStep:
     their `out_shardings` (`lowering.programs.initializers`): the device leaves in one program,
     the pinned_host leaves in programs sized to fit the device memory the plan leaves free. No
     leaf is built on the device and then moved out, and no memory holds the whole state at
-    once unless the plan keeps it there. The values are those of `init_fn(*init_args)`.
+    once unless the plan keeps it there. The values are those of `jax.jit(init_fn)(*init_args)`
+    (which may differ from an eager call of `init_fn` in the last bit, as any jit may).
 
     Args:
       init_fn: `init_fn(*init_args) -> state`, a pure function (e.g. of a PRNG key or seed)

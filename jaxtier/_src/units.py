@@ -13,7 +13,7 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: "int | float | str | None", name: str = "parse_bytes") -> "int | None":
+def parse_bytes(value: int | float | str | None, name: str = "parse_bytes") -> int | None:
   """Bytes from an int/float (bytes) or a string like '80GB', '16GiB', '512MiB'; None = no limit.
 
   'GB', 'MB', 'KB', 'TB' are powers of 10; 'GiB', 'MiB', 'KiB', 'TiB' powers of 2; no unit (or
