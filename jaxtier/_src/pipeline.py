@@ -27,7 +27,7 @@ from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import programs as programs_lib
 from jaxtier._src.options import OffloadOptions
-from jaxtier._src.planning import planner
+from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import verify as verify_lib
 from jaxtier._src.planning.plan import Plan
 from jaxtier._src.units import format_bytes
@@ -111,6 +111,13 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     previous, budget = planned, smaller
   planned = _refine(planned, state, args, costs, make, lower, options.policy)
   log.debug("jaxtier plan:\n%s", planned.plan)
+  # Admission again, with what the compiled step allocates in pinned_host beyond the state
+  # (nothing is allocated yet: `place` and `init` allocate after planning).
+  try:
+    admission.admit(planned.plan, fixed["pinnable_bytes"])
+  except PlanError as e:
+    e.plan = planned.plan
+    raise
   return planned
 
 
@@ -190,6 +197,7 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
     return planned, None
   plan = dataclasses.replace(
       plan, compiler_peak_hbm_bytes=fig.peak_bytes,
+      compiler_host_extra_bytes=fig.host_extra_bytes,
       notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (the "
                           f"arguments by their shardings: device {device_args}, pinned_host "
                           f"{host} bytes)",))

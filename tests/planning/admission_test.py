@@ -34,3 +34,36 @@ def test_refusal_names_the_host_limit_when_it_binds_and_budget_above_the_gpu_is_
     jaxtier.plan(step, state, batch, device_budget="10GiB", platform="gpu")
   plan = jaxtier.plan(step, state, batch, device_budget="200GiB", platform="gpu")
   assert any("device budget 200.00 GiB is above this GPU's memory" in n for n in plan.notes)
+
+
+def test_admission_counts_the_compiled_steps_pinned_bytes_beyond_the_state(monkeypatch):
+  # A compiled step that allocates pinned_host memory beyond the state (outputs not aliased to
+  # an input, host temporaries: what XLA's host figures report on a GPU; the CPU backend
+  # reports none, so the figures are made here) is refused before anything is allocated when
+  # state and extra together are over the host limit, naming both; within it, it is placed.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from jaxtier._src.planning import verify as verify_lib  # pylint: disable=g-import-not-at-top
+  real = verify_lib.memory_figures
+  extra_out, extra_temp = 3 << 20, 1 << 20
+  monkeypatch.setattr(verify_lib, "memory_figures", lambda c: dataclasses.replace(
+      real(c), host_output_bytes=extra_out + 4096, host_alias_bytes=4096,
+      host_temp_bytes=extra_temp))
+  pinned = jaxtier.plan(STEP, mlp_state(), toy_batch(),
+                        policy="optimizer_state_on_host").pinned_bytes
+  need = pinned + extra_out + extra_temp
+  state = mlp_state()
+  step = jaxtier.offload(STEP, policy="optimizer_state_on_host", host_budget=need - 1)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    step.place(state, toy_batch())
+  msg = str(err.value)
+  assert f"it needs {jaxtier.format_bytes(need)} ({need} bytes) of pinned host memory" in msg
+  assert (f"(the state's {jaxtier.format_bytes(pinned)} and 4.00 MiB that the compiled step "
+          "allocates beyond it") in msg
+  assert f"over the host budget of {jaxtier.format_bytes(need - 1)}" in msg
+  assert err.value.plan.compiler_host_extra_bytes == extra_out + extra_temp
+  assert all(not x.is_deleted() for x in jax.tree.leaves(state))  # nothing consumed
+  step = jaxtier.offload(STEP, policy="optimizer_state_on_host", host_budget=need)
+  placed = step.place(state, toy_batch())
+  assert step.plan.compiler_host_extra_bytes == extra_out + extra_temp
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(placed)} == {"device", "pinned_host"}

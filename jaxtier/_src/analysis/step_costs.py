@@ -223,6 +223,9 @@ class MemoryFigures:
       figures, XLA's peak counts host buffers as well).
     host_argument_bytes: arguments in host memory (pinned_host), where reported.
     xla_peak_bytes: XLA's own `peak_memory_in_bytes` (0 where not reported).
+    host_output_bytes, host_alias_bytes, host_temp_bytes: the host memory space's outputs,
+      outputs aliased to (donated) inputs, and temporaries, where reported (0 elsewhere, e.g.
+      the CPU backend).
   """
 
   argument_bytes: int
@@ -232,6 +235,15 @@ class MemoryFigures:
   peak_bytes: int
   host_argument_bytes: int
   xla_peak_bytes: int = 0
+  host_output_bytes: int = 0
+  host_alias_bytes: int = 0
+  host_temp_bytes: int = 0
+
+  @property
+  def host_extra_bytes(self) -> int:
+    """Pinned host bytes the program allocates beyond its arguments: host outputs not aliased
+    to an input, and host temporaries."""
+    return max(0, self.host_output_bytes - self.host_alias_bytes) + self.host_temp_bytes
 
   def describe(self) -> str:
     """One line of the figures, in bytes."""
@@ -270,7 +282,10 @@ def memory_figures(compiled: Any) -> "MemoryFigures | None":
     peak = max(peak, get("peak_memory_in_bytes"))
   return MemoryFigures(argument_bytes=arg, output_bytes=out, alias_bytes=alias, temp_bytes=temp,
                        peak_bytes=peak, host_argument_bytes=host_arg,
-                       xla_peak_bytes=get("peak_memory_in_bytes"))
+                       xla_peak_bytes=get("peak_memory_in_bytes"),
+                       host_output_bytes=get("host_output_size_in_bytes"),
+                       host_alias_bytes=get("host_alias_size_in_bytes"),
+                       host_temp_bytes=get("host_temp_size_in_bytes"))
 
 
 _COMPILED_FIGURES: dict[Any, "MemoryFigures | None"] = {}

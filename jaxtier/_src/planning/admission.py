@@ -46,6 +46,19 @@ def _prefix_regex(leaves: list[LeafPlan]) -> str:
 
 def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE
            ) -> None:
+  """Refuses `plan` before anything is allocated where it needs more than may be held.
+
+  Pinned host bytes are the state's (`plan.pinned_bytes`, masters included) and, once the step
+  is compiled, what the compiled step allocates beyond them (`compiler_host_extra_bytes`),
+  against the host budget and what the host can pin; device bytes of the state against the
+  device budget.
+
+  Raises:
+    AdmissionError: pinned bytes over the host budget or over `pinnable_bytes`.
+    PlanError: the state's device bytes over the device budget.
+  """
+  extra = plan.compiler_host_extra_bytes or 0
+  need = plan.pinned_bytes + extra
   host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
   host_bytes = lambda l: (l.nbytes if l.memory_kind == "pinned_host" else 0) + l.master_nbytes
   for limit, what, fix in (
@@ -56,11 +69,14 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
        "the mesh" + ("; on a GPU, XLA's pinned pool is capped by "
                      "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
                      "if the host has the memory" if plan.platform == "gpu" else ""))):
-    if limit is not None and plan.pinned_bytes > limit:
+    if limit is not None and need > limit:
+      compiled = "" if not extra else (
+          f" (the state's {format_bytes(plan.pinned_bytes)} and {format_bytes(extra)} that the "
+          "compiled step allocates beyond it: its pinned_host outputs not aliased to an input "
+          "and its host temporaries)")
       raise AdmissionError(
           f"jaxtier: plan refused before allocating anything: it needs "
-          f"{format_bytes(plan.pinned_bytes)} ({plan.pinned_bytes} bytes) of pinned host memory "
-          f"per device, "
+          f"{format_bytes(need)} ({need} bytes) of pinned host memory per device{compiled}, "
           f"over {what} of {format_bytes(limit)} ({limit} bytes). Largest host leaves: "
           f"{_largest(host, host_bytes)}. Fix: {fix}.")
   if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
