@@ -125,6 +125,8 @@ class OffloadedStep:
     leaf is built on the device and then moved out, and no memory holds the whole state at
     once unless the plan keeps it there. The values are those of `jax.jit(init_fn)(*init_args)`
     (which may differ from an eager call of `init_fn` in the last bit, as any jit may).
+    The leaves are created unsharded, on this process's first device and its pinned host
+    memory: a state sharded over a mesh is placed with `place`.
 
     Args:
       init_fn: `init_fn(*init_args) -> state`, a pure function (e.g. of a PRNG key or seed)
