@@ -131,6 +131,11 @@ def test_init_programs_create_host_leaves_in_pinned_host_in_chunks():
     kinds = [s.memory_kind for s in compiled.output_shardings]
     assert kinds == [plan.leaves[i].memory_kind for i in indices], (indices, kinds)
     assert sum(plan.leaves[i].nbytes for i in indices if i in host) <= largest
+    if any(i in host for i in indices) and jax.default_backend() == "cpu":
+      # The compiler's own figure (the CPU backend's, where device and pinned_host outputs
+      # count alike): the program's outputs are its one chunk of host leaves.
+      out_bytes = compiled.memory_analysis().output_size_in_bytes
+      assert out_bytes == sum(plan.leaves[i].nbytes for i in indices) <= largest, out_bytes
 
 
 def test_init_errors_name_the_fix_and_allocate_nothing():
