@@ -67,3 +67,18 @@ def test_admission_counts_the_compiled_steps_pinned_bytes_beyond_the_state(monke
   placed = step.place(state, toy_batch())
   assert step.plan.compiler_host_extra_bytes == extra_out + extra_temp
   assert {x.sharding.memory_kind for x in jax.tree.leaves(placed)} == {"device", "pinned_host"}
+
+
+def test_a_gpu_refusal_by_xlas_pinned_pool_names_the_value_that_fits(monkeypatch):
+  # 13b for an absent H200: 94.55 GiB pinned over XLA's default 64 GiB pool. The fix names the
+  # setting and the value that would hold the plan.
+  from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  _, state, step = train.make_train_state("13b", 1e-3, abstract=True)
+  batch = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    jaxtier.plan(step, state, batch, platform="gpu")
+  need = err.value.plan.pinned_bytes
+  assert f"it needs {jaxtier.format_bytes(need)}" in str(err.value)
+  assert (f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it (to "
+          f"{-(-need // 2**30)} or more, set before JAX starts)") in str(err.value)

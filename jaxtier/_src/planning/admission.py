@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable
 
@@ -68,6 +69,7 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
        "memory, keep more leaves on the device (policy), or shard replicated host leaves over "
        "the mesh" + ("; on a GPU, XLA's pinned pool is capped by "
                      "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
+                     f"(to {math.ceil(need / 2**30)} or more, set before JAX starts) "
                      "if the host has the memory" if plan.platform == "gpu" else ""))):
     if limit is not None and need > limit:
       compiled = "" if not extra else (
