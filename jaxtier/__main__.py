@@ -174,6 +174,8 @@ def main(argv: list[str]) -> None:
       print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
       sys.exit(1)
     except (jaxtier.PlanError, OSError, ValueError) as e:
+      if isinstance(e, jaxtier.AdmissionError):
+        _rerun_with(e.settings)  # nothing is allocated yet; returns where it may not
       # A refused plan, a missing data file, bad data or a bad setting: the message says what
       # and how to fix it; a traceback through the trainer would only hide it.
       print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
@@ -228,6 +230,22 @@ def calibrate_main() -> None:
   if gpu:  # the split executor exists on a GPU only
     print(f"split share of the DHA kernel: {jaxtier.split_fraction(prof):.3f}")
   print(f"saved to {path}")
+
+
+def _rerun_with(settings: "dict[str, str]") -> None:
+  """Runs this command again with `settings` in its environment, once (XLA reads them when JAX
+  starts, so they cannot take effect in this process); returns where it may not: no settings,
+  one of them already set by the user, or this is the run again."""
+  import os  # pylint: disable=g-import-not-at-top
+  if not settings or os.environ.get("JAXTIER_RERUN") or any(k in os.environ for k in settings):
+    return
+  said = " ".join(f"{k}={v}" for k, v in settings.items())
+  print(f"note: the plan fits with {said}, which XLA reads when JAX starts: running this "
+        "command again with it (nothing was allocated)", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+            dict(os.environ, JAXTIER_RERUN="1", **settings))
 
 
 def _missing_examples_extra(argv: list[str]) -> "str | None":

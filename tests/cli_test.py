@@ -213,3 +213,24 @@ def test_without_the_examples_extra_calibrate_runs_and_plan_names_the_extra(tmp_
   out = run("calibrate", "--json")
   assert out.returncode == 0, out.stderr[-2000:]
   assert json.loads(out.stdout)["host_dram_gbps"] > 0
+
+
+def test_train_runs_again_with_the_pinned_pool_setting_that_fits(monkeypatch):
+  # `python -m jaxtier train` applies a refusal's settings (read by XLA when JAX starts) by
+  # running the same command again with them, once, and never over a setting the user made.
+  import jaxtier.__main__ as cli  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(os, "execve", lambda *a: calls.append(a))
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  monkeypatch.delenv("JAXTIER_RERUN", raising=False)
+  cli._rerun_with({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"})
+  ((exe, argv, env),) = calls
+  assert exe == sys.executable and argv == [sys.executable, *sys.orig_argv[1:]]
+  assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "95" and env["JAXTIER_RERUN"] == "1"
+  cli._rerun_with({})
+  monkeypatch.setenv("JAXTIER_RERUN", "1")
+  cli._rerun_with({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"})
+  monkeypatch.delenv("JAXTIER_RERUN")
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "80")
+  cli._rerun_with({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"})
+  assert len(calls) == 1

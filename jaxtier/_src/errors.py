@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
 
 class PlanError(ValueError):
@@ -18,7 +19,11 @@ class AdmissionError(PlanError):
   """The plan needs more pinned host memory than the budget or the host allows.
 
   Raised before anything is allocated; the caller's state is untouched. `plan` holds the
-  refused plan (for printing).
+  refused plan (for printing). `settings` holds the environment settings that would admit it
+  on this host ({name: value}, e.g. {'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB': '95'}, where XLA's
+  pinned pool is what refuses it and the host has the memory), to be set before JAX starts;
+  empty where none would.
   """
 
   plan: Any = None  # the refused `Plan`, or None
+  settings: Mapping[str, str] = MappingProxyType({})

@@ -114,7 +114,8 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   # Admission again, with what the compiled step allocates in pinned_host beyond the state
   # (nothing is allocated yet: `place` and `init` allocate after planning).
   try:
-    admission.admit(planned.plan, fixed["pinnable_bytes"])
+    admission.admit(planned.plan, fixed["pinnable_bytes"],
+                    num_local_devices=_num_local_devices(state))
   except PlanError as e:
     e.plan = planned.plan
     raise

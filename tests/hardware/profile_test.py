@@ -104,3 +104,16 @@ def test_a_profile_file_that_is_not_json_is_ignored_with_a_warning(tmp_path, cap
     assert profile.load(str(path)) is profile.DEFAULT_PROFILE
   assert f"ignoring {path}: not a profile" in caplog.text
   assert "python -m jaxtier calibrate" in caplog.text
+
+
+def test_the_pinned_pool_that_fits_is_named_only_where_the_pool_binds_and_the_host_has_room(
+    monkeypatch):
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  monkeypatch.setattr(host, "available_bytes", lambda: 120 * 2**30)
+  assert host.pinned_pool_that_fits(int(94.55 * 2**30)) == 95  # over 64 GiB, room for it
+  assert host.pinned_pool_that_fits(60 * 2**30) is None  # the default pool holds it
+  assert host.pinned_pool_that_fits(110 * 2**30) is None  # over 0.9 of what is available
+  assert host.pinned_pool_that_fits(int(94.55 * 2**30), num_local_devices=2) is None
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
+  assert host.pinned_pool_that_fits(int(94.55 * 2**30)) is None  # the raised pool holds it

@@ -82,3 +82,26 @@ def test_a_gpu_refusal_by_xlas_pinned_pool_names_the_value_that_fits(monkeypatch
   assert f"it needs {jaxtier.format_bytes(need)}" in str(err.value)
   assert (f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it (to "
           f"{-(-need // 2**30)} or more, set before JAX starts)") in str(err.value)
+
+
+def test_a_refusal_by_the_pinned_pool_of_this_hosts_gpu_carries_the_setting_that_fits(
+    monkeypatch):
+  # As admission sees it on a GPU machine (the pinnable limit measured on this host, HERE),
+  # with 120 GiB available: the refusal names the pool size that fits and carries it as a
+  # setting for the CLI to apply before JAX starts. Planned for an absent GPU, it does not.
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
+  from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  _, state, step = train.make_train_state("13b", 1e-3, abstract=True)
+  batch = jax.ShapeDtypeStruct((1, 128), jnp.int32)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    jaxtier.plan(step, state, batch, platform="gpu")
+  assert dict(err.value.settings) == {}  # an absent GPU: its host is not this one
+  plan = err.value.plan
+  monkeypatch.setattr(host, "available_bytes", lambda: 120 * 2**30)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    admission.admit(plan, 64 * 2**30, host.HERE_PINNABLE)
+  assert dict(err.value.settings) == {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"}
+  assert ("XLA's pinned pool is the limit and this host has the memory: set "
+          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=95 before JAX starts") in str(err.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 # What `pinnable_bytes` is, in a refusal, when it was measured on this host.
@@ -57,3 +58,28 @@ def xla_pinned_pool_bytes() -> "int | None":
   as XLA reads it), bytes; None where the variable is not set (XLA then uses 64 GiB)."""
   cap = os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
   return int(float(cap) * 2**30) if cap else None
+
+
+# The share of what the host has available that a raised pinned pool may take (the rest is left
+# to the process's other allocations and the system).
+POOL_HEADROOM = 0.9
+
+
+def pinned_pool_that_fits(need_bytes: int, num_local_devices: int = 1) -> "int | None":
+  """The XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB that lets each device pin `need_bytes`, where XLA's
+  pinned pool is what stops it and this host has the memory (POOL_HEADROOM of each device's
+  share of MemAvailable); else None.
+
+  Returns:
+    GiB (int, rounded up), or None: the pool already holds `need_bytes`, the host lacks the
+    memory, or its available memory cannot be read.
+  """
+  available = available_bytes()
+  if available is None:
+    return None
+  cap = xla_pinned_pool_bytes()
+  cap = XLA_PINNED_POOL_DEFAULT_BYTES if cap is None else cap
+  share = available // max(1, num_local_devices)
+  if need_bytes <= cap or need_bytes > POOL_HEADROOM * share:
+    return None
+  return math.ceil(need_bytes / 2**30)

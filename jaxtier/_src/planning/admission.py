@@ -10,6 +10,7 @@ import jax
 
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import profile
+from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.host import HERE_PINNABLE
 from jaxtier._src.planning.plan import LeafPlan, Plan
 from jaxtier._src.units import format_bytes
@@ -45,14 +46,19 @@ def _prefix_regex(leaves: list[LeafPlan]) -> str:
   return "^" + re.escape(m.group(1) if m else top)
 
 
-def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE
-           ) -> None:
+def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE,
+          num_local_devices: int = 1) -> None:
   """Refuses `plan` before anything is allocated where it needs more than may be held.
 
   Pinned host bytes are the state's (`plan.pinned_bytes`, masters included) and, once the step
   is compiled, what the compiled step allocates beyond them (`compiler_host_extra_bytes`),
   against the host budget and what the host can pin; device bytes of the state against the
   device budget.
+
+  Where XLA's pinned pool is the limit on a GPU of this host (`pinnable_what` is
+  HERE_PINNABLE) and the host has the memory, the refusal names the pool size that fits and
+  carries it in `AdmissionError.settings` (`host.pinned_pool_that_fits`; `num_local_devices`
+  share the host's memory).
 
   Raises:
     AdmissionError: pinned bytes over the host budget or over `pinnable_bytes`.
@@ -62,25 +68,35 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
   need = plan.pinned_bytes + extra
   host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
   host_bytes = lambda l: (l.nbytes if l.memory_kind == "pinned_host" else 0) + l.master_nbytes
-  for limit, what, fix in (
-      (plan.host_budget, "the host budget", "raise host_budget, or keep more leaves on the "
-       "device (policy)"),
-      (pinnable_bytes, pinnable_what, "free host "
+  for pool, limit, what, fix in (
+      (False, plan.host_budget, "the host budget", "raise host_budget, or keep more leaves on "
+       "the device (policy)"),
+      (True, pinnable_bytes, pinnable_what, "free host "
        "memory, keep more leaves on the device (policy), or shard replicated host leaves over "
        "the mesh" + ("; on a GPU, XLA's pinned pool is capped by "
                      "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
                      f"(to {math.ceil(need / 2**30)} or more, set before JAX starts) "
                      "if the host has the memory" if plan.platform == "gpu" else ""))):
     if limit is not None and need > limit:
+      settings = {}
+      if pool and plan.platform == "gpu" and pinnable_what == HERE_PINNABLE:
+        gib = host_lib.pinned_pool_that_fits(need, num_local_devices)
+        if gib is not None:
+          settings = {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": str(gib)}
+          fix = (f"XLA's pinned pool is the limit and this host has the memory: set "
+                 f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={gib} before JAX starts (python -m "
+                 f"jaxtier train does), or keep more leaves on the device (policy)")
       compiled = "" if not extra else (
           f" (the state's {format_bytes(plan.pinned_bytes)} and {format_bytes(extra)} that the "
           "compiled step allocates beyond it: its pinned_host outputs not aliased to an input "
           "and its host temporaries)")
-      raise AdmissionError(
+      error = AdmissionError(
           f"jaxtier: plan refused before allocating anything: it needs "
           f"{format_bytes(need)} ({need} bytes) of pinned host memory per device{compiled}, "
           f"over {what} of {format_bytes(limit)} ({limit} bytes). Largest host leaves: "
           f"{_largest(host, host_bytes)}. Fix: {fix}.")
+      error.settings = settings
+      raise error
   if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
     dev = [l for l in plan.leaves if l.memory_kind == "device"]
     # Where offloading more would pin more than the host may, the notes say so: the binding
