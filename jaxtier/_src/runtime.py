@@ -172,9 +172,8 @@ class OffloadedStep:
     if self._master_sources:
       log.warning("jaxtier: the state's bf16/f16 params are not the ones the last step returned; "
                   "re-deriving their fp32 master copies from them")
-    sh = self._programs.state_shardings
-    self._masters = [jax.device_put(jnp.asarray(original[i], jnp.float32),
-                                    sh[i].with_memory_kind("pinned_host")) for i in idx]
+    self._masters = [jax.device_put(jnp.asarray(original[i], jnp.float32), sh)
+                     for i, sh in zip(idx, self._programs.master_shardings)]
     self._master_sources = sources
 
   # -- running -----------------------------------------------------------------------------

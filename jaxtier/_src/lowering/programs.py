@@ -29,8 +29,9 @@ class StepPrograms:
   """The lowered step of one plan: `compute` jitted, `update` jitted on first use.
 
   Attributes:
-    split: the rewritten step (`rewrite.SplitStep`): which leaves go where, and `assemble`.
-    stream: the layer loops served by streaming, and their gradient (scratch) buffers.
+    split: the rewritten step (`rewrite.SplitStep`): which leaves go where, and `assemble`;
+      `split.stream` (also `stream`) the layer loops served by streaming and their gradient
+      (scratch) buffers.
     state_shardings: one per state leaf, in its planned memory kind.
     scratch_shardings: one per `stream.scratch` buffer (pinned_host).
     master_shardings: one per fp32 master copy (pinned_host), ordered as `master_indices`.
@@ -39,7 +40,6 @@ class StepPrograms:
   """
 
   split: rewrite_lib.SplitStep
-  stream: streaming.StreamSchedule
   state_shardings: list[Any]
   scratch_shardings: list[Any]
   master_shardings: list[Any]
@@ -48,6 +48,10 @@ class StepPrograms:
   make_update: Callable[[Sequence[Any]], Any]
   master_indices: list[int]
   _update: Any = None
+
+  @property
+  def stream(self) -> streaming.StreamSchedule:
+    return self.split.stream
 
   def update(self, feed_shardings: Sequence[Any]) -> Any:
     """`jax.jit` of `split.update` for the feeds' shardings (made once, on first use)."""
@@ -130,7 +134,7 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
                       [state_sh[i] for i in split.read_host], master_sh, feed_sh, scratch_sh),
         out_shardings=(update_out_sh, master_sh))
 
-  return StepPrograms(split=split, stream=stream, state_shardings=state_sh,
+  return StepPrograms(split=split, state_shardings=state_sh,
                       scratch_shardings=scratch_sh, master_shardings=master_sh,
                       arg_memory_kinds=[sh.memory_kind for sh in arg_sh], compute=compute,
                       make_update=make_update, master_indices=masters)
