@@ -52,7 +52,7 @@ def _check(api: str, host_leaf: Any, mesh: Mesh, index: Any) -> tuple[int, ...]:
     raise TypeError(f"{api}: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
   shape = tuple(np.shape(host_leaf))
   try:  # a concrete array; a tracer (inside jit) has no sharding to check.
-    kind = getattr(getattr(host_leaf, "sharding", None), "memory_kind", None)
+    kind = jc.memory_kind_of(host_leaf)
   except Exception:  # pylint: disable=broad-except
     kind = None
   if kind not in (None, "pinned_host"):

@@ -414,7 +414,7 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
       return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
     avals = [spec(x, "device") for x in state] + [
-        spec(x, getattr(getattr(x, "sharding", None), "memory_kind", None) or "device")
+        spec(x, jc.memory_kind_of(x) or "device")
         for x in args]
     # The same step planned again (jaxtier.plan, then offload) is compiled once.
     key = (str(closed_jaxpr), tuple(map(str, avals)), tuple(
