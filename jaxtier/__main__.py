@@ -232,20 +232,33 @@ def calibrate_main() -> None:
   print(f"saved to {path}")
 
 
+# Times `train` runs itself again with XLA settings that fit its plan (the settings of a first
+# re-run come from a plan predicted before compiling; its compiled step may need more).
+MAX_RERUNS = 2
+
+
 def _rerun_with(settings: "dict[str, str]") -> None:
-  """Runs this command again with `settings` in its environment, once (XLA reads them when JAX
-  starts, so they cannot take effect in this process); returns where it may not: no settings,
-  one of them already set by the user, or this is the run again."""
+  """Runs this command again with `settings` in its environment (XLA reads them when JAX
+  starts, so they cannot take effect in this process), at most MAX_RERUNS times; returns where
+  it may not: no settings, one of them set by the user, or the re-runs spent.
+
+  JAXTIER_RERUN holds the re-runs so far and the settings they made, which a later re-run may
+  change again.
+  """
   import os  # pylint: disable=g-import-not-at-top
-  if not settings or os.environ.get("JAXTIER_RERUN") or any(k in os.environ for k in settings):
+  runs, _, ours = os.environ.get("JAXTIER_RERUN", "0").partition(":")
+  ours_set = set(filter(None, ours.split(",")))
+  user_set = [k for k in settings if k in os.environ and k not in ours_set]
+  if not settings or int(runs or 0) >= MAX_RERUNS or user_set:
     return
   said = " ".join(f"{k}={v}" for k, v in settings.items())
   print(f"note: the plan fits with {said}, which XLA reads when JAX starts: running this "
         "command again with it (nothing was allocated)", file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
+  marker = f"{int(runs or 0) + 1}:{','.join(sorted(ours_set | set(settings)))}"
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-            dict(os.environ, JAXTIER_RERUN="1", **settings))
+            dict(os.environ, JAXTIER_RERUN=marker, **settings))
 
 
 def _missing_examples_extra(argv: list[str]) -> "str | None":

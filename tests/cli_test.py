@@ -215,22 +215,33 @@ def test_without_the_examples_extra_calibrate_runs_and_plan_names_the_extra(tmp_
   assert json.loads(out.stdout)["host_dram_gbps"] > 0
 
 
-def test_train_runs_again_with_the_pinned_pool_setting_that_fits(monkeypatch):
+def test_train_runs_again_with_the_xla_settings_that_fit(monkeypatch):
   # `python -m jaxtier train` applies a refusal's settings (read by XLA when JAX starts) by
-  # running the same command again with them, once, and never over a setting the user made.
+  # running the same command again with them, at most twice, and never over a setting the
+  # user made; a second re-run may change a setting the first one made.
   import jaxtier.__main__ as cli  # pylint: disable=g-import-not-at-top
   calls = []
   monkeypatch.setattr(os, "execve", lambda *a: calls.append(a))
-  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  pool, fraction = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "XLA_PYTHON_CLIENT_MEM_FRACTION"
+  monkeypatch.delenv(pool, raising=False)
+  monkeypatch.delenv(fraction, raising=False)
   monkeypatch.delenv("JAXTIER_RERUN", raising=False)
-  cli._rerun_with({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"})
+  cli._rerun_with({pool: "95", fraction: "0.91"})
   ((exe, argv, env),) = calls
   assert exe == sys.executable and argv == [sys.executable, *sys.orig_argv[1:]]
-  assert env["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "95" and env["JAXTIER_RERUN"] == "1"
+  assert env[pool] == "95" and env[fraction] == "0.91"
+  assert env["JAXTIER_RERUN"] == f"1:{pool},{fraction}"
   cli._rerun_with({})
-  monkeypatch.setenv("JAXTIER_RERUN", "1")
-  cli._rerun_with({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"})
-  monkeypatch.delenv("JAXTIER_RERUN")
-  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "80")
-  cli._rerun_with({"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"})
   assert len(calls) == 1
+  # The re-run: its compiled step needs a larger pool than predicted.
+  monkeypatch.setenv("JAXTIER_RERUN", env["JAXTIER_RERUN"])
+  monkeypatch.setenv(pool, "95")
+  cli._rerun_with({pool: "99"})
+  assert len(calls) == 2 and calls[1][2][pool] == "99"
+  assert calls[1][2]["JAXTIER_RERUN"] == f"2:{pool},{fraction}"
+  monkeypatch.setenv("JAXTIER_RERUN", calls[1][2]["JAXTIER_RERUN"])
+  cli._rerun_with({pool: "120"})  # the re-runs are spent
+  monkeypatch.delenv("JAXTIER_RERUN")
+  monkeypatch.setenv(pool, "80")  # the user's own setting
+  cli._rerun_with({pool: "95"})
+  assert len(calls) == 2

@@ -7,6 +7,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from planning._toy import STEP, mlp_state, toy_batch
 
 import jaxtier
@@ -62,3 +63,52 @@ def test_offload_refines_its_plan_with_the_compiled_peak_and_keeps_it_within_bud
     ref_state, m1 = ref(ref_state, batch)
     placed, m2 = step(placed, batch)
     np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-5)
+
+
+def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_fits(
+    monkeypatch):
+  # The 14b decoder on an H200 as JAX starts there by default (pool 64 GiB, fraction 0.75 of
+  # 135.3 GiB free, 120 GiB of host memory available): its optimizer state alone needs
+  # 106 GiB pinned, so the plan is refused. The refusal plans again against what the machine
+  # has and names the settings under which that plan fits: the pool at the host's room (0.9 of
+  # what is available) and the fraction that holds its predicted peak; the CLI applies them.
+  from jaxtier._src import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.analysis import inventory as inv_lib  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.hardware import host, profile  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.planning import planner  # pylint: disable=g-import-not-at-top
+  from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: int(0.75 * 135.3 * 2**30))
+  monkeypatch.setattr(host, "available_bytes", lambda: 120 * 2**30)
+  _, state, step = train.make_train_state("14b", 1e-3, abstract=True)
+  args = (jax.ShapeDtypeStruct((1, 128), jnp.int32),)
+  inv = inv_lib.take_inventory(step, state, args, allow_abstract=True)
+  costs = pipeline_lib._step_costs(inv, state, args, "gpu", "auto", always=True)
+  fixed = dict(platform="gpu", policy="auto", host_budget=None, pinnable_bytes=64 * 2**30,
+               hardware=profile.load(platform="gpu"), streamable=pipeline_lib._streamable(inv),
+               resident_bytes=0, stream_blocked="")
+  with pytest.raises(jaxtier.AdmissionError) as first:
+    planner.make_plan(inv, device_budget=None, step_costs=costs, **fixed)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    pipeline_lib._raise_with_room(first.value, inv, fixed, None, costs, state)
+  settings = dict(err.value.settings)
+  room = err.value.plan
+  assert room.fits and 64 * 2**30 < room.pinned_bytes <= 108 * 2**30
+  assert settings["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "108"
+  fraction = float(settings["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+  assert 0.75 < fraction <= 0.95
+  assert room.predicted_peak_hbm_bytes <= (fraction - 0.01) * 135.3 * 2**30 * 0.95
+  msg = str(err.value)
+  assert ("under XLA's settings in force, it needs 106.37 GiB (114214625280 bytes) of pinned "
+          "host memory per device, over each local device's share of what this host can pin "
+          "now of 64.00 GiB") in msg
+  assert (f"A plan fits this machine with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=108 and "
+          f"XLA_PYTHON_CLIENT_MEM_FRACTION={settings['XLA_PYTHON_CLIENT_MEM_FRACTION']} (it "
+          f"needs pinned_host {jaxtier.format_bytes(room.pinned_bytes)}") in msg
+  # Where the settings in force are all the machine has, nothing is named.
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "108")
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: int(0.95 * 135.3 * 2**30))
+  pipeline_lib._raise_with_room(first.value, inv, dict(fixed, pinnable_bytes=108 * 2**30),
+                                None, costs, state)

@@ -16,13 +16,14 @@ class PlanError(ValueError):
 
 
 class AdmissionError(PlanError):
-  """The plan needs more pinned host memory than the budget or the host allows.
+  """The plan needs more memory than the budget, the host or XLA's allocators allow.
 
   Raised before anything is allocated; the caller's state is untouched. `plan` holds the
   refused plan (for printing). `settings` holds the environment settings that would admit it
-  on this host ({name: value}, e.g. {'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB': '95'}, where XLA's
-  pinned pool is what refuses it and the host has the memory), to be set before JAX starts;
-  empty where none would.
+  on this machine ({name: value}, e.g. {'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB': '95'} where XLA's
+  pinned pool refuses it and the host has the memory, {'XLA_PYTHON_CLIENT_MEM_FRACTION':
+  '0.91'} where JAX's device allocator does and the GPU has the memory), to be set before JAX
+  starts; empty where none would.
   """
 
   plan: Any = None  # the refused `Plan`, or None

@@ -22,7 +22,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis import step_costs as step_costs_lib
-from jaxtier._src.errors import PlanError
+from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import programs as programs_lib
@@ -92,10 +92,20 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   def lower(plan):
     return Planned(inv, plan, programs_lib.build(inv, plan, state, args), sig)
 
+  gpu_here = platform == "gpu" and jax.default_backend() == "gpu"
+  try:
+    first = make(costs)
+  except PlanError as e:
+    if gpu_here:
+      _raise_with_room(e, inv, fixed, budget, costs, state)
+    raise
+  if not first.fits and gpu_here:
+    _raise_with_room(None, inv, fixed, budget, costs, state, first)
+
   previous = planned = None
   for attempt in range(MAX_REPLANS + 1):
     try:
-      plan = make(costs)
+      plan = first if attempt == 0 else make(costs)
     except PlanError as e:
       if previous is None:
         raise
@@ -111,6 +121,9 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     previous, budget = planned, smaller
   planned = _refine(planned, state, args, costs, make, lower, options.policy)
   log.debug("jaxtier plan:\n%s", planned.plan)
+  # What JAX's device allocator can hold here, before anything is allocated.
+  admission.admit_device(planned.plan,
+                         host_lib.allocator_limit_bytes() if platform == "gpu" else None)
   # Admission again, with what the compiled step allocates in pinned_host beyond the state
   # (nothing is allocated yet: `place` and `init` allocate after planning).
   try:
@@ -120,6 +133,67 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     e.plan = planned.plan
     raise
   return planned
+
+
+def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: dict[str, Any],
+                     budget: "int | None", costs: step_costs_lib.StepCosts, state: Any,
+                     plan: "Plan | None" = None) -> None:
+  """Raises an AdmissionError naming the XLA settings under which a plan fits this machine,
+  where the one made under the settings in force does not fit (or was refused: `error`).
+
+  On a GPU of this machine the limits a plan meets are partly XLA's settings, read when JAX
+  starts: the pinned pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) and the device allocator's
+  fraction (XLA_PYTHON_CLIENT_MEM_FRACTION). The plan is made again against what the machine
+  has (`host.pinned_pool_room_bytes`; the GPU's free memory at start-up times
+  MAX_MEM_FRACTION, unless a device budget was given), allocating nothing. When that plan
+  fits, the settings it needs are named. Returns (raising nothing) elsewhere: on the CPU, when
+  the settings in force already give all there is, or when even the machine's room does not
+  fit a plan. Called for a GPU of this machine only.
+  """
+  limit = host_lib.allocator_limit_bytes()
+  room_pinned = host_lib.pinned_pool_room_bytes(_num_local_devices(state))
+  if limit is None or room_pinned is None:
+    return
+  room_device = budget
+  if room_device is None:
+    free_at_start = limit / host_lib.xla_mem_fraction()
+    room_device = int(free_at_start * host_lib.MAX_MEM_FRACTION * (1 - admission.DEVICE_MARGIN))
+  pinnable = max(fixed["pinnable_bytes"] or 0, room_pinned)
+  try:
+    room = planner.make_plan(inv, device_budget=room_device, step_costs=costs,
+                             **dict(fixed, pinnable_bytes=pinnable))
+  except PlanError:
+    return
+  if not room.fits:
+    return
+  settings = {}
+  if host_lib.pinned_pool_that_fits(room.pinned_bytes, _num_local_devices(state)) is not None:
+    # All the room the host has, not the plan's need: after compiling, a re-plan may move more
+    # state to the host (XLA's pool is a cap that grows with use, not a reservation).
+    settings[admission.POOL_SETTING] = str(room_pinned // 2**30)
+  if budget is None and room.predicted_peak_hbm_bytes is not None:
+    fraction = host_lib.mem_fraction_that_fits(room.predicted_peak_hbm_bytes,
+                                               admission.DEVICE_MARGIN)
+    if fraction is not None:
+      settings[admission.FRACTION_SETTING] = fraction
+  if not settings:
+    return
+  said = " and ".join(f"{k}={v}" for k, v in settings.items())
+  if error is not None:
+    why = (str(error).removeprefix("jaxtier: ")
+           .removeprefix("plan refused before allocating anything: ").split(". Largest")[0])
+  else:
+    why = f"the plan does not fit: {plan.verdicts[0] if plan and plan.verdicts else ''}"
+  refusal = AdmissionError(
+      f"jaxtier: plan refused before allocating anything: under XLA's settings in force, "
+      f"{why}. A plan fits this machine with {said} (it needs pinned_host "
+      f"{format_bytes(room.pinned_bytes)}, predicted peak device memory "
+      f"{format_bytes(room.predicted_peak_hbm_bytes)}). Fix: set {said} before JAX starts "
+      "(python -m jaxtier train does), or keep more state on the device / in pinned_host with a "
+      "policy.")
+  refusal.settings = settings
+  refusal.plan = room
+  raise refusal from error
 
 
 def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
@@ -189,21 +263,33 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
     return planned, None
   try:
     lowered, device_args, host = planned.programs.lower_for_check(state, args)
-    ok, fig = verify_lib.verify(plan, lowered, host_argument_bytes=host,
+    compiled = lowered.compile()
+    ok, fig = verify_lib.verify(plan, compiled, host_argument_bytes=host,
                                 device_argument_bytes=device_args)
   except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
     log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)
     return planned, None
   if fig is None:
     return planned, None
+  # Pinned_host bytes beyond the state: what the compiled compute and update programs allocate
+  # there, and the streamed leaves' gradient buffers (jaxtier's, allocated once).
+  update_extra = _update_host_extra_bytes(planned.programs, state, compiled)
+  scratch = sum(inv_lib.bytes_per_device(s) for s in planned.programs.scratch_specs())
   plan = dataclasses.replace(
       plan, compiler_peak_hbm_bytes=fig.peak_bytes,
-      compiler_host_extra_bytes=fig.host_extra_bytes,
+      compiler_host_extra_bytes=fig.host_extra_bytes + update_extra + scratch,
       notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (the "
                           f"arguments by their shardings: device {device_args}, pinned_host "
                           f"{host} bytes)",))
-  planned = dataclasses.replace(planned, plan=plan)
   budget = plan.planned_device_budget
+  if ok and not plan.fits and all(v.limit == "device_budget" for v in plan.violations):
+    # The prediction was over the device budget, the compiled step is not: the compiler's
+    # figure is the one the allocator meets.
+    plan = dataclasses.replace(
+        plan, fits=True, violations=(), verdicts=(), notes=plan.notes + tuple(
+            f"the prediction said: {v}; the compiled step's peak, "
+            f"{format_bytes(fig.peak_bytes)}, fits the budget" for v in plan.verdicts))
+  planned = dataclasses.replace(planned, plan=plan)
   log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
            plan.predicted_peak_hbm_bytes, fig.peak_bytes,
            "" if budget is None else f", budget {budget} bytes")
@@ -224,6 +310,20 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
               format_bytes(over), format_bytes(budget),
               format_bytes(plan.predicted_peak_hbm_bytes), format_bytes(over))
   return planned, max(1, budget - over)
+
+
+def _update_host_extra_bytes(programs: programs_lib.StepPrograms, state: Any,
+                             compiled_compute: Any) -> int:
+  """Pinned_host bytes the compiled host-update program allocates beyond its arguments (its
+  outputs not aliased to an input, its host temporaries); 0 where it has none, or where the
+  backend reports no host figures."""
+  try:
+    lowered = programs.lower_update_for_check(state, compiled_compute)
+    fig = None if lowered is None else step_costs_lib.memory_figures(lowered.compile())
+  except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
+    log.debug("jaxtier: compiling the host-update program to check it failed: %r", e)
+    return 0
+  return 0 if fig is None else fig.host_extra_bytes
 
 
 def _refine(planned: Planned, state: Any, args: Sequence[Any],

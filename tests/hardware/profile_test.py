@@ -111,9 +111,28 @@ def test_the_pinned_pool_that_fits_is_named_only_where_the_pool_binds_and_the_ho
   from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   monkeypatch.setattr(host, "available_bytes", lambda: 120 * 2**30)
-  assert host.pinned_pool_that_fits(int(94.55 * 2**30)) == 95  # over 64 GiB, room for it
+  # over 64 GiB, room for it: the pool at the room there is, 0.9 of what is available
+  assert host.pinned_pool_that_fits(int(94.55 * 2**30)) == 108
+  assert host.pinned_pool_that_fits(int(107.5 * 2**30)) == 108
   assert host.pinned_pool_that_fits(60 * 2**30) is None  # the default pool holds it
   assert host.pinned_pool_that_fits(110 * 2**30) is None  # over 0.9 of what is available
   assert host.pinned_pool_that_fits(int(94.55 * 2**30), num_local_devices=2) is None
   monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
   assert host.pinned_pool_that_fits(int(94.55 * 2**30)) is None  # the raised pool holds it
+
+
+def test_the_mem_fraction_that_fits_is_named_only_where_the_fraction_binds_and_the_gpu_has_room(
+    monkeypatch):
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  # An H200 as JAX starts on it: 0.75 of 135.3 GiB free at start-up.
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: int(0.75 * 135.3 * 2**30))
+  assert host.mem_fraction_that_fits(90 * 2**30, margin=0.05) is None  # holds it already
+  # 115 GiB / (0.95 * 135.3 GiB) = 0.895: rounded up to 0.90, plus 0.01
+  assert host.mem_fraction_that_fits(115 * 2**30, margin=0.05) == "0.91"
+  assert host.mem_fraction_that_fits(125 * 2**30, margin=0.05) is None  # over 0.95 of the GPU
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: int(0.5 * 135.3 * 2**30))
+  assert host.mem_fraction_that_fits(70 * 2**30, margin=0.05) == "0.56"
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: None)  # no GPU here
+  assert host.mem_fraction_that_fits(115 * 2**30, margin=0.05) is None

@@ -102,6 +102,38 @@ def test_a_refusal_by_the_pinned_pool_of_this_hosts_gpu_carries_the_setting_that
   monkeypatch.setattr(host, "available_bytes", lambda: 120 * 2**30)
   with pytest.raises(jaxtier.AdmissionError) as err:
     admission.admit(plan, 64 * 2**30, host.HERE_PINNABLE)
-  assert dict(err.value.settings) == {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "95"}
+  assert dict(err.value.settings) == {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "108"}
   assert ("XLA's pinned pool is the limit and this host has the memory: set "
-          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=95 before JAX starts") in str(err.value)
+          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=108 before JAX starts") in str(err.value)
+
+
+def test_a_peak_over_what_jaxs_allocator_holds_is_refused_with_the_fraction_that_fits(
+    monkeypatch):
+  # On a GPU the compiled step's peak meets JAX's allocator (memory_stats' bytes_limit, the
+  # fraction XLA_PYTHON_CLIENT_MEM_FRACTION of the memory free at start-up), less 5% for
+  # fragmentation. Over it, the plan is refused before allocating, naming the fraction under
+  # which it fits where the GPU has the memory; without that room the fix is more offload.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  limit = int(0.75 * 135.3 * 2**30)
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: limit)
+  plan = jaxtier.plan(STEP, mlp_state(), toy_batch())
+  admission.admit_device(dataclasses.replace(plan, compiler_peak_hbm_bytes=90 * 2**30), limit)
+  admission.admit_device(plan, None)  # no GPU here: nothing to check
+  over = dataclasses.replace(plan, compiler_peak_hbm_bytes=115 * 2**30)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    admission.admit_device(over, limit)
+  msg = str(err.value)
+  assert ("the compiled step's peak is 115.00 GiB (123480309760 bytes) of device memory, over "
+          "what JAX's allocator holds on this GPU (101.47 GiB, XLA_PYTHON_CLIENT_MEM_FRACTION="
+          "0.75) less 5% for fragmentation (96.40 GiB)") in msg
+  assert "set XLA_PYTHON_CLIENT_MEM_FRACTION=0.91 before JAX starts" in msg
+  assert dict(err.value.settings) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.91"}
+  assert err.value.plan is over
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    admission.admit_device(dataclasses.replace(plan, compiler_peak_hbm_bytes=130 * 2**30), limit)
+  assert dict(err.value.settings) == {}
+  assert "Fix: keep more state in pinned_host" in str(err.value)

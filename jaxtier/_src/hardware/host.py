@@ -67,11 +67,11 @@ POOL_HEADROOM = 0.9
 
 def pinned_pool_that_fits(need_bytes: int, num_local_devices: int = 1) -> "int | None":
   """The XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB that lets each device pin `need_bytes`, where XLA's
-  pinned pool is what stops it and this host has the memory (POOL_HEADROOM of each device's
-  share of MemAvailable); else None.
+  pinned pool is what stops it and this host has the memory: the room there is, POOL_HEADROOM
+  of each device's share of MemAvailable; else None.
 
   Returns:
-    GiB (int, rounded up), or None: the pool already holds `need_bytes`, the host lacks the
+    GiB (int, rounded down), or None: the pool already holds `need_bytes`, the host lacks the
     memory, or its available memory cannot be read.
   """
   available = available_bytes()
@@ -82,4 +82,70 @@ def pinned_pool_that_fits(need_bytes: int, num_local_devices: int = 1) -> "int |
   share = available // max(1, num_local_devices)
   if need_bytes <= cap or need_bytes > POOL_HEADROOM * share:
     return None
-  return math.ceil(need_bytes / 2**30)
+  # All the room there is, not the need: XLA's pool (a BFC allocator) grows in regions of
+  # doubling size, and a step's large pinned_host temporary needs one free piece of a region,
+  # so a pool set to the need fails (an 8b step's 23 GiB temporary in an 83 GiB pool holding
+  # 58 GiB of state, H200). The pool pins only what its regions take.
+  return int(POOL_HEADROOM * share // 2**30)
+
+
+def pinned_pool_room_bytes(num_local_devices: int = 1) -> "int | None":
+  """The largest pinned pool per device `pinned_pool_that_fits` may name on this host
+  (POOL_HEADROOM of each device's share of MemAvailable), bytes; None where it cannot be read."""
+  available = available_bytes()
+  if available is None:
+    return None
+  return int(POOL_HEADROOM * (available // max(1, num_local_devices)))
+
+
+# JAX's GPU allocator takes this fraction of the GPU's free memory at start-up unless
+# XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+XLA_MEM_FRACTION_DEFAULT = 0.75
+# The largest fraction `mem_fraction_that_fits` names: the rest is left to the CUDA context's
+# libraries (cuBLAS and cuDNN workspaces, pinned staging) that allocate outside XLA's pool.
+MAX_MEM_FRACTION = 0.95
+
+
+def xla_mem_fraction() -> float:
+  """XLA_PYTHON_CLIENT_MEM_FRACTION as XLA reads it, or its default (0.75)."""
+  value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+  try:
+    return float(value) if value else XLA_MEM_FRACTION_DEFAULT
+  except ValueError:
+    return XLA_MEM_FRACTION_DEFAULT
+
+
+def allocator_limit_bytes() -> "int | None":
+  """What JAX's allocator may hold on this process's first GPU (`memory_stats()['bytes_limit']`),
+  bytes; None without a GPU or where the backend reports no limit."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() != "gpu":
+    return None
+  stats = jax.local_devices()[0].memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return int(limit) if limit else None
+
+
+def mem_fraction_that_fits(need_bytes: int, margin: float) -> "str | None":
+  """The XLA_PYTHON_CLIENT_MEM_FRACTION under which JAX's allocator holds `need_bytes` with
+  `margin` of its limit left free, where the allocator's fraction is what stops it and the GPU
+  has the memory (at most MAX_MEM_FRACTION); else None.
+
+  The allocator's limit is the fraction of the memory the GPU had free when JAX started
+  (`allocator_limit_bytes() / xla_mem_fraction()`).
+
+  Returns:
+    The fraction as a string of two decimals (rounded up, plus 0.01), or None: no GPU here, the
+    current limit already holds `need_bytes`, or even MAX_MEM_FRACTION would not.
+  """
+  limit = allocator_limit_bytes()
+  if limit is None:
+    return None
+  fraction = xla_mem_fraction()
+  if need_bytes <= limit * (1 - margin):
+    return None
+  free_at_start = limit / fraction
+  wanted = math.ceil(100 * need_bytes / ((1 - margin) * free_at_start)) / 100 + 0.01
+  if wanted > MAX_MEM_FRACTION:
+    return None
+  return f"{max(wanted, fraction):.2f}"

@@ -34,6 +34,57 @@ def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str
   return int(limit * (1 - DEVICE_MARGIN)), f"{where} less {DEVICE_MARGIN:.0%}"
 
 
+FRACTION_SETTING = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+POOL_SETTING = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
+  """Refuses `plan` before anything is allocated where its peak device memory (the compiled
+  step's `memory_analysis`, else the prediction) is over what JAX's allocator can hold on this
+  GPU less DEVICE_MARGIN (fragmentation: XLA allocates each program's temporaries as one
+  buffer, so the free memory must hold it in one piece).
+
+  Where the allocator's fraction is what stops it and the GPU has the memory, the refusal names
+  the fraction that fits and carries it in `AdmissionError.settings`
+  (`host.mem_fraction_that_fits`).
+
+  Args:
+    plan: the plan, after verification when the step was compiled.
+    allocator_limit: `memory_stats()['bytes_limit']` of this GPU; None (no GPU here): nothing
+      to check.
+
+  Raises:
+    AdmissionError: the peak over the allocator's limit less DEVICE_MARGIN.
+  """
+  peak = plan.compiler_peak_hbm_bytes
+  source = "the compiled step's peak"
+  if peak is None:
+    peak, source = plan.predicted_peak_hbm_bytes, "the predicted peak"
+  if allocator_limit is None or peak is None:
+    return
+  usable = int(allocator_limit * (1 - DEVICE_MARGIN))
+  if peak <= usable:
+    return
+  fraction = host_lib.mem_fraction_that_fits(peak, DEVICE_MARGIN)
+  if fraction is not None:
+    fix = (f"JAX's allocator fraction is the limit and this GPU has the memory: set "
+           f"{FRACTION_SETTING}={fraction} before JAX starts (python -m jaxtier train does)")
+  else:
+    fix = ("keep more state in pinned_host (policy, or host_stream for the layers' params), a "
+           "smaller batch or sequence, or rematerialise more (remat_policy)")
+  error = AdmissionError(
+      f"jaxtier: plan refused before allocating anything: {source} is "
+      f"{format_bytes(peak)} ({peak} bytes) of device memory, over what JAX's allocator holds "
+      f"on this GPU ({format_bytes(allocator_limit)}, {FRACTION_SETTING}="
+      f"{host_lib.xla_mem_fraction():g}) less {DEVICE_MARGIN:.0%} for fragmentation "
+      f"({format_bytes(usable)}). Largest device leaves: "
+      f"{_largest([l for l in plan.leaves if l.memory_kind == 'device'], lambda l: l.nbytes)}. "
+      f"Fix: {fix}.")
+  error.settings = {FRACTION_SETTING: fraction} if fraction is not None else {}
+  error.plan = plan
+  raise error
+
+
 def _largest(leaves: list[LeafPlan], key: Callable[[LeafPlan], int], k: int = 5) -> str:
   top = sorted(leaves, key=key, reverse=True)[:k]
   return "; ".join(f"{leaf.path} {format_bytes(key(leaf))}" for leaf in top if key(leaf))
@@ -82,14 +133,14 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
       if pool and plan.platform == "gpu" and pinnable_what == HERE_PINNABLE:
         gib = host_lib.pinned_pool_that_fits(need, num_local_devices)
         if gib is not None:
-          settings = {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": str(gib)}
+          settings = {POOL_SETTING: str(gib)}
           fix = (f"XLA's pinned pool is the limit and this host has the memory: set "
                  f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={gib} before JAX starts (python -m "
                  f"jaxtier train does), or keep more leaves on the device (policy)")
       compiled = "" if not extra else (
           f" (the state's {format_bytes(plan.pinned_bytes)} and {format_bytes(extra)} that the "
-          "compiled step allocates beyond it: its pinned_host outputs not aliased to an input "
-          "and its host temporaries)")
+          "compiled step allocates beyond it: its programs' pinned_host outputs not aliased to "
+          "an input, their host temporaries and the streamed leaves' gradient buffers)")
       error = AdmissionError(
           f"jaxtier: plan refused before allocating anything: it needs "
           f"{format_bytes(need)} ({need} bytes) of pinned host memory per device{compiled}, "
