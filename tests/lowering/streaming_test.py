@@ -81,6 +81,8 @@ def test_gradient_of_streamed_param_goes_to_a_host_buffer():
   state = step.place(_state(tx), x, y)
   (scratch,) = step._planned.programs.stream.scratch
   assert scratch.shape == (4, 32, 32)
+  # Admission counts the gradient buffer as pinned_host bytes beyond the state.
+  assert step.plan.compiler_host_extra_bytes >= 4 * 32 * 32 * 4
   w0 = np.array(state["W"])  # a copy: a view of the host buffer would block its donation
   state, _ = step(state, x, y)
   (g,) = step._scratch

@@ -87,6 +87,22 @@ class StepPrograms:
                      if jc.memory_kind_of(a) == MemoryKind.PINNED_HOST)
     return lowered, sum(inv_lib.bytes_per_device(a) for a in every) - host_bytes, host_bytes
 
+  def lower_update_for_check(self, state: Any, compiled_compute: Any) -> Any:
+    """Lowers the fused host-update program for the state as it will be placed, its feeds as
+    `compiled_compute` (the compiled `compute`) returns them; None when the step has no host
+    update. What `verify` reads its pinned_host figures from."""
+    if not (self.split.updated_host or self.master_indices):
+      return None
+    specs = self.state_specs(state)
+    feed_sh = list(compiled_compute.output_shardings[1])
+    feeds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+             for a, sh in zip(compiled_compute.out_info[1], feed_sh)]
+    masters = [jax.ShapeDtypeStruct(specs[i].shape, np.float32, sharding=sh)
+               for i, sh in zip(self.master_indices, self.master_shardings)]
+    return self.update(feed_sh).lower([specs[i] for i in self.split.updated_host],
+                                      [specs[i] for i in self.split.read_host], masters, feeds,
+                                      self.scratch_specs())
+
 
 def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[Any]
           ) -> StepPrograms:

@@ -86,9 +86,10 @@ class Plan:
     notes: where the figures come from (profile, transient bytes), and warnings.
     compiler_peak_hbm_bytes: the compiled step's peak device memory from its
       `memory_analysis()` (set after compiling; None before, or where the backend reports none).
-    compiler_host_extra_bytes: pinned host bytes the compiled step allocates beyond the state
-      (host outputs not aliased, host temporaries; `MemoryFigures.host_extra_bytes`), per
-      device: admission counts them with `pinned_bytes` (None before compiling).
+    compiler_host_extra_bytes: pinned host bytes the compiled step needs beyond the state,
+      per device: its compute and update programs' host outputs not aliased and host
+      temporaries (`MemoryFigures.host_extra_bytes`), and the streamed leaves' gradient buffers;
+      admission counts them with `pinned_bytes` (None before compiling).
     measured_step_secs: the median wall time of the offloaded step's calls 2 to
       1 + MEASURED_STEPS, seconds, each synchronised (set once measured; None before).
     fits: False when the planner found no placement within the budgets (`violations` says
