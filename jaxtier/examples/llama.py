@@ -135,6 +135,17 @@ CONFIGS: dict[str, LlamaConfig] = {
     "13b": LlamaConfig(
         d_model=5120, num_layers=40, num_heads=40, d_ff=13824, max_seq_len=2048,
         dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
+    # Capacity configs: Llama-2-13B layers, stacked deeper, toward what one H200 and its host
+    # hold at 16 B/param (fp32 params, gradients, m and v): ~14.3e9, ~15.2e9, ~16.5e9 params.
+    "14b": LlamaConfig(
+        d_model=5120, num_layers=45, num_heads=40, d_ff=13824, max_seq_len=2048,
+        dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
+    "15b": LlamaConfig(
+        d_model=5120, num_layers=48, num_heads=40, d_ff=13824, max_seq_len=2048,
+        dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
+    "16b": LlamaConfig(
+        d_model=5120, num_layers=52, num_heads=40, d_ff=13824, max_seq_len=2048,
+        dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
 }
 
 

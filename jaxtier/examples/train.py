@@ -62,6 +62,9 @@ RUN_DEFAULTS: dict[str, RunDefaults] = {
     "1b": RunDefaults(steps=200, batch_size=8, learning_rate=3e-4, log_every=10),
     "8b": RunDefaults(steps=100, batch_size=4, learning_rate=1.5e-4, log_every=5),
     "13b": RunDefaults(steps=100, batch_size=4, learning_rate=1.5e-4, log_every=5),
+    "14b": RunDefaults(steps=100, batch_size=4, learning_rate=1.5e-4, log_every=5),
+    "15b": RunDefaults(steps=100, batch_size=4, learning_rate=1.5e-4, log_every=5),
+    "16b": RunDefaults(steps=100, batch_size=4, learning_rate=1.5e-4, log_every=5),
 }
 _FALLBACK_DEFAULTS = RunDefaults(steps=100, batch_size=8, learning_rate=1e-3,
                                  log_every=10)
@@ -163,7 +166,9 @@ def run(
     ``first_loss``, ``last_loss``, ``compile_secs``, ``total_secs``,
     ``num_params``, ``state_bytes``, ``plan`` (``str(step.plan)`` or
     ``None``) and ``plan_bytes`` (state bytes per memory kind, fp32 masters
-    included: ``{"device": ..., "pinned_host": ...}``).
+    included: ``{"device": ..., "pinned_host": ...}``) and ``memory`` (bytes: the peak device
+    memory JAX's allocator saw, where the backend reports it, and the pinned_host bytes live
+    after the run, beside the plan's predicted and compiled figures; None where unknown).
 
   Raises:
     ValueError: for an unknown config or offload mode, bad sizes, or bad data.
@@ -288,6 +293,9 @@ def run(
   print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
         f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
         f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
+  memory = _memory_figures(step.plan if offload != "none" else None)
+  print("memory: " + ", ".join(f"{k} {jaxtier.format_bytes(v)}" for k, v in memory.items()
+                               if v is not None))
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
     print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms, measured "
@@ -304,6 +312,25 @@ def run(
       "state_bytes": state_bytes,
       "plan_bytes": plan_bytes,
       "plan": plan,
+      "memory": memory,
+  }
+
+
+def _memory_figures(plan) -> dict[str, "int | None"]:
+  """Peak device bytes JAX's allocator saw (`memory_stats`, None where the backend reports
+  none) and pinned_host bytes live now (the state's host leaves, jaxtier's masters and
+  scratch), beside the plan's predicted and compiled figures."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  pinned = sum(x.nbytes for x in jax.live_arrays()
+               if getattr(x.sharding, "memory_kind", None) == "pinned_host")
+  return {
+      "peak device (measured)": stats.get("peak_bytes_in_use"),
+      "peak device (predicted)": getattr(plan, "predicted_peak_hbm_bytes", None),
+      "peak device (compiled)": getattr(plan, "compiler_peak_hbm_bytes", None),
+      "pinned_host live (measured)": pinned,
+      "pinned_host (planned)": getattr(plan, "pinned_bytes", None),
+      "pinned_host beyond the state (compiled)": getattr(plan, "compiler_host_extra_bytes",
+                                                         None),
   }
 
 
@@ -363,15 +390,24 @@ _ALLOW_OVER_BUDGET = flags.DEFINE_bool(
     "--host_budget given (by default that is an error before the first step).")
 
 
+_JSON_OUT = flags.DEFINE_string(
+    "json_out", "", "Also write the run's results (losses, step times, tokens/s, memory "
+    "figures; run()'s return value without the plan's text) as JSON to this file.")
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
+  result = run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
       seq_len=_SEQ_LEN.value, offload=_OFFLOAD.value, data=_DATA.value,
       seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
       warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
       device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
       remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value)
+  if _JSON_OUT.value:
+    import json  # pylint: disable=g-import-not-at-top
+    with open(_JSON_OUT.value, "w") as f:
+      json.dump({k: v for k, v in result.items() if k != "plan"}, f, indent=1)
 
 
 if __name__ == "__main__":

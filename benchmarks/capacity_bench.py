@@ -1,0 +1,172 @@
+r"""W4 capacity and the 8b runs: the example trainer as a user runs it, with XLA's defaults.
+
+Each run is `python -m jaxtier train --config=C --offload=O --steps=N` in its own process, with
+XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB unset (the CLI sets them
+where its plan needs them, by running itself again). Per run it records what happened (trained,
+refused before allocation with the message, or failed, and whether a raw out-of-memory error
+appears in the log), the losses, tokens/s, the model FLOP utilisation, and the peak device and
+pinned_host bytes measured against the plan's predicted and compiled figures. The bound is
+(the GPU's memory + the host's available memory) / 16 B per param (fp32 params, gradients, m
+and v). DeepSpeed's results (`.baselines/deepspeed/run.sh`, written as JSON to
+--baseline_dir) are read in as the baseline.
+
+Usage (device tool, after benchmarks/prologue.sh built jaxtier):
+  python3 benchmarks/capacity_bench.py --runs=14b:auto,15b:auto --steps=10 --out=$OUT \
+      --workload=w4_capacity --baseline_dir=$OUT/deepspeed
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# Set by the CLI itself where its plan needs them; a user's defaults have neither.
+XLA_SETTINGS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+                "JAXTIER_RERUN")
+RAW_OOM = re.compile(r"RESOURCE_EXHAUSTED|Out of memory|out of memory while trying to allocate")
+# Bytes per param of fp32 params, gradients, m and v: what the bound counts.
+BYTES_PER_PARAM = 16
+# The H200's measured bf16 matmul rate (../shared/MEASURED.md, the 8b device-only MFU's base).
+PEAK_FLOPS = 790e12
+
+
+def model_flops_per_token(config) -> float:
+  """Training FLOPs per token: 6 N for the weights' matmuls plus 12 L d s for attention
+  (forward and backward, no recomputation counted: model FLOPs, not hardware FLOPs)."""
+  from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  n = llama.param_count(config)
+  return 6 * n + 12 * config.num_layers * config.d_model * config.max_seq_len
+
+
+def run_one(config_name: str, offload: str, steps: int, out: str, timeout: int,
+            batch_size: int | None) -> dict:
+  """Runs the CLI once for (config, offload); returns its record."""
+  from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  name = f"{config_name}_{offload}"
+  json_out = os.path.join(out, f"{name}.result.json")
+  log_path = os.path.join(out, f"{name}.log")
+  cmd = [sys.executable, "-m", "jaxtier", "train", f"--config={config_name}",
+         f"--offload={offload}", f"--steps={steps}", "--log_every=1", f"--json_out={json_out}"]
+  if batch_size:
+    cmd.append(f"--batch_size={batch_size}")
+  env = {k: v for k, v in os.environ.items() if k not in XLA_SETTINGS}
+  bench_util.log(f"{name}: {' '.join(cmd[1:])}")
+  t0 = time.perf_counter()
+  try:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    rc, text = proc.returncode, proc.stdout + proc.stderr
+  except subprocess.TimeoutExpired as e:
+    rc = "timeout"
+    text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    text += (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+  wall = time.perf_counter() - t0
+  with open(log_path, "w") as f:
+    f.write(text)
+  config = llama.CONFIGS[config_name]
+  rec = {"config": config_name, "offload": offload, "command": " ".join(cmd[1:]),
+         "params": llama.param_count(config), "returncode": rc, "wall_secs": round(wall, 1),
+         "raw_out_of_memory": bool(RAW_OOM.search(text)),
+         "reruns": re.findall(r"note: the plan fits with ([^,]+?), which XLA reads", text),
+         "log": os.path.basename(log_path)}
+  refused = re.findall(r"^error: (?:AdmissionError|PlanError|OverBudgetError): (.*)$", text,
+                       re.M)
+  if refused:
+    rec["refused"] = refused[-1]
+  if rc == 0 and os.path.exists(json_out):
+    with open(json_out) as f:
+      res = json.load(f)
+    losses = res["losses"]
+    tokens = res["tokens_per_sec"]
+    mem = res["memory"]
+    rec.update(
+        trained_steps=len(losses), first_loss=losses[0], last_loss=losses[-1],
+        loss_falling=losses[-1] < losses[0], tokens_per_sec=round(tokens, 1),
+        step_secs=round(sum(res["step_times"][1:]) / max(1, len(res["step_times"]) - 1), 3),
+        mfu=round(tokens * model_flops_per_token(config) / PEAK_FLOPS, 4),
+        plan_bytes=res["plan_bytes"], memory=mem)
+    measured, compiled = mem.get("peak device (measured)"), mem.get("peak device (compiled)")
+    predicted = mem.get("peak device (predicted)")
+    if measured:
+      rec["peak_device_compiled_over_measured"] = (
+          None if compiled is None else round(compiled / measured, 4))
+      rec["peak_device_predicted_over_measured"] = (
+          None if predicted is None else round(predicted / measured, 4))
+    live, planned = mem.get("pinned_host live (measured)"), mem.get("pinned_host (planned)")
+    if live and planned:
+      rec["pinned_planned_over_measured"] = round(planned / live, 4)
+  else:
+    tail = [l for l in text.splitlines() if l.strip() and not re.match(r"^[IW]\d{4} ", l)]
+    rec["tail"] = tail[-8:]
+  bench_util.log(f"{name}: rc {rc} in {wall:.0f} s; " + json.dumps(
+      {k: rec.get(k) for k in ("tokens_per_sec", "loss_falling", "refused",
+                               "raw_out_of_memory", "reruns")}))
+  return rec
+
+
+def host_available_bytes() -> int:
+  with open("/proc/meminfo") as f:
+    info = dict(line.split(":", 1) for line in f)
+  return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def gpu_total_bytes() -> int:
+  """The GPU's memory as nvidia-smi reports it (MiB), bytes; 0 where it cannot say."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                          "nounits"], capture_output=True, text=True, timeout=30).stdout
+    return int(out.split()[0]) * 2**20
+  except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+    return 0
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--runs", default="14b:auto", help="config:offload,... in order")
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--batch_size", type=int, default=None)
+  p.add_argument("--timeout", type=int, default=420, help="seconds per run")
+  p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+  p.add_argument("--workload", default="w4_capacity")
+  p.add_argument("--baseline_dir", default="")
+  args = p.parse_args()
+  os.makedirs(args.out, exist_ok=True)
+  hbm, host = gpu_total_bytes(), host_available_bytes()
+  runs = []
+  for spec in args.runs.split(","):
+    config_name, _, offload = spec.partition(":")
+    runs.append(run_one(config_name, offload or "auto", args.steps, args.out, args.timeout,
+                        args.batch_size))
+  trained = [r for r in runs if r.get("loss_falling")]
+  largest = max(trained, key=lambda r: r["params"], default=None)
+  baseline = {}
+  for path in sorted(glob.glob(os.path.join(args.baseline_dir, "*.json"))
+                     if args.baseline_dir else []):
+    with open(path) as f:
+      baseline[os.path.basename(path).removesuffix(".json")] = json.load(f)
+  bound = (hbm + host) // BYTES_PER_PARAM
+  import jax  # pylint: disable=g-import-not-at-top
+  rec = bench_util.result_record(
+      workload=args.workload, command=" ".join(sys.argv), device=bench_util.device_name(),
+      versions=bench_util.versions(jax),
+      figures={"runs": runs, "largest_trained_params": largest and largest["params"],
+               "largest_trained_config": largest and largest["config"]},
+      bound={"params": bound, "gpu_bytes": hbm, "host_available_bytes": host,
+             "bytes_per_param": BYTES_PER_PARAM},
+      baseline=baseline or {"note": "no DeepSpeed results in --baseline_dir"},
+      ratio={"largest_trained_over_bound": largest and round(largest["params"] / bound, 4)})
+  path = bench_util.write_result(rec, args.out, f"{args.workload}.json")
+  if any(r["raw_out_of_memory"] for r in runs):
+    sys.exit("a run ended in a raw out-of-memory error")
+
+
+if __name__ == "__main__":
+  main()
