@@ -128,11 +128,13 @@ def test_the_mem_fraction_that_fits_is_named_only_where_the_fraction_binds_and_t
   # An H200 as JAX starts on it: 0.75 of 135.3 GiB free at start-up.
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: int(0.75 * 135.3 * 2**30))
   assert host.mem_fraction_that_fits(90 * 2**30, margin=0.05) is None  # holds it already
-  # 115 GiB / (0.95 * 135.3 GiB) = 0.895: rounded up to 0.90, plus 0.01
-  assert host.mem_fraction_that_fits(115 * 2**30, margin=0.05) == "0.91"
+  # 115 GiB / (0.95 * 135.3 GiB) = 0.895: rounded up to 0.90, plus 0.02
+  assert host.mem_fraction_that_fits(115 * 2**30, margin=0.05) == "0.92"
+  # 0.94 needed: plus 0.02 would pass 0.95, the most named
+  assert host.mem_fraction_that_fits(120.5 * 2**30, margin=0.05) == "0.95"
   assert host.mem_fraction_that_fits(125 * 2**30, margin=0.05) is None  # over 0.95 of the GPU
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: int(0.5 * 135.3 * 2**30))
-  assert host.mem_fraction_that_fits(70 * 2**30, margin=0.05) == "0.56"
+  assert host.mem_fraction_that_fits(70 * 2**30, margin=0.05) == "0.57"
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: None)  # no GPU here
   assert host.mem_fraction_that_fits(115 * 2**30, margin=0.05) is None

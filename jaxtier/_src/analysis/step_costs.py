@@ -250,7 +250,8 @@ class MemoryFigures:
     return (f"argument {self.argument_bytes} (host, as XLA reports it: "
             f"{self.host_argument_bytes}), output {self.output_bytes}, alias "
             f"{self.alias_bytes}, temp {self.temp_bytes}, XLA peak {self.xla_peak_bytes}: peak "
-            f"{self.peak_bytes} bytes")
+            f"{self.peak_bytes} bytes; pinned_host output {self.host_output_bytes}, alias "
+            f"{self.host_alias_bytes}, temp {self.host_temp_bytes}")
 
 
 def memory_figures(compiled: Any) -> "MemoryFigures | None":

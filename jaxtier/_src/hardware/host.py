@@ -135,8 +135,9 @@ def mem_fraction_that_fits(need_bytes: int, margin: float) -> "str | None":
   (`allocator_limit_bytes() / xla_mem_fraction()`).
 
   Returns:
-    The fraction as a string of two decimals (rounded up, plus 0.01), or None: no GPU here, the
-    current limit already holds `need_bytes`, or even MAX_MEM_FRACTION would not.
+    The fraction as a string of two decimals (rounded up, plus 0.02 for the compiled step's
+    departure from a prediction, at most MAX_MEM_FRACTION), or None: no GPU here, the current
+    limit already holds `need_bytes`, or even MAX_MEM_FRACTION would not.
   """
   limit = allocator_limit_bytes()
   if limit is None:
@@ -145,7 +146,7 @@ def mem_fraction_that_fits(need_bytes: int, margin: float) -> "str | None":
   if need_bytes <= limit * (1 - margin):
     return None
   free_at_start = limit / fraction
-  wanted = math.ceil(100 * need_bytes / ((1 - margin) * free_at_start)) / 100 + 0.01
+  wanted = math.ceil(100 * need_bytes / ((1 - margin) * free_at_start)) / 100
   if wanted > MAX_MEM_FRACTION:
     return None
-  return f"{max(wanted, fraction):.2f}"
+  return f"{max(min(wanted + 0.02, MAX_MEM_FRACTION), fraction):.2f}"

@@ -43,6 +43,12 @@ ACTIVATION_POLICIES = (KEEP, REMAT, OFFLOAD)
 
 # ---- placement costs --------------------------------------------------------------------------
 
+# Pinned host bytes per byte of a `host_stream` leaf: the leaf, its gradient buffer (the
+# backward writes each layer's gradient there) and the compiled step's pinned_host output of
+# that gradient, which the update program reads (H200, 8b: one 7 GiB streamed leaf, 49 GiB
+# pinned_host live against 35 GiB of state).
+STREAM_PINNED_PER_BYTE = 3
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Cost:
   """What one choice adds to a step, per device.

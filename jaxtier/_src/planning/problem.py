@@ -295,7 +295,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       fixed_pinned += l.nbytes
       fixed_costs.append(cost_model.xla_copy_cost(l.nbytes, profile, platform=platform))
     else:
-      fixed_pinned += l.nbytes
+      fixed_pinned += l.nbytes * (cost_model.STREAM_PINNED_PER_BYTE
+                                  if p == Placement.HOST_STREAM else 1)
   transient = max(int(step_costs.transient_bytes), grads)
   # Parameters already streamed (or read zero-copy) whose update call the cut seeded with them
   # are not decision units, but they still hold no gradient on the device (it goes down layer

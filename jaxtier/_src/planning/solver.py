@@ -205,7 +205,9 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
   peak = base + used + (buffers if streamed else 0) + results
   peak -= credit(on_host) - credit(host_updates)
   pinned = problem.fixed_pinned_bytes + sum(updates[u].pinned_nbytes for u in on_host)
-  pinned += sum(p.nbytes for p in problem.params if params[p.index] != Placement.DEVICE)
+  pinned += sum(p.nbytes * (cost_model.STREAM_PINNED_PER_BYTE
+                            if params[p.index] == Placement.HOST_STREAM else 1)
+                for p in problem.params if params[p.index] != Placement.DEVICE)
   layers = sum((opt[1] for opt in chosen), cost_model.ZERO)
   update_costs = [updates[u].best()[1] for u in sorted(on_host)]
   pred = cost_model.predict(layers=layers, layer_compute_secs=total_layer * scale,
