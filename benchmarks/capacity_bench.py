@@ -51,7 +51,7 @@ def run_one(config_name: str, offload: str, steps: int, out: str, timeout: int,
             batch_size: int | None) -> dict:
   """Runs the CLI once for (config, offload); returns its record."""
   from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
-  name = f"{config_name}_{offload}"
+  name = f"{config_name}_{offload}" + (f"_b{batch_size}" if batch_size else "")
   json_out = os.path.join(out, f"{name}.result.json")
   log_path = os.path.join(out, f"{name}.log")
   cmd = [sys.executable, "-m", "jaxtier", "train", f"--config={config_name}",
@@ -130,7 +130,8 @@ def gpu_total_bytes() -> int:
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--runs", default="14b:auto", help="config:offload,... in order")
+  p.add_argument("--runs", default="14b:auto",
+                 help="config:offload[:batch_size],... in order")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--batch_size", type=int, default=None)
   p.add_argument("--timeout", type=int, default=420, help="seconds per run")
@@ -142,9 +143,9 @@ def main() -> None:
   hbm, host = gpu_total_bytes(), host_available_bytes()
   runs = []
   for spec in args.runs.split(","):
-    config_name, _, offload = spec.partition(":")
+    config_name, offload, batch = (spec.split(":") + ["", ""])[:3]
     runs.append(run_one(config_name, offload or "auto", args.steps, args.out, args.timeout,
-                        args.batch_size))
+                        int(batch) if batch else args.batch_size))
   trained = [r for r in runs if r.get("loss_falling")]
   largest = max(trained, key=lambda r: r["params"], default=None)
   baseline = {}

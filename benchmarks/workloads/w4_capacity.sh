@@ -4,10 +4,11 @@
 # against (HBM + available host memory) / 16 B. First, where .baselines/deepspeed is carried
 # (its README), DeepSpeed ZeRO-Offload and ZeRO-3 CPU offload at the same shapes, with the
 # capacity configs added to its copy of the shapes. Result: $OUT/w4_capacity.json.
-# W4_RUNS: config:offload,... (default 14b:auto,15b:auto); W4_DS_CONFIG (default 14b).
+# W4_RUNS: config:offload[:batch],... (default 14b:auto:1,15b:auto:1); W4_DS_CONFIG (default 14b); W4_DS=0
+# leaves DeepSpeed out.
 # Usage: bash benchmarks/run_h200.sh w4
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
-if [[ -f .baselines/deepspeed/zero_offload_bench.py ]]; then
+if [[ -f .baselines/deepspeed/zero_offload_bench.py && "${W4_DS:-1}" != 0 ]]; then
   # The capacity configs' shapes (jaxtier/examples/llama.py), added to the peer's table.
   python3 - <<'PY'
 import re
@@ -24,5 +25,5 @@ PY
       step w4_deepspeed 170 bash .baselines/deepspeed/run.sh "${W4_DS_CONFIG:-14b}" 4 2048 4 2
 fi
 STEP_TAIL=12 step w4_capacity 480 python3 benchmarks/capacity_bench.py \
-    --runs="${W4_RUNS:-14b:auto,15b:auto}" --steps=10 --timeout=400 --out="$OUT" \
+    --runs="${W4_RUNS:-14b:auto:1,15b:auto:1}" --steps=10 --timeout=400 --out="$OUT" \
     --workload=w4_capacity --baseline_dir="$OUT/deepspeed"
