@@ -116,6 +116,11 @@ class LlamaConfig:
     return self.d_model // self.num_heads
 
 
+# A Llama-2-13B decoder layer (without grouped-query attention), bf16 compute, each layer
+# rematerialised: the 13b config and the deeper capacity configs stack it.
+_LLAMA2_13B_LAYER = dict(d_model=5120, num_heads=40, d_ff=13824, max_seq_len=2048,
+                         dtype=jnp.bfloat16, remat_policy="nothing_saveable")
+
 CONFIGS: dict[str, LlamaConfig] = {
     # ~0.49M params: trains in about a minute on 2 CPU cores (see train.py).
     "tiny": LlamaConfig(
@@ -132,20 +137,12 @@ CONFIGS: dict[str, LlamaConfig] = {
         d_model=4096, num_layers=32, num_heads=32, d_ff=14336, max_seq_len=2048,
         dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
     # Llama-2-13B shapes, vocab 256: ~12.7e9 params.
-    "13b": LlamaConfig(
-        d_model=5120, num_layers=40, num_heads=40, d_ff=13824, max_seq_len=2048,
-        dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
+    "13b": LlamaConfig(num_layers=40, **_LLAMA2_13B_LAYER),
     # Capacity configs: Llama-2-13B layers, stacked deeper, toward what one H200 and its host
     # hold at 16 B/param (fp32 params, gradients, m and v): ~14.3e9, ~15.2e9, ~16.5e9 params.
-    "14b": LlamaConfig(
-        d_model=5120, num_layers=45, num_heads=40, d_ff=13824, max_seq_len=2048,
-        dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
-    "15b": LlamaConfig(
-        d_model=5120, num_layers=48, num_heads=40, d_ff=13824, max_seq_len=2048,
-        dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
-    "16b": LlamaConfig(
-        d_model=5120, num_layers=52, num_heads=40, d_ff=13824, max_seq_len=2048,
-        dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
+    "14b": LlamaConfig(num_layers=45, **_LLAMA2_13B_LAYER),
+    "15b": LlamaConfig(num_layers=48, **_LLAMA2_13B_LAYER),
+    "16b": LlamaConfig(num_layers=52, **_LLAMA2_13B_LAYER),
 }
 
 
