@@ -9,10 +9,13 @@ from typing import Any, Mapping
 class PlanError(ValueError):
   """The state cannot be placed as asked (a budget, a leaf's dtype, an unknown placement).
 
-  When a complete plan was refused (over a budget), `plan` holds it; else None.
+  When a complete plan was refused (over a budget), `plan` holds it; else None. `reason` is
+  then what refused it, one clause with the sizes (e.g. "it needs 106.37 GiB ... of pinned host
+  memory per device, over ... of 64.00 GiB"); '' otherwise.
   """
 
   plan: Any = None  # the refused `Plan`, or None
+  reason: str = ""
 
 
 class AdmissionError(PlanError):

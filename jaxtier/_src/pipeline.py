@@ -151,7 +151,8 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
   fit a plan. Called for a GPU of this machine only.
   """
   limit = host_lib.allocator_limit_bytes()
-  room_pinned = host_lib.pinned_pool_room_bytes(_num_local_devices(state))
+  num_local_devices = _num_local_devices(state)
+  room_pinned = host_lib.pinned_pool_room_bytes(num_local_devices)
   if limit is None or room_pinned is None:
     return
   room_device = budget
@@ -167,10 +168,11 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
   if not room.fits:
     return
   settings = {}
-  if host_lib.pinned_pool_that_fits(room.pinned_bytes, _num_local_devices(state)) is not None:
-    # All the room the host has, not the plan's need: after compiling, a re-plan may move more
-    # state to the host (XLA's pool is a cap that grows with use, not a reservation).
-    settings[admission.POOL_SETTING] = str(room_pinned // 2**30)
+  # The pool named is all the room the host has, not the plan's need: after compiling, a
+  # re-plan may move more state to the host (XLA's pool is a cap that grows with use).
+  pool = host_lib.pinned_pool_that_fits(room.pinned_bytes, num_local_devices)
+  if pool is not None:
+    settings[admission.POOL_SETTING] = str(pool)
   if budget is None and room.predicted_peak_hbm_bytes is not None:
     fraction = host_lib.mem_fraction_that_fits(room.predicted_peak_hbm_bytes,
                                                admission.DEVICE_MARGIN)
@@ -180,8 +182,7 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
     return
   said = " and ".join(f"{k}={v}" for k, v in settings.items())
   if error is not None:
-    why = (str(error).removeprefix("jaxtier: ")
-           .removeprefix("plan refused before allocating anything: ").split(". Largest")[0])
+    why = error.reason or str(error).removeprefix("jaxtier: ")
   else:
     why = f"the plan does not fit: {plan.verdicts[0] if plan and plan.verdicts else ''}"
   refusal = AdmissionError(

@@ -74,19 +74,18 @@ def pinned_pool_that_fits(need_bytes: int, num_local_devices: int = 1) -> "int |
     GiB (int, rounded down), or None: the pool already holds `need_bytes`, the host lacks the
     memory, or its available memory cannot be read.
   """
-  available = available_bytes()
-  if available is None:
+  room = pinned_pool_room_bytes(num_local_devices)
+  if room is None:
     return None
   cap = xla_pinned_pool_bytes()
   cap = XLA_PINNED_POOL_DEFAULT_BYTES if cap is None else cap
-  share = available // max(1, num_local_devices)
-  if need_bytes <= cap or need_bytes > POOL_HEADROOM * share:
+  if need_bytes <= cap or need_bytes > room:
     return None
   # All the room there is, not the need: XLA's pool (a BFC allocator) grows in regions of
   # doubling size, and a step's large pinned_host temporary needs one free piece of a region,
   # so a pool set to the need fails (an 8b step's 23 GiB temporary in an 83 GiB pool holding
   # 58 GiB of state, H200). The pool pins only what its regions take.
-  return int(POOL_HEADROOM * share // 2**30)
+  return room // 2**30
 
 
 def pinned_pool_room_bytes(num_local_devices: int = 1) -> "int | None":

@@ -7,6 +7,8 @@ import logging
 import math
 import os
 
+from jaxtier._src.hardware.host import XLA_MEM_FRACTION_DEFAULT
+
 
 log = logging.getLogger("jaxtier")
 
@@ -23,9 +25,6 @@ DHA_LINK_BYTES_PER_PARAM = 24
 CPU_DRAM_BYTES_PER_PARAM = 32
 
 
-# JAX's GPU allocator takes this fraction of HBM unless XLA_PYTHON_CLIENT_MEM_FRACTION says
-# otherwise (its documented default).
-JAX_MEM_FRACTION = 0.75
 
 
 # The format of a stored profile, kept in its JSON as "format_version". A stored profile of an
@@ -100,7 +99,7 @@ class HardwareProfile:
   matmul_tflops: float = 700.0
   # ~4,050 GB/s device-to-device copy (read + write counted).
   hbm_gbps: float = 4000.0
-  hbm_bytes: int = int(H200_HBM_BYTES * JAX_MEM_FRACTION)
+  hbm_bytes: int = int(H200_HBM_BYTES * XLA_MEM_FRACTION_DEFAULT)
   # XLA's pinned pool cap (64 GiB by default) is below the H200 host's 125 GiB of RAM.
   pinnable_bytes: int = 64 * 2**30
   inter_gpu_gbps: float = 300.0

@@ -6,8 +6,6 @@ import math
 import re
 from typing import Callable
 
-import jax
-
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware import host as host_lib
@@ -27,10 +25,9 @@ def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str
   fragmentation and compiler workspace the model does not see.
   """
   limit, where = hardware.hbm_bytes, f"the profile's HBM ({hardware.device_kind})"
-  if jax.default_backend() == "gpu":
-    stats = jax.devices()[0].memory_stats() or {}
-    if stats.get("bytes_limit"):
-      limit, where = int(stats["bytes_limit"]), "what JAX's allocator may use on this GPU"
+  here = host_lib.allocator_limit_bytes()
+  if here is not None:
+    limit, where = here, "what JAX's allocator may use on this GPU"
   return int(limit * (1 - DEVICE_MARGIN)), f"{where} less {DEVICE_MARGIN:.0%}"
 
 
@@ -72,14 +69,15 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
   else:
     fix = ("keep more state in pinned_host (policy, or host_stream for the layers' params), a "
            "smaller batch or sequence, or rematerialise more (remat_policy)")
+  reason = (f"{source} is {format_bytes(peak)} ({peak} bytes) of device memory, over what "
+            f"JAX's allocator holds on this GPU ({format_bytes(allocator_limit)}, "
+            f"{FRACTION_SETTING}={host_lib.xla_mem_fraction():g}) less {DEVICE_MARGIN:.0%} for "
+            f"fragmentation ({format_bytes(usable)})")
   error = AdmissionError(
-      f"jaxtier: plan refused before allocating anything: {source} is "
-      f"{format_bytes(peak)} ({peak} bytes) of device memory, over what JAX's allocator holds "
-      f"on this GPU ({format_bytes(allocator_limit)}, {FRACTION_SETTING}="
-      f"{host_lib.xla_mem_fraction():g}) less {DEVICE_MARGIN:.0%} for fragmentation "
-      f"({format_bytes(usable)}). Largest device leaves: "
+      f"jaxtier: plan refused before allocating anything: {reason}. Largest device leaves: "
       f"{_largest([l for l in plan.leaves if l.memory_kind == 'device'], lambda l: l.nbytes)}. "
       f"Fix: {fix}.")
+  error.reason = reason
   error.settings = {FRACTION_SETTING: fraction} if fraction is not None else {}
   error.plan = plan
   raise error
@@ -125,7 +123,7 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
       (True, pinnable_bytes, pinnable_what, "free host "
        "memory, keep more leaves on the device (policy), or shard replicated host leaves over "
        "the mesh" + ("; on a GPU, XLA's pinned pool is capped by "
-                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 by default): raise it "
+                     f"{POOL_SETTING} (64 by default): raise it "
                      f"(to {math.ceil(need / 2**30)} or more, set before JAX starts) "
                      "if the host has the memory" if plan.platform == "gpu" else ""))):
     if limit is not None and need > limit:
@@ -135,17 +133,18 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
         if gib is not None:
           settings = {POOL_SETTING: str(gib)}
           fix = (f"XLA's pinned pool is the limit and this host has the memory: set "
-                 f"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB={gib} before JAX starts (python -m "
+                 f"{POOL_SETTING}={gib} before JAX starts (python -m "
                  f"jaxtier train does), or keep more leaves on the device (policy)")
       compiled = "" if not extra else (
           f" (the state's {format_bytes(plan.pinned_bytes)} and {format_bytes(extra)} that the "
           "compiled step allocates beyond it: its programs' pinned_host outputs not aliased to "
           "an input, their host temporaries and the streamed leaves' gradient buffers)")
+      reason = (f"it needs {format_bytes(need)} ({need} bytes) of pinned host memory per "
+                f"device{compiled}, over {what} of {format_bytes(limit)} ({limit} bytes)")
       error = AdmissionError(
-          f"jaxtier: plan refused before allocating anything: it needs "
-          f"{format_bytes(need)} ({need} bytes) of pinned host memory per device{compiled}, "
-          f"over {what} of {format_bytes(limit)} ({limit} bytes). Largest host leaves: "
+          f"jaxtier: plan refused before allocating anything: {reason}. Largest host leaves: "
           f"{_largest(host, host_bytes)}. Fix: {fix}.")
+      error.reason = reason
       error.settings = settings
       raise error
   if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
@@ -156,14 +155,17 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
     host_note = None if binding is None else (
         f"moving every leaf it may move to the host would pin {format_bytes(binding.need_bytes)}"
         f", over the host limit of {format_bytes(binding.limit_bytes)}")
-    raise PlanError(
-        f"jaxtier: the state needs {format_bytes(plan.device_bytes)} ({plan.device_bytes} bytes) "
-        f"of device memory after offloading, over the device budget of "
-        f"{format_bytes(plan.device_budget)} ({plan.device_budget} bytes). Largest device "
+    reason = (f"the state needs {format_bytes(plan.device_bytes)} ({plan.device_bytes} bytes) "
+              f"of device memory after offloading, over the device budget of "
+              f"{format_bytes(plan.device_budget)} ({plan.device_budget} bytes)")
+    error = PlanError(
+        f"jaxtier: {reason}. Largest device "
         f"leaves: {_largest(dev, lambda l: l.nbytes)}. Fix: raise device_budget, or place "
         f"more leaves on the host with a policy (e.g. policy={{{_prefix_regex(dev)!r}: "
         "'host_xla'})." + ("" if host_note is None else
                           f" But the host limit binds first: {host_note} (the smaller of "
                           "host_budget and what the host can pin; on a GPU "
-                          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB raises XLA's pinned pool, if the "
+                          f"{POOL_SETTING} raises XLA's pinned pool, if the "
                           "host has the memory)"))
+    error.reason = reason
+    raise error
