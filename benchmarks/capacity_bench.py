@@ -112,12 +112,6 @@ def run_one(config_name: str, offload: str, steps: int, out: str, timeout: int,
   return rec
 
 
-def host_available_bytes() -> int:
-  with open("/proc/meminfo") as f:
-    info = dict(line.split(":", 1) for line in f)
-  return int(info["MemAvailable"].split()[0]) * 1024
-
-
 def gpu_total_bytes() -> int:
   """The GPU's memory as nvidia-smi reports it (MiB), bytes; 0 where it cannot say."""
   try:
@@ -140,7 +134,8 @@ def main() -> None:
   p.add_argument("--baseline_dir", default="")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  hbm, host = gpu_total_bytes(), host_available_bytes()
+  import jaxtier  # pylint: disable=g-import-not-at-top  (imports jax; starts no backend)
+  hbm, host = gpu_total_bytes(), jaxtier.available_host_bytes() or 0
   runs = []
   for spec in args.runs.split(","):
     config_name, offload, batch = (spec.split(":") + ["", ""])[:3]
