@@ -206,6 +206,61 @@ def host_update(program: Program, operands: Sequence[jax.Array],
   return list(out)
 
 
+def restrict(program: Program, keep: Sequence[int], also: Sequence[int] = ()
+             ) -> tuple[Program, list[int]]:
+  """The part of `program` that computes results `keep`, over the operands it still reads.
+
+  Stores of the other results are dropped, then every instruction whose value no kept store
+  needs (backward liveness over the registers), then the operands no remaining LOAD reads
+  (except those in `also`: e.g. the operands the kept results overwrite in place).
+  Result k of the new program is result `keep[k]` of `program`; the arithmetic of what is kept
+  is unchanged, so each kept result has the same bits.
+
+  Args:
+    program: the op program.
+    keep: indices of the results to keep, in the new program's result order.
+    also: operand indices to keep even where no LOAD reads them.
+
+  Returns:
+    (the new program, `operands`): its operand j is operand `operands[j]` of `program`.
+
+  Raises:
+    ValueError: an index in `keep` that is not a result of `program`, or one kept twice.
+  """
+  keep = [int(k) for k in keep]
+  if len(set(keep)) != len(keep) or any(not 0 <= k < program.num_results for k in keep):
+    raise ValueError(f"restrict: expected distinct results in [0, {program.num_results}), "
+                     f"got {keep}")
+  position = {k: i for i, k in enumerate(keep)}
+  live: set[int] = set()
+  rows: list[list[int]] = []
+  for op, dst, a, b, c in reversed(program.code.tolist()):
+    if op == Op.STORE:
+      if dst in position:
+        live.add(a)
+        rows.append([op, position[dst], a, b, c])
+      continue
+    if dst not in live:
+      continue
+    live.discard(dst)
+    if op in UNARY or op == Op.COPY:
+      live.add(a)
+    elif op in BINARY:
+      live.update((a, b))
+    elif op in TERNARY:
+      live.update((a, b, c))
+    rows.append([op, dst, a, b, c])
+  rows.reverse()
+  used = sorted({a for op, _, a, _, _ in rows if op == Op.LOAD} | {int(i) for i in also})
+  renumber = {old: new for new, old in enumerate(used)}
+  for row in rows:
+    if row[0] == Op.LOAD:
+      row[2] = renumber[row[2]]
+  code = np.asarray(rows, np.int32).reshape(-1, 5)
+  return Program(code=code, consts=program.consts, num_regs=program.num_regs,
+                 num_operands=len(used), num_results=len(keep)), used
+
+
 def _check(program, operands, results, aliases) -> int:
   if len(results) != program.num_results or len(aliases) != len(results):
     raise ValueError(f"host_update: expected {program.num_results} results and aliases, got "
