@@ -238,7 +238,7 @@ class OffloadedStep:
       update = self._programs.update([x.sharding for x in feeds])
       update_outs, self._masters = update(
           [moved[i] for i in split.updated_host], [moved[i] for i in split.read_host],
-          self._masters, feeds, self._scratch)
+          self._masters, *split.split_feeds(feeds), self._scratch)
     outs = split.assemble(moved, list(first) + list(rest), update_outs,
                           self._planned.inventory.out_treedef.num_leaves)
     self._master_sources = tuple(outs[i] for i in self._programs.master_indices)
@@ -285,8 +285,8 @@ class OffloadedStep:
     masters = self._masters or [jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
                                 for i in self._programs.master_indices]
     return update.lower([leaves[i] for i in split.updated_host],
-                        [leaves[i] for i in split.read_host], masters, feed_avals,
-                        self._scratch_avals())
+                        [leaves[i] for i in split.read_host], masters,
+                        *split.split_feeds(feed_avals), self._scratch_avals())
 
   def _scratch_avals(self) -> list[Any]:
     return self._scratch or [jax.ShapeDtypeStruct(s.shape, s.dtype)

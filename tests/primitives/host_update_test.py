@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxtier
+from jaxtier._src.analysis import program_compiler
 from jaxtier._src.lowering import hlo as hlo_lib
 from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import host_update as hu
@@ -281,6 +282,38 @@ def test_fused_pairs_keep_operand_order_and_uniforms():
                             f"{ua}{ub}{uc}")
 
 
+# ---- restrict: the part of a program that computes some of its results -------------------
+
+def test_restrict_keeps_the_bits_of_the_results_it_keeps():
+  from jaxtier._src.primitives import programs as op_programs
+  prog = op_programs.adamw_program(weight_decay=0.1)
+  n = 1000
+  rng = np.random.default_rng(3)
+  master, mu, g = (rng.normal(size=n).astype(np.float32) for _ in range(3))
+  nu = rng.uniform(0.1, 1.0, n).astype(np.float32)
+  ops = [master, mu, nu, g, np.float32([1e-2]), np.float32([0.1]), np.float32([0.001])]
+  shape = jax.ShapeDtypeStruct((n,), jnp.float32)
+  full = _run(prog, [jnp.asarray(x) for x in ops], [shape] * 4, [-1] * 4)
+  # The moments alone read neither the master nor the step's scalars.
+  moments, reads = hu.restrict(prog, [1, 2])
+  assert reads == [1, 2, 3] and moments.num_operands == 3 and moments.num_results == 2
+  assert len(moments.code) < len(prog.code)
+  got = _run(moments, [jnp.asarray(ops[i]) for i in reads], [shape] * 2, [-1, -1])
+  for a, b in zip(got, full[1:3]):
+    _assert_same_bits(a, b, "moments")
+  # `also` keeps an operand no LOAD reads (one a result overwrites in place, say).
+  assert hu.restrict(prog, [2, 1], also=[0])[1] == [0, 1, 2, 3]
+  # The new param alone reads everything.
+  param, reads = hu.restrict(prog, [3])
+  assert reads == list(range(7))
+  (got,) = _run(param, [jnp.asarray(ops[i]) for i in reads], [shape], [-1])
+  _assert_same_bits(got, full[3], "param")
+  with pytest.raises(ValueError, match="distinct results"):
+    hu.restrict(prog, [1, 1])
+  with pytest.raises(ValueError, match="distinct results"):
+    hu.restrict(prog, [4])
+
+
 # ---- the HLO guard: no copy / slice / host compute before the custom call ------------------
 
 def _offloaded_mlp(device=None):
@@ -304,7 +337,17 @@ def _assert_hlo_clean(off, state, batch):
   assert hu.TARGET not in off.lower(state, batch).compile().as_text()
   hlo = off.lower_update(state, batch).compile().as_text()
   assert hlo_lib.hlo_violations(hlo) == []
-  assert hlo.count(f'custom_call_target="{hu.TARGET}"') == off.plan.num_host_updates
+  # A component with device results runs as two calls (program_compiler.calls_of).
+  assert hlo.count(f'custom_call_target="{hu.TARGET}"') == sum(
+      len(program_compiler.calls_of(cc)) for cc in off.plan.components)
+  # Every result is written in place: each new param over its donated old value on the device,
+  # the moments in pinned_host. No result has a buffer of its own, and nothing is staged in
+  # pinned_host (where XLA would put a device result of a call with host results).
+  # (The output tuple's own index table, 8 bytes per output, is not aliased.)
+  ma = off.lower_update(state, batch).compile().memory_analysis()
+  assert ma.output_size_in_bytes - ma.alias_size_in_bytes <= 8 * 16, ma  # w2 alone is 4 KiB
+  assert ma.host_output_size_in_bytes - ma.host_alias_size_in_bytes <= 8 * 16, ma
+  assert ma.host_temp_size_in_bytes == 0, ma
   return hlo
 
 

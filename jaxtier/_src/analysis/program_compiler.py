@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph
-from jaxtier._src.primitives.host_update import BINARY, SUPPORTED_DTYPES, Op, Program
+from jaxtier._src.primitives.host_update import BINARY, SUPPORTED_DTYPES, Op, Program, restrict
 
 _UNARY = {
     "neg": Op.NEG, "abs": Op.ABS, "sqrt": Op.SQRT, "rsqrt": Op.RSQRT, "exp": Op.EXP,
@@ -81,6 +81,73 @@ class CompiledComponent:
   results: tuple[ResultSpec, ...]
   executor: str = "host_dha"
   dha_fraction: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """One `host_update` custom call of a component.
+
+  `program` reads `operands` (indices into the component's operands, in call order) and stores
+  `results` (indices into its results); `aliases[k]` is the call operand that result k
+  overwrites in place, or -1. `ordered` says the call must run after the component's previous
+  call (which reads the operands this one overwrites): the lowering hands it one element of
+  that call's first result as an extra operand it does not read.
+  """
+
+  program: Program
+  operands: tuple[int, ...]
+  results: tuple[int, ...]
+  aliases: tuple[int, ...]
+  ordered: bool = False
+
+
+def is_host_result(cc: CompiledComponent, k: int) -> bool:
+  """Whether result k of `cc` lands in pinned_host (a host leaf or an fp32 master, in place)."""
+  r = cc.results[k]
+  return r.master >= 0 or (r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"))
+
+
+def calls_of(cc: CompiledComponent) -> tuple[Call, ...]:
+  """The custom calls that run `cc`: one, or two where its results go to both memory kinds.
+
+  XLA gives all results of one custom call the memory space of its host results, so a device
+  result (a device param's new value) beside them would come out in pinned_host and be copied
+  up: pinned bytes beyond the state, and a second copy of the param on the device. Such a
+  component runs as two calls of the same program, each restricted to its results
+  (`host_update.restrict`): first the device results, written in place over a device operand
+  of the same shape and dtype that the second call does not read (the param itself, for
+  AdamW) where there is one; then the host results, in place in pinned_host, ordered after the
+  first because they overwrite host operands it reads. The device call reads those host
+  operands once more over the link.
+  """
+  everything = tuple(range(len(cc.results)))
+  host = tuple(k for k in everything if is_host_result(cc, k))
+  device = tuple(k for k in everything if k not in host)
+  if not host or not device:
+    return (Call(cc.program, tuple(range(len(cc.operands))), everything,
+                 tuple(r.alias for r in cc.results)),)
+  host_program, host_reads = restrict(cc.program, host,
+                                      also=[cc.results[k].alias for k in host])
+  device_program, device_reads = restrict(cc.program, device)
+  taken: set[int] = set()
+  device_aliases = []
+  for k in device:
+    r = cc.results[k]
+    target = -1
+    for pos, i in enumerate(device_reads):
+      spec = cc.operands[i]
+      aval = getattr(spec.var, "aval", None)
+      if (spec.kind == "value" and aval is not None and i not in host_reads
+          and pos not in taken and tuple(aval.shape) == tuple(r.shape)
+          and np.dtype(aval.dtype) == np.dtype(r.dtype)):
+        target = pos
+        break
+    if target >= 0:
+      taken.add(target)
+    device_aliases.append(target)
+  host_aliases = tuple(host_reads.index(cc.results[k].alias) for k in host)
+  return (Call(device_program, tuple(device_reads), device, tuple(device_aliases)),
+          Call(host_program, tuple(host_reads), host, host_aliases, ordered=True))
 
 
 class _Emitter:

@@ -37,6 +37,8 @@ class StepPrograms:
     master_shardings: one per fp32 master copy (pinned_host), ordered as `master_indices`.
     arg_memory_kinds: the memory kind each argument leaf after the state was compiled for.
     compute: `jax.jit` of `split.compute`, donating the device leaves and the scratch buffers.
+    make_update: feeds' shardings -> `jax.jit` of `split.update`, donating the updated host
+      leaves, the masters and `split.donated_feeds`.
   """
 
   split: rewrite_lib.SplitStep
@@ -54,7 +56,8 @@ class StepPrograms:
     return self.split.stream
 
   def update(self, feed_shardings: Sequence[Any]) -> Any:
-    """`jax.jit` of `split.update` for the feeds' shardings (made once, on first use)."""
+    """`jax.jit` of `split.update` for the feeds' shardings (made once, on first use); it takes
+    the feeds as `split.split_feeds` divides them, the second part donated."""
     if self._update is None:
       self._update = self.make_update(list(feed_shardings))
     return self._update
@@ -100,8 +103,8 @@ class StepPrograms:
     masters = [jax.ShapeDtypeStruct(specs[i].shape, np.float32, sharding=sh)
                for i, sh in zip(self.master_indices, self.master_shardings)]
     return self.update(feed_sh).lower([specs[i] for i in self.split.updated_host],
-                                      [specs[i] for i in self.split.read_host], masters, feeds,
-                                      self.scratch_specs())
+                                      [specs[i] for i in self.split.read_host], masters,
+                                      *self.split.split_feeds(feeds), self.scratch_specs())
 
 
 def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[Any]
@@ -144,10 +147,12 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
   update_out_sh = [state_sh[j] if j < n_state else metric_sh for j in split.update_outs]
 
   def make_update(feed_sh):
+    kept_sh, donated_sh = split.split_feeds(feed_sh)
     return jax.jit(
-        split.update, donate_argnums=(0, 2),
+        split.update, donate_argnums=(0, 2, 4),
         in_shardings=([state_sh[i] for i in split.updated_host],
-                      [state_sh[i] for i in split.read_host], master_sh, feed_sh, scratch_sh),
+                      [state_sh[i] for i in split.read_host], master_sh, kept_sh, donated_sh,
+                      scratch_sh),
         out_shardings=(update_out_sh, master_sh))
 
   return StepPrograms(split=split, state_shardings=state_sh,

@@ -21,11 +21,12 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import program_compiler
 from jaxtier._src.analysis.program_compiler import CompiledComponent
 from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.vocab import Placement
+from jaxtier._src.vocab import MemoryKind, Placement
 
 
 @dataclasses.dataclass
@@ -38,9 +39,10 @@ class SplitStep:
   and their gradients sent into `scratch`. It reads host leaves but never donates them, so a
   step that fails here leaves every host-resident leaf intact and usable.
 
-  `update(updated_host, read_host, masters, feeds, scratch) -> (outs, masters)`: the fused host
-  updates, in place on the donated `updated_host` leaves and masters; `feeds` are the values
-  `compute` made for them (gradients, device params, scalars).
+  `update(updated_host, read_host, masters, feeds, donated_feeds, scratch) -> (outs, masters)`:
+  the fused host updates, in place on the donated `updated_host` leaves and masters; the feeds
+  are the values `compute` made for them (gradients, device params, scalars), split by
+  `split_feeds`: a device param's new value is written in place over the donated one.
 
   Index lists (into the state leaves / the step's outvars) say what goes where; `assemble`
   puts the step's flattened outputs back together.
@@ -58,6 +60,13 @@ class SplitStep:
   num_feeds: int
   num_first: int               # compute_outs[:num_first] come before the feeds
   stream: streaming.StreamSchedule = streaming.EMPTY  # the streamed layer loops
+  donated_feeds: tuple[int, ...] = ()  # feeds `update` overwrites in place (donated there)
+
+  def split_feeds(self, feeds: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(kept, donated) feeds, as `update` takes them."""
+    donated = set(self.donated_feeds)
+    return ([x for k, x in enumerate(feeds) if k not in donated],
+            [feeds[k] for k in self.donated_feeds])
 
   def assemble(self, state_leaves: Sequence[Any], compute_outs: Sequence[Any],
                update_outs: Sequence[Any], num_outvars: int) -> list[Any]:
@@ -120,6 +129,11 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     for spec in cc.operands:
       if spec.kind == "value" and spec.var not in stream.sent_vars and spec.var not in feed_vars:
         feed_vars.append(spec.var)
+  calls = [program_compiler.calls_of(cc) for cc in compiled]
+  calls, donated_vars = _donations(compiled, calls, feed_vars, jaxpr, compute_outs, n_state,
+                                   plan, update_outs)
+  donated_feeds = tuple(feed_vars.index(v) for v in donated_vars)
+  kept_vars = [v for v in feed_vars if v not in donated_vars]
 
   def compute(device_leaves, host_leaves, arg_leaves, scratch_leaves):
     state = [None] * n_state
@@ -152,13 +166,13 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     outs = [read(jaxpr.outvars[j]) for j in compute_outs]
     return outs[:num_first], feeds, outs[num_first:], scratch
 
-  def update(updated_leaves, read_leaves, master_leaves, feeds, scratch):
+  def update(updated_leaves, read_leaves, master_leaves, feeds, donated, scratch):
     host_of = dict(zip(updated, updated_leaves)) | dict(zip(read_only, read_leaves))
     master_of = dict(zip(masters, master_leaves))
-    feed_of = dict(zip(feed_vars, feeds))
+    feed_of = dict(zip(kept_vars, feeds)) | dict(zip(donated_vars, donated))
     outs: dict[int, Any] = {}
     new_masters: dict[int, Any] = {}
-    for cc in compiled:
+    for cc, cc_calls in zip(compiled, calls):
       operands = []
       for spec in cc.operands:
         if spec.kind == "host":
@@ -174,7 +188,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
         if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
           x = jnp.asarray(x).astype(jnp.float32)
         operands.append(x)
-      for r, val in zip(cc.results, _call(cc, operands, shardings)):
+      for r, val in zip(cc.results, _call(cc, cc_calls, operands, shardings)):
         for j in r.outputs:
           outs[j] = val
         if r.master >= 0:
@@ -184,31 +198,124 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   return SplitStep(compute=compute, update=update, device_leaves=device, host_leaves=host,
                    updated_host=updated, read_host=read_only, compute_outs=compute_outs,
                    update_outs=update_outs, passthrough=passthrough, num_feeds=len(feed_vars),
-                   num_first=num_first, stream=stream)
+                   num_first=num_first, stream=stream, donated_feeds=donated_feeds)
 
 
-def _call(cc: CompiledComponent, operands: list[Any], shardings: "Sequence[Any] | None"
-          ) -> list[Any]:
-  """One host_update call for `cc`, per shard when its seed leaf is sharded over a mesh."""
-  aliases = [r.alias for r in cc.results]
+def _donations(compiled: Sequence[CompiledComponent],
+               calls: list[tuple[program_compiler.Call, ...]], feed_vars: list[Any], jaxpr: Any,
+               compute_outs: list[int], n_state: int, plan: Plan, update_outs: list[int]
+               ) -> tuple[list[tuple[program_compiler.Call, ...]], list[Any]]:
+  """The calls with the in-place writes over device feeds that are safe, and those feeds in the
+  order `update` takes them donated.
+
+  A device result may overwrite a feed that only its own call reads, that the step does not
+  also return, and that is not one of the caller's arguments (jit may hand those back
+  unchanged). JAX pairs each donated input, in order, with the first remaining output of the
+  same shape, dtype and memory kind; the donated feeds are ordered so that this pairing is the
+  calls' own, and an in-place write whose feed would be paired with another output is dropped
+  (the result then gets a buffer of its own).
+  """
+  uses: dict[Any, int] = {}
+  for cc in compiled:
+    for spec in cc.operands:
+      if spec.kind == "value":
+        uses[spec.var] = uses.get(spec.var, 0) + 1
+  returned = {jaxpr.outvars[j] for j in compute_outs}
+  arg_vars = set(jaxpr.invars[n_state:]) | set(jaxpr.constvars)
+  feeds = set(feed_vars)
+  device_kind = lambda j: j >= n_state or plan.leaves[j].memory_kind != MemoryKind.PINNED_HOST
+
+  def target(cc, call, k):  # the feed result k of `call` overwrites, or None
+    a = call.aliases[k]
+    if a < 0:
+      return None
+    spec = cc.operands[call.operands[a]]
+    if spec.kind != "value":
+      return None
+    v = spec.var
+    ok = v in feeds and uses.get(v) == 1 and v not in returned and v not in arg_vars
+    return v if ok else None
+
+  dropped: set[Any] = set()
+  while True:
+    want: dict[int, Any] = {}  # update output position -> the feed its result overwrites
+    for cc, cc_calls in zip(compiled, calls):
+      for call in cc_calls:
+        for k, ri in enumerate(call.results):
+          v = target(cc, call, k)
+          if v is None or v in dropped:
+            continue
+          firsts = [update_outs.index(j) for j in cc.results[ri].outputs if j in update_outs]
+          if firsts:
+            want.setdefault(min(firsts), v)
+    order = [want[p] for p in sorted(want)]
+    queues: dict[Any, list[Any]] = {}
+    for v in order:
+      queues.setdefault((tuple(v.aval.shape), np.dtype(v.aval.dtype)), []).append(v)
+    bad = None
+    for p, j in enumerate(update_outs):
+      if not device_kind(j):
+        continue
+      aval = jaxpr.outvars[j].aval
+      queue = queues.get((tuple(aval.shape), np.dtype(aval.dtype)))
+      if queue:
+        got = queue.pop(0)
+        if want.get(p) is not got:
+          bad = got
+          break
+    if bad is None:
+      break
+    dropped.add(bad)
+
+  def keep(cc, call):
+    aliases = tuple(-1 if a >= 0 and cc.operands[call.operands[a]].kind == "value"
+                    and (target(cc, call, k) is None or target(cc, call, k) in dropped) else a
+                    for k, a in enumerate(call.aliases))
+    return dataclasses.replace(call, aliases=aliases)
+
+  return ([tuple(keep(cc, call) for call in cc_calls) for cc, cc_calls in zip(compiled, calls)],
+          order)
+
+
+def _call(cc: CompiledComponent, calls: Sequence[program_compiler.Call], operands: list[Any],
+          shardings: "Sequence[Any] | None") -> list[Any]:
+  """The host_update calls that run `cc` (`program_compiler.calls_of`), per shard when its
+  seed leaf is sharded over a mesh; returns its results in `cc.results` order."""
   kw = dict(executor=cc.executor, dha_fraction=cc.dha_fraction)
   seed = cc.component.seeds[0]
   sh = shardings[seed] if shardings is not None else None
   shape = tuple(cc.results[0].shape) if cc.results else ()
+
+  def run(ops: Sequence[Any], result_shape: Callable[[Any], tuple[int, ...]]) -> list[Any]:
+    results: list[Any] = [None] * len(cc.results)
+    previous = None
+    for call in calls:
+      args = [ops[i] for i in call.operands]
+      program = call.program
+      if call.ordered and previous is not None:
+        # One element of the previous call's result: XLA runs this call after that one.
+        args.append(jnp.reshape(previous, (-1,))[:1])
+        program = dataclasses.replace(program, num_operands=program.num_operands + 1)
+      shapes = [jax.ShapeDtypeStruct(result_shape(cc.results[k]), cc.results[k].dtype)
+                for k in call.results]
+      got = hu.host_update(program, args, shapes, list(call.aliases), **kw)
+      for k, val in zip(call.results, got):
+        results[k] = val
+      previous = got[0] if got else previous
+    return results
+
   sharded = (sh is not None and sh.mesh.size > 1 and any(a is not None for a in sh.spec)
              and all(tuple(np.shape(x)) in (shape, ()) or np.size(x) == 1 for x in operands))
   if not sharded:
-    shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in cc.results]
-    return hu.host_update(cc.program, operands, shapes, aliases, **kw)
+    return run(operands, lambda r: tuple(r.shape))
   spec = sh.spec
   in_specs = tuple(spec if tuple(np.shape(x)) == shape and np.size(x) != 1 else P()
                    for x in operands)
   operands = [x if tuple(np.shape(x)) == shape or np.ndim(x) == 0 else jnp.reshape(x, ())
               for x in operands]
-  local = [jax.ShapeDtypeStruct(sh.shard_shape(r.shape), r.dtype) for r in cc.results]
 
   def per_shard(*ops):
-    return tuple(hu.host_update(cc.program, list(ops), local, aliases, **kw))
+    return tuple(run(ops, lambda r: sh.shard_shape(r.shape)))
   return list(jax.shard_map(per_shard, mesh=sh.mesh, in_specs=in_specs,
                             out_specs=tuple(spec for _ in cc.results), check_vma=False)(*operands))
 

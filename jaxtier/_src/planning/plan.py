@@ -69,7 +69,8 @@ class Plan:
     device_bytes: state bytes held in device memory (HBM).
     pinned_bytes: state bytes held in pinned host memory, masters included.
     device_budget, host_budget: the limits planned against (None: no limit), bytes.
-    num_host_updates: fused host-update custom calls per step.
+    num_host_updates: fused host updates per step (`components`); one with results in both
+      memory kinds runs as two custom calls (`program_compiler.calls_of`).
     predicted_step_secs: the cost model's step time, seconds (None: not predicted).
     critical_path: the resource that bounds most of the step ('compute', 'link_h2d',
       'link_d2h', 'dha', 'host_cpu', 'host_dram').

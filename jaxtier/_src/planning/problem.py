@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import re
 from typing import Any, Mapping, Sequence
 
@@ -10,6 +12,7 @@ import numpy as np
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis import program_compiler
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.planning import cost_model
@@ -58,8 +61,9 @@ class UpdateItem:
     pinned_nbytes: pinned host bytes when on the host (fp32 masters included).
     costs: {executor: cost_model.Cost} for each host executor allowed.
     fixed: an executor (or 'device') the user's policy fixed, else None.
-    result_nbytes: device bytes of the results it writes to the device (new params): a fresh
-      buffer while the old param is still read, so the step's peak holds one more.
+    result_nbytes: device bytes of the results it writes to a fresh device buffer (new params
+      its call cannot write over their old value, `fresh_result_bytes`): while the old
+      param is still read the step's peak holds one more.
   """
 
   seeds: tuple[int, ...]
@@ -133,10 +137,11 @@ def stage_key(path: str) -> "tuple[str, int] | None":
   return (m.group(1), int(m.group(2))) if m else None
 
 
-def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, int]
-                   ) -> cost_model.UpdateTraffic:
-  """The bytes one compiled host-update call moves, per device.
+def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, int],
+                   call: Any = None) -> cost_model.UpdateTraffic:
+  """The bytes one host-update call of `cc` moves, per device.
 
+  `call` is one of `program_compiler.calls_of(cc)` (None: the whole component as one call).
   Host operands (state leaves, fp32 masters) are read from pinned_host; results that alias
   them are written back there; other operands (gradients, device params) are device reads and
   other results (new params) device writes. Sizes per device: the global sizes scaled by the
@@ -145,8 +150,11 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
   seed = leaves[cc.component.seeds[0]]
   global_bytes = int(np.prod(seed.shape, dtype=np.int64)) * _itemsize(seed.dtype)
   frac = seed.nbytes / global_bytes if global_bytes else 1.0
+  operands = range(len(cc.operands)) if call is None else call.operands
+  results = range(len(cc.results)) if call is None else call.results
   read = write = dev_in = dev_out = 0.0
-  for spec in cc.operands:
+  for i in operands:
+    spec = cc.operands[i]
     if spec.kind == "host":
       read += leaves[spec.index].nbytes
     elif spec.kind == "master":
@@ -156,9 +164,10 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
       n = int(np.prod(aval.shape, dtype=np.int64))
       if n > 1:
         dev_in += n * _itemsize(aval.dtype) * frac
-  for r in cc.results:
+  for k in results:
+    r = cc.results[k]
     nbytes = int(np.prod(r.shape, dtype=np.int64)) * np.dtype(r.dtype).itemsize * frac
-    if r.alias >= 0:
+    if program_compiler.is_host_result(cc, k):
       write += nbytes
     else:
       dev_out += nbytes
@@ -166,6 +175,21 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
   return cost_model.UpdateTraffic(host_read_bytes=int(read), host_write_bytes=int(write),
                           device_in_bytes=int(dev_in), device_out_bytes=int(dev_out),
                           elements=elements)
+
+
+def fresh_result_bytes(cc: Any, leaves: Sequence[Any]) -> int:
+  """Device bytes, per device, of `cc`'s results that get a buffer of their own (a device
+  result its call cannot write over a device operand)."""
+  seed = leaves[cc.component.seeds[0]]
+  global_bytes = int(np.prod(seed.shape, dtype=np.int64)) * _itemsize(seed.dtype)
+  frac = seed.nbytes / global_bytes if global_bytes else 1.0
+  total = 0.0
+  for call in program_compiler.calls_of(cc):
+    for k, a in zip(call.results, call.aliases):
+      if a < 0 and not program_compiler.is_host_result(cc, k):
+        r = cc.results[k]
+        total += int(np.prod(r.shape, dtype=np.int64)) * np.dtype(r.dtype).itemsize * frac
+  return int(total)
 
 
 def _itemsize(dtype: Any) -> int:
@@ -214,19 +238,22 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
   updates: list[UpdateItem] = []
   for u, cc in enumerate(compiled):
     seeds = tuple(cc.component.seeds)
-    traffic = update_traffic(cc, leaves, master_nbytes)
+    calls = program_compiler.calls_of(cc)
     ms = sum(master_nbytes.get(r.master, 0) for r in cc.results if r.master >= 0)
     fixed = None
     if any(i in user_fixed for i in seeds):
       # The call's executor (a call of host_stream leaves has one too: the cut's choice).
       fixed = Executor(cc.executor).placement
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
-    costs = {e: cost_model.update_cost(e, traffic, profile, platform=platform) for e in names}
+    # The calls run one after the other: their costs add.
+    costs = {e: functools.reduce(operator.add, [
+        cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call), profile,
+                               platform=platform) for call in calls]) for e in names}
     updates.append(UpdateItem(
         seeds=seeds, label=leaves[seeds[0]].path, device_nbytes=sum(leaves[i].nbytes
                                                                    for i in seeds),
         pinned_nbytes=sum(leaves[i].nbytes for i in seeds) + ms, costs=costs, fixed=fixed,
-        result_nbytes=traffic.device_out_bytes))
+        result_nbytes=fresh_result_bytes(cc, leaves)))
     for i in seeds:
       seeded[i] = u
   update_of_param: dict[int, int] = {}
