@@ -363,7 +363,10 @@ def _refine(planned: Planned, state: Any, args: Sequence[Any],
       break
     if (refined.predicted_step_secs is None or plan.predicted_step_secs is None
         or refined.predicted_step_secs >= plan.predicted_step_secs * 0.99):
-      break  # a smaller credit gives a plan nearer the first: not faster either
+      # A smaller credit gives a plan nearer the first: not faster either.
+      log.info("jaxtier: the refined plan is not predicted faster than the first: keeping "
+               "the first plan")
+      return planned
     refined = dataclasses.replace(refined, device_budget=plan.device_budget, notes=(
         *refined.notes, f"refined: the first plan's peak was predicted "
         f"{format_bytes(predicted)} and compiled to {format_bytes(peak)}; "
