@@ -31,7 +31,7 @@ import bench_util  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # Set by the CLI itself where its plan needs them; a user's defaults have neither.
 XLA_SETTINGS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
-                "JAXTIER_RERUN")
+                "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "JAXTIER_RERUN")
 RAW_OOM = re.compile(r"RESOURCE_EXHAUSTED|Out of memory|out of memory while trying to allocate")
 # Bytes per param of fp32 params, gradients, m and v: what the bound counts.
 BYTES_PER_PARAM = 16

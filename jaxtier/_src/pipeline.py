@@ -172,7 +172,7 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
   # re-plan may move more state to the host (XLA's pool is a cap that grows with use).
   pool = host_lib.pinned_pool_that_fits(room.pinned_bytes, num_local_devices)
   if pool is not None:
-    settings[admission.POOL_SETTING] = str(pool)
+    settings.update(admission.pool_settings(pool))
   if budget is None and room.predicted_peak_hbm_bytes is not None:
     fraction = host_lib.mem_fraction_that_fits(room.predicted_peak_hbm_bytes,
                                                admission.DEVICE_MARGIN)

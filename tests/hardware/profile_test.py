@@ -121,6 +121,24 @@ def test_the_pinned_pool_that_fits_is_named_only_where_the_pool_binds_and_the_ho
   assert host.pinned_pool_that_fits(int(94.55 * 2**30)) is None  # the raised pool holds it
 
 
+def test_a_preallocated_pool_is_what_the_gpu_can_pin_whatever_is_left_available(monkeypatch):
+  # Pinned when JAX starts, XLA's pool is no longer in MemAvailable: the pool is the limit.
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "108")
+  monkeypatch.setattr(host, "available_bytes", lambda: 16 * 2**30)
+  monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", raising=False)
+  assert host.pinnable_bytes("gpu") == 16 * 2**30
+  assert host.pinned_pool_room_bytes() == int(0.9 * 16 * 2**30)
+  for value in ("true", "1", "TRUE"):
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", value)
+    assert host.pinnable_bytes("gpu") == 108 * 2**30
+    assert host.pinned_pool_room_bytes() == 108 * 2**30
+    assert host.pinned_pool_that_fits(100 * 2**30) is None  # the pool holds it
+  assert host.pinnable_bytes("cpu") == 16 * 2**30  # the CPU backend has no pool
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "false")
+  assert host.pinnable_bytes("gpu") == 16 * 2**30
+
+
 def test_the_mem_fraction_that_fits_is_named_only_where_the_fraction_binds_and_the_gpu_has_room(
     monkeypatch):
   from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top

@@ -35,6 +35,8 @@ def pinnable_bytes(platform: str, num_local_devices: int = 1) -> "int | None":
   share = available // max(1, num_local_devices)
   if platform == "gpu":
     cap = xla_pinned_pool_bytes()
+    if cap is not None and pinned_pool_preallocated():
+      return cap  # pinned when JAX started: already taken out of MemAvailable
     return int(min(share, XLA_PINNED_POOL_DEFAULT_BYTES if cap is None else cap))
   return share
 
@@ -60,6 +62,13 @@ def xla_pinned_pool_bytes() -> "int | None":
   return int(float(cap) * 2**30) if cap else None
 
 
+def pinned_pool_preallocated() -> bool:
+  """Whether XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE asks XLA to pin its whole pool (of
+  XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) as one region when JAX starts, read as XLA reads it."""
+  return os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE", "").strip().lower() in (
+      "1", "true")
+
+
 # The share of what the host has available that a raised pinned pool may take (the rest is left
 # to the process's other allocations and the system).
 POOL_HEADROOM = 0.9
@@ -81,10 +90,8 @@ def pinned_pool_that_fits(need_bytes: int, num_local_devices: int = 1) -> "int |
   cap = XLA_PINNED_POOL_DEFAULT_BYTES if cap is None else cap
   if need_bytes <= cap or need_bytes > room:
     return None
-  # All the room there is, not the need: XLA's pool (a BFC allocator) grows in regions of
-  # doubling size, and a step's large pinned_host temporary needs one free piece of a region,
-  # so a pool set to the need fails (an 8b step's 23 GiB temporary in an 83 GiB pool holding
-  # 58 GiB of state, H200). The pool pins only what its regions take.
+  # All the room there is, not the need: after compiling, a re-plan may move more state to
+  # the host. The pool is named with `pool_settings`, which pins it as one region.
   return room // 2**30
 
 
@@ -92,6 +99,9 @@ def pinned_pool_room_bytes(num_local_devices: int = 1) -> "int | None":
   """The largest pinned pool per device `pinned_pool_that_fits` may name on this host
   (POOL_HEADROOM of each device's share of MemAvailable), bytes; None where it cannot be read."""
   available = available_bytes()
+  cap = xla_pinned_pool_bytes()
+  if cap is not None and pinned_pool_preallocated():
+    return cap  # the pool was pinned when JAX started
   if available is None:
     return None
   return int(POOL_HEADROOM * (available // max(1, num_local_devices)))
