@@ -96,7 +96,6 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
   room = err.value.plan
   assert room.fits and 64 * 2**30 < room.pinned_bytes <= 108 * 2**30
   assert settings["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "108"
-  assert settings["XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE"] == "true"  # one region: it packs
   fraction = float(settings["XLA_PYTHON_CLIENT_MEM_FRACTION"])
   assert 0.75 < fraction <= 0.95
   assert room.predicted_peak_hbm_bytes <= fraction * 135.3 * 2**30 * 0.95
@@ -105,7 +104,7 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
           "host memory per device, over each local device's share of what this host can pin "
           "now of 64.00 GiB") in msg
   assert (f"A plan fits this machine with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=108 and "
-          f"XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true and XLA_PYTHON_CLIENT_MEM_FRACTION={settings['XLA_PYTHON_CLIENT_MEM_FRACTION']} (it "
+          f"XLA_PYTHON_CLIENT_MEM_FRACTION={settings['XLA_PYTHON_CLIENT_MEM_FRACTION']} (it "
           f"needs pinned_host {jaxtier.format_bytes(room.pinned_bytes)}") in msg
   # Where the settings in force are all the machine has, nothing is named.
   monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "108")

@@ -109,6 +109,8 @@ class OffloadedStep:
       self._ensure_plan(state, example_args)
     inv_lib.check_leaves("OffloadedStep.place", state)
     leaves, treedef = jax.tree_util.tree_flatten(state)
+    if not any(jc.memory_kind_of(x) == MemoryKind.PINNED_HOST for x in leaves):
+      programs_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
     placed = [_put(x, s, lp) for x, s, lp in zip(leaves, self._programs.state_shardings,
                                                   self.plan.leaves)]
     self._refresh_masters(leaves, placed)
@@ -154,6 +156,7 @@ class OffloadedStep:
       raise ValueError(f"OffloadedStep.init: init_fn returns {len(leaves)} leaves; the step was "
                        f"planned for {len(self.plan.leaves)}")
     made: list[Any] = [None] * len(leaves)
+    programs_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
     for indices, program in programs_lib.initializers(
         init_fn, self.plan, self._programs.state_shardings, treedef):
       for i, x in zip(indices, program(*init_args)):

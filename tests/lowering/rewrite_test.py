@@ -95,3 +95,30 @@ def test_an_old_param_the_step_also_returns_is_not_written_over():
   new, m = off(placed, batch)
   np.testing.assert_array_equal(np.asarray(m["old_w2"]), w2)
   assert not np.allclose(np.asarray(new["params"]["w2"]), w2)
+
+
+def test_the_pinned_pool_is_reserved_as_one_buffer_on_a_gpu_plan_only(monkeypatch, caplog):
+  import dataclasses
+  from jaxtier._src.lowering import programs
+  tx = optax.adam(1e-2)
+  params = _mlp()
+  state = {"params": params, "opt": tx.init(params)}
+  off = jaxtier.offload(_step(tx), policy="optimizer_state_on_host")
+  off.place(state, jnp.ones((16, 64), jnp.float32))
+  plan, shardings = off.plan, off._programs.state_shardings
+  monkeypatch.setattr(programs, "RESERVE_MIN_BYTES", 0)
+  assert not programs.reserve_pinned_pool(plan, shardings)  # planned for the CPU
+  gpu = dataclasses.replace(plan, platform="gpu")
+  made = []
+  real = jax.jit
+  monkeypatch.setattr(jax, "jit", lambda f, **kw: made.append(kw) or real(f, **kw))
+  assert programs.reserve_pinned_pool(gpu, shardings)
+  (kw,) = made
+  assert kw["out_shardings"].memory_kind == "pinned_host"
+  monkeypatch.setattr(programs, "RESERVE_MIN_BYTES", plan.pinned_bytes + 1)
+  assert not programs.reserve_pinned_pool(gpu, shardings)  # too small to matter
+  # A reservation that cannot be made is logged, and the leaves are made one by one.
+  monkeypatch.setattr(programs, "RESERVE_MIN_BYTES", 0)
+  monkeypatch.setattr(jax, "jit", lambda f, **kw: (_ for _ in ()).throw(RuntimeError("no")))
+  assert not programs.reserve_pinned_pool(gpu, shardings)
+  assert "could not reserve" in caplog.text

@@ -102,11 +102,9 @@ def test_a_refusal_by_the_pinned_pool_of_this_hosts_gpu_carries_the_setting_that
   monkeypatch.setattr(host, "available_bytes", lambda: 120 * 2**30)
   with pytest.raises(jaxtier.AdmissionError) as err:
     admission.admit(plan, 64 * 2**30, host.HERE_PINNABLE)
-  assert dict(err.value.settings) == {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "108",
-                                      "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE": "true"}
+  assert dict(err.value.settings) == {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "108"}
   assert ("XLA's pinned pool is the limit and this host has the memory: set "
-          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=108 and XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE=true "
-          "before JAX starts") in str(err.value)
+          "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=108 before JAX starts") in str(err.value)
 
 
 def test_a_peak_over_what_jaxs_allocator_holds_is_refused_with_the_fraction_that_fits(

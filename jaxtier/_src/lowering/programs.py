@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
@@ -14,7 +16,10 @@ from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.lowering import rewrite as rewrite_lib
 from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
+from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import MemoryKind
+
+log = logging.getLogger("jaxtier")
 
 
 def state_shardings(state: Any, plan: Plan) -> list[NamedSharding]:
@@ -159,6 +164,45 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
                       scratch_shardings=scratch_sh, master_shardings=master_sh,
                       arg_memory_kinds=[sh.memory_kind for sh in arg_sh], compute=compute,
                       make_update=make_update, master_indices=masters)
+
+
+# Below this many pinned bytes per device the pool's regions are left to grow as they do.
+RESERVE_MIN_BYTES = 1 << 30
+
+
+def reserve_pinned_pool(plan: Plan, shardings: Sequence[Any]) -> bool:
+  """Makes XLA's pinned pool hold the plan's pinned bytes as one region, before any leaf is
+  created there; on a GPU, where the plan pins at least RESERVE_MIN_BYTES per device.
+
+  XLA's pinned pool is a BFC allocator that grows in regions of doubling size (2 MiB, 4 MiB,
+  ...; a request larger than the next region gets one of the smallest such size that holds
+  it), and a buffer must fit in one free piece of one region. Leaves created one by one then
+  leave pieces of each region too small for the next large leaf: 14b's 106.4 GiB of moments
+  in a 108 GiB pool left an 11.9 GiB leaf no region to go in (H200). One buffer of all the
+  bytes the plan pins (`pinned_bytes` and the compiled programs' `compiler_host_extra_bytes`)
+  is allocated and freed first: its region (the smallest power-of-two size that holds it, at
+  most what the pool has left) stays in the pool, and the leaves pack into it.
+
+  Returns:
+    Whether the buffer was made (False: nothing to do, or it could not be allocated; the pool
+    then grows as it does, and the failure is logged).
+  """
+  need = plan.pinned_bytes + (plan.compiler_host_extra_bytes or 0)
+  host = [sh for sh, leaf in zip(shardings, plan.leaves)
+          if leaf.memory_kind == MemoryKind.PINNED_HOST]
+  if plan.platform != "gpu" or need < RESERVE_MIN_BYTES or not host:
+    return False
+  # Replicated over the leaves' mesh: one buffer in each device's pool.
+  sharding = NamedSharding(host[0].mesh, PartitionSpec(), memory_kind=MemoryKind.PINNED_HOST)
+  try:
+    buffer = jax.jit(lambda: jnp.zeros((need,), jnp.uint8), out_shardings=sharding)()
+    buffer.block_until_ready()
+    buffer.delete()
+  except Exception as e:  # pylint: disable=broad-except  (the leaves are then made as usual)
+    log.warning("jaxtier: could not reserve %s of pinned host memory as one region of XLA's "
+                "pool (%s); creating the pinned_host leaves one by one", format_bytes(need), e)
+    return False
+  return True
 
 
 # The most bytes of pinned_host leaves one initialiser program computes when the plan gives no

@@ -33,19 +33,11 @@ def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str
 
 FRACTION_SETTING = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 POOL_SETTING = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-PREALLOCATE_SETTING = "XLA_PJRT_GPU_HOST_MEMORY_PREALLOCATE"
 
 
 def pool_settings(gib: int) -> dict[str, str]:
-  """The environment settings that give XLA a pinned pool of `gib` GiB per GPU, pinned as one
-  region when JAX starts.
-
-  XLA's pool is a BFC allocator that otherwise grows in regions of doubling size; a buffer
-  must fit in one free piece of one region, so a state that fills most of the pool does not
-  fit in it (14b on the H200: 106.4 GiB of moments in a 108 GiB pool left an 11.9 GiB leaf
-  with no region to go in). Preallocated, the pool is one region and its buffers pack.
-  """
-  return {POOL_SETTING: str(gib), PREALLOCATE_SETTING: "true"}
+  """The environment settings that give XLA a pinned pool of `gib` GiB per GPU."""
+  return {POOL_SETTING: str(gib)}
 
 
 def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
@@ -146,8 +138,8 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
         if gib is not None:
           settings = pool_settings(gib)
           fix = (f"XLA's pinned pool is the limit and this host has the memory: set "
-                 f"{POOL_SETTING}={gib} and {PREALLOCATE_SETTING}=true before JAX starts "
-                 "(python -m jaxtier train does), or keep more leaves on the device (policy)")
+                 f"{POOL_SETTING}={gib} before JAX starts (python -m "
+                 f"jaxtier train does), or keep more leaves on the device (policy)")
       compiled = "" if not extra else (
           f" (the state's {format_bytes(plan.pinned_bytes)} and {format_bytes(extra)} that the "
           "compiled step allocates beyond it: its programs' pinned_host outputs not aliased to "
