@@ -107,7 +107,8 @@ def test_the_pinned_pool_is_reserved_as_one_buffer_on_a_gpu_plan_only(monkeypatc
   off.place(state, jnp.ones((16, 64), jnp.float32))
   plan, shardings = off.plan, off._programs.state_shardings
   monkeypatch.setattr(programs, "RESERVE_MIN_BYTES", 0)
-  assert not programs.reserve_pinned_pool(plan, shardings)  # planned for the CPU
+  cpu = dataclasses.replace(plan, platform="cpu")
+  assert not programs.reserve_pinned_pool(cpu, shardings)  # the CPU backend has no pool
   gpu = dataclasses.replace(plan, platform="gpu")
   made = []
   real = jax.jit
