@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src import checkpoint as checkpoint_lib
 from jaxtier._src import pipeline
 from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.errors import AdmissionError
@@ -163,6 +164,82 @@ class OffloadedStep:
         made[i] = x
     self._refresh_masters(made, made)
     return jax.tree_util.tree_unflatten(treedef, made)
+
+  # -- checkpoints ------------------------------------------------------------------------
+
+  def save(self, directory: Any, state: Any) -> None:
+    """Writes a checkpoint of `state` with orbax-checkpoint, the step's fp32 masters included.
+
+    The fp32 master copies of bf16/f16 params updated on the host live in the step, not in the
+    state; they are saved beside it, so that `restore` continues the run bit for bit. Each
+    leaf is written from the memory it lives in (a pinned_host leaf from host memory). Returns
+    once the files are written; `state` may then be passed to the next step.
+
+    Args:
+      directory: a path that does not exist yet (for example one per step).
+      state: the state the last step returned, or a placed or initialised one (its masters are
+        then derived from its params, as the next step would).
+
+    Raises:
+      ValueError: the step has no plan yet (place, init or run it first), or `directory` exists.
+      ImportError: orbax-checkpoint is not installed.
+    """
+    if self.plan is None:
+      raise ValueError("OffloadedStep.save: the step has no plan yet; place, init or run the "
+                       "state first")
+    state = as_arrays("OffloadedStep.save", state)
+    inv_lib.check_leaves("OffloadedStep.save", state)
+    leaves = jax.tree_util.tree_leaves(state)
+    self._refresh_masters(leaves, leaves)
+    checkpoint_lib.save(directory, state, dict(zip(self._master_keys(), self._masters)))
+
+  def restore(self, directory: Any, state: Any, *, example_args: Sequence[Any] = ()) -> Any:
+    """Reads a checkpoint written by `save`: the state, each leaf restored straight into its
+    planned memory kind, and the step's fp32 masters.
+
+    Args:
+      directory: the checkpoint's path.
+      state: the state's structure, shapes and dtypes: a state of the run, or an abstract one
+        (`jax.eval_shape(init_fn, ...)`); its values are not read.
+      example_args: the step's other arguments (e.g. a batch), needed to plan the step the
+        first time (a new process).
+
+    Returns:
+      The restored state, placed as `place` would place it; the next step continues from it as
+      from the saved state.
+
+    Raises:
+      TypeError: no example arguments before a plan exists.
+      FileNotFoundError: no checkpoint at `directory`.
+      ValueError: the checkpoint does not hold a state of this structure, shapes and dtypes.
+    """
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), state)
+    if self.plan is None and not example_args:
+      raise TypeError("OffloadedStep.restore: the step has no plan yet; pass example arguments "
+                      "for tracing it, e.g. `step.restore(path, state, example_args=(batch,))`")
+    if example_args:
+      self._ensure_plan(abstract, tuple(example_args), abstract=True)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    if len(leaves) != len(self.plan.leaves):
+      raise ValueError(f"OffloadedStep.restore: the state has {len(leaves)} leaves; the step "
+                       f"was planned for {len(self.plan.leaves)}")
+    targets = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+               for x, sh in zip(leaves, self._programs.state_shardings)]
+    idx = self._programs.master_indices
+    master_targets = {k: jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32, sharding=sh)
+                      for k, i, sh in zip(self._master_keys(), idx,
+                                          self._programs.master_shardings)}
+    restored, masters = checkpoint_lib.restore(
+        directory, jax.tree_util.tree_unflatten(treedef, targets), master_targets)
+    out = jax.tree_util.tree_leaves(restored)
+    self._masters = [masters[k] for k in self._master_keys()]
+    self._master_sources = tuple(out[i] for i in idx)
+    return restored
+
+  def _master_keys(self) -> list[str]:
+    """Checkpoint names of the masters: their param's leaf index."""
+    return [f"leaf_{i}" for i in self._programs.master_indices]
 
   def _refresh_masters(self, original: list[Any], placed: list[Any]) -> None:
     idx = self._programs.master_indices
