@@ -63,6 +63,7 @@ def plan_main() -> None:
   defaults = train_lib.RUN_DEFAULTS.get(flags.FLAGS.config)
   batch = flags.FLAGS.batch_size or (defaults.batch_size if defaults else 8)
   seq_len = flags.FLAGS.seq_len or config.max_seq_len
+  train_lib.check_seq_len(config, flags.FLAGS.config, seq_len)
   _, state, step = train_lib.make_train_state(config, 1e-3, abstract=True)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   platform = _PLATFORM.value or jax.default_backend()
@@ -191,7 +192,11 @@ def main(argv: list[str]) -> None:
               file=sys.stderr)
       sys.exit(1)
   elif argv[1] == "plan":
-    plan_main()
+    try:
+      plan_main()
+    except ValueError as e:  # a flag out of range: the message names the limit and the fix
+      print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+      sys.exit(1)
   else:
     calibrate_main()
 

@@ -93,6 +93,16 @@ def _check_host_memory(config: llama.LlamaConfig, config_name: str,
         "(--offload=auto places there what does not fit the GPU).")
 
 
+def check_seq_len(config: llama.LlamaConfig, config_name: str, seq_len: int) -> None:
+  """Raises ValueError, before anything is allocated, for a sequence longer than the model's
+  maximum (`config.max_seq_len`)."""
+  if seq_len > config.max_seq_len:
+    raise ValueError(
+        f"run: --seq_len={seq_len} is over the {config_name} model's maximum sequence length "
+        f"of {config.max_seq_len}; use --seq_len={config.max_seq_len} or less (or a config "
+        "with a longer max_seq_len).")
+
+
 def _offload_step(train_step, *, device_budget, host_budget, policy="auto"):
   import jaxtier  # pylint: disable=g-import-not-at-top
   return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget,
@@ -191,6 +201,7 @@ def run(
     raise ValueError(
         f"run: expected steps, batch_size, seq_len and log_every >= 1, got "
         f"{steps}, {batch_size}, {seq_len}, {log_every}.")
+  check_seq_len(config, config_name, seq_len)
 
   if isinstance(data, np.ndarray):
     tokens = data
