@@ -73,11 +73,27 @@ def _read_token_file(path) -> np.ndarray:
   return np.frombuffer(raw, dtype="<u2").astype(np.uint16)
 
 
+def _check_text(path, raw: bytes) -> None:
+  """Raises ValueError where `raw` (the bytes of `path`) is not UTF-8 text."""
+  nul = raw.find(b"\0")
+  try:
+    raw.decode("utf-8")
+    bad = nul
+  except UnicodeDecodeError as e:
+    bad = e.start if nul < 0 else min(nul, e.start)
+  if bad >= 0:
+    raise ValueError(
+        f"load_tokens: {str(path)!r} is not UTF-8 text (byte {bad} of {len(raw)} is "
+        f"{raw[bad]:#04x}); --data takes UTF-8 text files, or one uint16 token file whose "
+        f"name ends in {' or '.join(_TOKEN_FILE_SUFFIXES)}.")
+
+
 def load_tokens(
     paths: Sequence[str | os.PathLike],
     *,
     max_bytes: int | None = None,
     vocab_size: int = 256,
+    require_text: bool = False,
 ) -> np.ndarray:
   """Reads files into one token array.
 
@@ -90,13 +106,15 @@ def load_tokens(
     max_bytes: stop reading once this many bytes of input have been read (the
       last file is truncated); ``None`` means no limit.
     vocab_size: every token id must be below this.
+    require_text: refuse a file (other than a token file) that is not UTF-8 text.
 
   Returns:
     uint16 ``[num_tokens]`` token ids.
 
   Raises:
     ValueError: if ``paths`` is empty, a token file has an odd byte length, a
-      token id is ``>= vocab_size``, or no tokens were read.
+      token id is ``>= vocab_size``, a file is not text (``require_text``), or no
+      tokens were read.
   """
   paths = list(paths)
   if not paths:
@@ -121,6 +139,8 @@ def load_tokens(
             f"model config with a larger vocab_size.")
     else:
       raw = pathlib.Path(path).read_bytes()
+      if require_text:
+        _check_text(path, raw)
       if max_bytes is not None:
         raw = raw[:max_bytes - total_bytes]
       total_bytes += len(raw)
@@ -153,13 +173,13 @@ def load_corpus(data: str | None = None, *, vocab_size: int = 256) -> np.ndarray
     uint16 ``[num_tokens]`` token ids.
 
   Raises:
-    ValueError: as ``load_tokens``.
+    ValueError: as ``load_tokens`` (a file given that is not text included).
   """
   if not data:
     return load_tokens(default_corpus_files(), max_bytes=DEFAULT_CORPUS_MAX_BYTES,
                        vocab_size=vocab_size)
   paths = [p.strip() for p in data.split(",") if p.strip()]
-  return load_tokens(paths, vocab_size=vocab_size)
+  return load_tokens(paths, vocab_size=vocab_size, require_text=True)
 
 
 def batches(

@@ -59,3 +59,20 @@ def test_batches(corpus):
   tokens = np.arange(20, dtype=np.uint16)
   batch = next(data.batches(tokens, 4, 19, seed=0))
   np.testing.assert_array_equal(batch, np.tile(np.arange(20), (4, 1)))
+
+
+def test_a_file_that_is_not_text_is_refused_where_text_is_required(tmp_path):
+  from jaxtier.examples import data as data_lib
+  good = tmp_path / "a.txt"
+  good.write_text("héllo wörld\n")
+  bad = tmp_path / "b.txt"
+  bad.write_bytes(b"text, then \xff\xfe binary")
+  assert data_lib.load_corpus(str(good)).size == len("héllo wörld\n".encode())
+  with pytest.raises(ValueError, match=r"'.*b\.txt' is not UTF-8 text \(byte 11 of 20 is 0xff\)"):
+    data_lib.load_corpus(f"{good},{bad}")
+  nul = tmp_path / "c.txt"
+  nul.write_bytes(b"ab\0cd")
+  with pytest.raises(ValueError, match=r"byte 2 of 5 is 0x00"):
+    data_lib.load_corpus(str(nul))
+  # The library's own reader takes any bytes unless asked for text.
+  assert data_lib.load_tokens([bad]).size == 20
