@@ -124,6 +124,9 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   # What JAX's device allocator can hold here, before anything is allocated.
   admission.admit_device(planned.plan,
                          host_lib.allocator_limit_bytes() if platform == "gpu" else None)
+  if platform == "cpu" and jax.default_backend() == "cpu":
+    admission.admit_host_memory(planned.plan, host_lib.available_bytes(),
+                                fixed["resident_bytes"])
   # Admission again, with what the compiled step allocates in pinned_host beyond the state
   # (nothing is allocated yet: `place` and `init` allocate after planning).
   try:

@@ -137,3 +137,34 @@ def test_a_peak_over_what_jaxs_allocator_holds_is_refused_with_the_fraction_that
     admission.admit_device(dataclasses.replace(plan, compiler_peak_hbm_bytes=130 * 2**30), limit)
   assert dict(err.value.settings) == {}
   assert "Fix: keep more state in pinned_host" in str(err.value)
+
+
+def test_a_plan_over_the_ram_of_the_cpu_backend_is_refused_before_allocating(monkeypatch):
+  # On the CPU backend device and pinned_host memory are this host's RAM: a plan needing more
+  # than is available was a warning, then a raw RESOURCE_EXHAUSTED in the first step.
+  import optax  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  tx = optax.adam(1e-3)
+
+  def init(key):
+    params = {"w": jax.random.normal(key, (512, 512))}
+    return {"params": params, "opt": tx.init(params)}
+
+  def step(state, x):
+    g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"])))(state["params"])
+    u, o = tx.update(g, state["opt"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
+  x = jnp.ones((8, 512))
+  # 3 MiB: room for the 2 MiB of moments pinned, not for them and the 2 MiB device peak too.
+  monkeypatch.setattr(host, "available_bytes", lambda: 3 << 20)
+  off = jaxtier.offload(step, policy="optimizer_state_on_host")
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    off.init(init, jax.random.key(0), example_args=(x,))
+  msg = str(err.value)
+  assert ("plan refused before allocating anything: on the CPU backend device and pinned_host "
+          "memory are this host's RAM") in msg
+  assert "over the 3.00 MiB available" in msg and "Fix: a smaller batch" in msg
+  monkeypatch.setattr(host, "available_bytes", lambda: 1 << 40)
+  state = jaxtier.offload(step, policy="optimizer_state_on_host").init(
+      init, jax.random.key(0), example_args=(x,))
+  assert state["opt"][0].mu["w"].sharding.memory_kind == "pinned_host"

@@ -88,6 +88,37 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
   raise error
 
 
+def admit_host_memory(plan: Plan, available: "int | None", resident_bytes: int = 0) -> None:
+  """Refuses `plan` before anything is allocated where, on the CPU backend, it needs more of this
+  host's RAM than is available: there device and pinned_host memory are both that RAM, so the
+  step needs its peak device memory (the compiled step's, else the prediction) and its pinned
+  bytes, less the state's arrays that already exist.
+
+  Raises:
+    AdmissionError: the need over `available` (MemAvailable, bytes), with the sizes and the fix.
+  """
+  peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes
+  if plan.platform != "cpu" or available is None or peak is None:
+    return
+  pinned = plan.pinned_bytes + (plan.compiler_host_extra_bytes or 0)
+  need = peak + pinned - resident_bytes
+  if need <= available:
+    return
+  reason = (f"on the CPU backend device and pinned_host memory are this host's RAM, and the "
+            f"step needs {format_bytes(need)} ({need} bytes) of it (peak "
+            f"{format_bytes(peak)} and pinned {format_bytes(pinned)}"
+            + (f", less the state's {format_bytes(resident_bytes)} already allocated"
+               if resident_bytes else "")
+            + f"), over the {format_bytes(available)} available")
+  error = AdmissionError(
+      f"jaxtier: plan refused before allocating anything: {reason}. Fix: a smaller batch, "
+      "sequence or model; or plan for a GPU (platform='gpu' in jaxtier.plan, --platform=gpu "
+      "in python -m jaxtier plan).")
+  error.reason = reason
+  error.plan = plan
+  raise error
+
+
 def _largest(leaves: list[LeafPlan], key: Callable[[LeafPlan], int], k: int = 5) -> str:
   top = sorted(leaves, key=key, reverse=True)[:k]
   return "; ".join(f"{leaf.path} {format_bytes(key(leaf))}" for leaf in top if key(leaf))
