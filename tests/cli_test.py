@@ -248,3 +248,22 @@ def test_train_runs_again_with_the_xla_settings_that_fit(monkeypatch):
   monkeypatch.setenv(pool, "80")  # the user's own setting
   cli._rerun_with({pool: "95"})
   assert len(calls) == 2
+
+
+def test_a_sequence_over_the_models_maximum_is_refused_before_anything_runs(tmp_path):
+  # tiny's maximum is 128: 100,000 ran on into a raw 16 TB allocation.
+  for command in (("train", "--config=tiny", "--steps=1"), ("plan", "--config=tiny")):
+    out = _cli(tmp_path, *command, "--seq_len=100000")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert ("error: ValueError: run: --seq_len=100000 is over the tiny model's maximum "
+            "sequence length of 128; use --seq_len=128 or less") in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_a_data_file_that_is_not_text_is_refused(tmp_path):
+  blob = tmp_path / "weights.npy"
+  blob.write_bytes(b"\x93NUMPY\x01\x00" + bytes(range(256)) * 8)
+  out = _cli(tmp_path, "train", "--config=tiny", "--steps=1", f"--data={blob}")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert f"error: ValueError: load_tokens: '{blob}' is not UTF-8 text (byte 0 of" in out.stderr
+  assert "uint16 token file whose name ends in .bin or .u16" in out.stderr
