@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import signal
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -34,10 +36,13 @@ class OffloadedStep:
   """A train step whose state lives across device and pinned host memory, per its plan.
 
   Call it like the wrapped step: `state, metrics = step(state, batch)`. The state passed in is
-  donated (consumed); use the returned one.
+  donated (consumed); use the returned one. Ctrl-C during a step is held from the moment the
+  state is donated until the step has made its new state, then raised as KeyboardInterrupt:
+  the new state is then `last_state`.
 
   Attributes:
     plan: the `Plan` (None until the first `place` or call).
+    last_state, last_metrics: what the last step made (None before the first).
   """
 
   def __init__(self, fn: Callable[..., Any], options: OffloadOptions):
@@ -49,6 +54,8 @@ class OffloadedStep:
     self._calls, self._step_times = 0, []
     self._masters: list[jax.Array] = []
     self._master_sources: tuple[Any, ...] = ()
+    self.last_state: Any = None
+    self.last_metrics: Any = None
     self._scratch: list[jax.Array] = []
     functools.update_wrapper(self, fn)
 
@@ -289,6 +296,24 @@ class OffloadedStep:
     self._ensure_scratch()
     self._calls += 1
     timing = 2 <= self._calls <= 1 + MEASURED_STEPS  # the first call compiles
+    # From the dispatch of the compute program (which consumes the device leaves) to the new
+    # state's assembly, Ctrl-C is held: an interrupt there would lose the state given (donated)
+    # and the state made (not yet returned). It is raised once the step has its new state,
+    # which `last_state` then holds.
+    held = _HeldInterrupt()
+    try:
+      self.last_state, self.last_metrics = self._run(moved, arg_leaves, timing)
+    except BaseException:
+      held.release()
+      raise
+    # The handler comes back as the last thing the step does.
+    return held.release((self.last_state, self.last_metrics), note=(
+        "jaxtier: interrupted during a step, after its inputs were donated: the step ran to "
+        "its end, and its new state is `step.last_state` (its metrics `step.last_metrics`); "
+        "continue from it: `state = step.last_state`"))
+
+  def _run(self, moved: list[Any], arg_leaves: list[Any], timing: bool) -> tuple[Any, Any]:
+    """The step's programs over the placed state leaves `moved`: (new state, metrics)."""
     t0 = time.perf_counter()
     split = self._programs.split
     dev, host = self._programs.leaf_groups(moved)
@@ -378,6 +403,41 @@ class OffloadedStep:
     if len(self._scratch) != len(stream.scratch):
       self._scratch = [jax.device_put(np.zeros(s.shape, s.dtype), sh)
                        for s, sh in zip(stream.scratch, self._programs.scratch_shardings)]
+
+
+class _HeldInterrupt:
+  """Holds SIGINT (Ctrl-C) from its creation until `release`, which delivers a held one.
+
+  Only in the main thread, and only where a Python handler is installed (the default one
+  raises KeyboardInterrupt); elsewhere nothing is held.
+  """
+
+  def __init__(self):
+    self.pending, self._handler = False, None
+    if threading.current_thread() is threading.main_thread():
+      handler = signal.getsignal(signal.SIGINT)
+      if callable(handler):
+        self._handler = signal.signal(signal.SIGINT, self._hold)
+
+  def _hold(self, signum: int, frame: Any) -> None:
+    del signum, frame
+    self.pending = True
+
+  def release(self, value: Any = None, note: str = "") -> Any:
+    """Puts the handler back and returns `value`; where a SIGINT was held, runs the handler
+    instead (which raises KeyboardInterrupt, `note` added)."""
+    handler, self._handler = self._handler, None
+    if handler is None:
+      return value
+    signal.signal(signal.SIGINT, handler)
+    if self.pending:
+      try:
+        handler(signal.SIGINT, None)
+      except BaseException as e:  # pylint: disable=broad-except  (KeyboardInterrupt, re-raised)
+        if note and hasattr(e, "add_note"):
+          e.add_note(note)
+        raise
+    return value
 
 
 def _put(x: Any, sharding: Any, leaf: LeafPlan) -> Any:
