@@ -163,6 +163,10 @@ def _unwritable(path: str) -> "str | None":
 def main(argv: list[str]) -> None:
   # JAX logs at INFO that it found no TPU; the commands' own output is what matters here.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  # jaxtier's own INFO lines (the compiled peak, re-plans) are for --verbosity=0 and up; absl
+  # would print them by default, mixed into the commands' output.
+  if not flags.FLAGS["verbosity"].present:
+    logging.getLogger("jaxtier").setLevel(logging.WARNING)
   if len(argv) < 2 or argv[1] not in COMMANDS:
     raise app.UsageError(f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags]; got "
                          f"{argv[1:]!r}")

@@ -267,3 +267,15 @@ def test_a_data_file_that_is_not_text_is_refused(tmp_path):
   assert out.returncode == 1, out.stderr[-2000:]
   assert f"error: ValueError: load_tokens: '{blob}' is not UTF-8 text (byte 0 of" in out.stderr
   assert "uint16 token file whose name ends in .bin or .u16" in out.stderr
+
+
+def test_train_prints_no_info_log_lines_unless_asked(tmp_path):
+  # absl printed jaxtier's INFO lines (`I1201 ... jaxtier: peak device memory ...`) into the
+  # trainer's output; --verbosity=0 asks for them.
+  info = re.compile(r"^I\d{4} .*jaxtier:", re.M)
+  out = _train(tmp_path, "--offload=optimizer_state_on_host")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert not info.search(out.stdout + out.stderr)
+  out = _train(tmp_path, "--offload=optimizer_state_on_host", "--verbosity=0")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert info.search(out.stdout + out.stderr)
