@@ -42,3 +42,17 @@ def optax_train_step(tx, loss_fn):
     u, o = tx.update(g, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
   return train_step
+
+
+def pytest_terminal_summary(terminalreporter):
+  """One line per reason the skipped tests give, with a count (most: they need a GPU)."""
+  skipped = terminalreporter.stats.get("skipped", [])
+  reasons: dict[str, int] = {}
+  for report in skipped:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    reasons[reason] = reasons.get(reason, 0) + 1
+  if reasons:
+    terminalreporter.write_line(f"skipped: {len(skipped)} tests: " + "; ".join(
+        f"{n} {reason}" for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1])))
