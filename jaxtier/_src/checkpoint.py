@@ -57,5 +57,13 @@ def restore(directory: "str | os.PathLike[str]", state: Any, masters: Mapping[st
   if not os.path.isdir(path):
     raise FileNotFoundError(f"jaxtier checkpoint: no checkpoint at {path}")
   with _checkpointer() as ckptr:
-    out = ckptr.restore(path, {STATE: state, MASTERS: dict(masters)})
+    try:
+      out = ckptr.restore(path, {STATE: state, MASTERS: dict(masters)})
+    except (ValueError, KeyError, TypeError) as e:
+      said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise ValueError(
+          f"jaxtier checkpoint: {path} does not hold a state like the one given (its "
+          f"structure, shapes, dtypes or fp32 masters differ; orbax says: {said}). Restore "
+          "with the state the checkpoint was saved from, planned the same way (the same "
+          "policy and budgets)") from e
   return out[STATE], dict(out[MASTERS])

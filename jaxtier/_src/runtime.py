@@ -42,7 +42,8 @@ class OffloadedStep:
 
   Attributes:
     plan: the `Plan` (None until the first `place` or call).
-    last_state, last_metrics: what the last step made (None before the first).
+    last_state, last_metrics: what the last step made (None before the first, and after
+      `place`, `init` or `restore` starts a run from another state).
   """
 
   def __init__(self, fn: Callable[..., Any], options: OffloadOptions):
@@ -122,6 +123,7 @@ class OffloadedStep:
     placed = [_put(x, s, lp) for x, s, lp in zip(leaves, self._programs.state_shardings,
                                                   self.plan.leaves)]
     self._refresh_masters(leaves, placed)
+    self.last_state = self.last_metrics = None  # a new run starts from this state
     return jax.tree_util.tree_unflatten(treedef, placed)
 
   def init(self, init_fn: Callable[..., Any], *init_args: Any,
@@ -170,6 +172,7 @@ class OffloadedStep:
       for i, x in zip(indices, program(*init_args)):
         made[i] = x
     self._refresh_masters(made, made)
+    self.last_state = self.last_metrics = None  # a new run starts from this state
     return jax.tree_util.tree_unflatten(treedef, made)
 
   # -- checkpoints ------------------------------------------------------------------------
@@ -242,6 +245,7 @@ class OffloadedStep:
     out = jax.tree_util.tree_leaves(restored)
     self._masters = [masters[k] for k in self._master_keys()]
     self._master_sources = tuple(out[i] for i in idx)
+    self.last_state = self.last_metrics = None  # a new run starts from this state
     return restored
 
   def _master_keys(self) -> list[str]:

@@ -102,3 +102,9 @@ def test_save_refuses_an_existing_directory_and_restore_a_missing_one(tmp_path):
     off.restore(tmp_path / "missing", placed)
   back = off.restore(tmp_path / "ck", placed)
   np.testing.assert_array_equal(np.asarray(back["params"]["w"]), np.ones((4, 4)))
+  # A state of other shapes than the one saved: said in jaxtier's words, orbax's quoted.
+  wrong = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8, 4), x.dtype) if x.ndim == 2 else x,
+                       back)
+  with pytest.raises(ValueError, match=r"does not hold a state like the one given \(its "
+                     r"structure, shapes, dtypes or fp32 masters differ; orbax says: "):
+    off.restore(tmp_path / "ck", wrong)
