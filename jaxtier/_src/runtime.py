@@ -155,16 +155,9 @@ class OffloadedStep:
       ValueError: `init_fn` returns another structure than the one planned.
       jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
     """
-    abstract = jax.eval_shape(init_fn, *init_args)
-    if self.plan is None and not example_args:
-      raise TypeError("OffloadedStep.init: the step has no plan yet; pass example arguments "
-                      "for tracing it, e.g. `step.init(init_fn, key, example_args=(batch,))`")
-    if example_args:
-      self._ensure_plan(abstract, tuple(example_args), abstract=True)
-    leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    if len(leaves) != len(self.plan.leaves):
-      raise ValueError(f"OffloadedStep.init: init_fn returns {len(leaves)} leaves; the step was "
-                       f"planned for {len(self.plan.leaves)}")
+    leaves, treedef = self._plan_abstract(
+        jax.eval_shape(init_fn, *init_args), example_args, "init", "init_fn returns",
+        "step.init(init_fn, key, example_args=(batch,))")
     made: list[Any] = [None] * len(leaves)
     programs_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
     for indices, program in programs_lib.initializers(
@@ -225,15 +218,9 @@ class OffloadedStep:
     """
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), state)
-    if self.plan is None and not example_args:
-      raise TypeError("OffloadedStep.restore: the step has no plan yet; pass example arguments "
-                      "for tracing it, e.g. `step.restore(path, state, example_args=(batch,))`")
-    if example_args:
-      self._ensure_plan(abstract, tuple(example_args), abstract=True)
-    leaves, treedef = jax.tree_util.tree_flatten(abstract)
-    if len(leaves) != len(self.plan.leaves):
-      raise ValueError(f"OffloadedStep.restore: the state has {len(leaves)} leaves; the step "
-                       f"was planned for {len(self.plan.leaves)}")
+    leaves, treedef = self._plan_abstract(
+        abstract, example_args, "restore", "the state has",
+        "step.restore(path, state, example_args=(batch,))")
     targets = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
                for x, sh in zip(leaves, self._programs.state_shardings)]
     idx = self._programs.master_indices
@@ -247,6 +234,25 @@ class OffloadedStep:
     self._master_sources = tuple(out[i] for i in idx)
     self.last_state = self.last_metrics = None  # a new run starts from this state
     return restored
+
+  def _plan_abstract(self, abstract: Any, example_args: Sequence[Any], api: str, has: str,
+                     example: str) -> tuple[list[Any], Any]:
+    """Plans the step for an abstract state (unless planned) and returns its (leaves, treedef).
+
+    Raises:
+      TypeError: no example arguments before a plan exists.
+      ValueError: another number of leaves than planned.
+    """
+    if self.plan is None and not example_args:
+      raise TypeError(f"OffloadedStep.{api}: the step has no plan yet; pass example arguments "
+                      f"for tracing it, e.g. `{example}`")
+    if example_args:
+      self._ensure_plan(abstract, tuple(example_args), abstract=True)
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    if len(leaves) != len(self.plan.leaves):
+      raise ValueError(f"OffloadedStep.{api}: {has} {len(leaves)} leaves; the step was planned "
+                       f"for {len(self.plan.leaves)}")
+    return leaves, treedef
 
   def _master_keys(self) -> list[str]:
     """Checkpoint names of the masters: their param's leaf index."""
