@@ -31,7 +31,11 @@ def test_auto_without_budget_keeps_everything_on_device():
               "resource_secs", "segments", "notes"):
     assert key in data
   text = str(plan)
-  assert "predicted step:" in text and "predicted peak HBM:" in text
+  # Planned for the CPU backend: its device memory is RAM, not HBM.
+  assert "predicted step:" in text and "predicted peak device memory:" in text
+  assert "HBM" not in text.split("predicted step:")[1].split("note:")[0]
+  gpu = jaxtier.plan(STEP, mlp_state(), toy_batch(), platform="gpu")
+  assert "predicted peak HBM:" in str(gpu)
 
 
 def test_auto_under_a_budget_the_device_plan_exceeds_runs_like_jit():

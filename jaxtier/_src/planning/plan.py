@@ -182,7 +182,9 @@ class Plan:
       lines.append(f"measured step: {self.measured_step_secs * 1e3:.4g} ms{ratio}")
     if self.predicted_peak_hbm_bytes is not None:
       budget = self.planned_device_budget
-      lines.append(f"predicted peak HBM: {format_bytes(self.predicted_peak_hbm_bytes)} per device"
+      memory = "HBM" if self.platform == "gpu" else "device memory"  # what it is here
+      lines.append(f"predicted peak {memory}: {format_bytes(self.predicted_peak_hbm_bytes)} "
+                   "per device"
                    f"{'' if budget is None else f' of {format_bytes(budget)} planned'}"
                    + ("" if self.compiler_peak_hbm_bytes is None else
                       f"; compiler: {format_bytes(self.compiler_peak_hbm_bytes)}"))
