@@ -574,3 +574,30 @@ def test_a_step_that_changes_a_leafs_shape_is_refused_naming_it():
     step(bad, _batch())
   state, m = step(state, _batch(1))  # the placed state still trains
   assert np.isfinite(float(m["loss"]))
+
+
+def test_leaves_falling_back_to_host_xla_for_one_reason_are_warned_once(caplog):
+  # A policy placing a 3-layer MLP's params host_cpu ties every host leaf into one
+  # non-elementwise cut: 18 leaves fall back to host_xla for one reason, said in one line
+  # (it was one line per leaf).
+  import logging  # pylint: disable=g-import-not-at-top
+  tx = optax.adam(1e-3)
+  params = {f"l{i}": {"w": jnp.ones((8, 8)), "b": jnp.zeros(8)} for i in range(3)}
+  state = {"params": params, "opt": tx.init(params)}
+
+  def step(state, x):
+    def loss(p):
+      h = x
+      for i in range(3):
+        h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+      return jnp.sum(h)
+    u, o = tx.update(jax.grad(loss)(state["params"]), state["opt"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
+  off = jaxtier.offload(step, policy={r"\['l\d'\]": "host_cpu"})
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    off.place(state, jnp.ones((2, 8)))
+  lines = [r.getMessage() for r in caplog.records if "back to host_xla" in r.getMessage()]
+  assert len(lines) == 1, lines
+  assert lines[0].startswith("jaxtier: 18 leaves (['opt'][0].mu['l0']['b'], ") and \
+      "and 15 more) fall back to host_xla: update not one elementwise pass" in lines[0]
+  assert {l.placement for l in off.plan.leaves if "['l" in l.path} == {"host_xla"}

@@ -79,10 +79,20 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
                 "layers read by a layer loop can be placed 'host_stream' instead")
           else:
             reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
-          # Warned where the user placed the leaf; for the planner's own candidates the
-          # solver decides next (most stay on the device), so only logged.
-          (log.warning if i in user_placed else log.info)(
-              "jaxtier: leaf %s falls back to host_xla: %s", inv.leaves[i].path, reasons[i])
+        # One line per reason, with the leaves it names: warned where the user placed them; for
+        # the planner's own candidates the solver decides next (most stay on the device), so
+        # only logged.
+        for user, level in ((True, log.warning), (False, log.info)):
+          by_reason: dict[str, list[str]] = {}
+          for i in comp.seeds:
+            if (i in user_placed) == user:
+              by_reason.setdefault(reasons[i], []).append(inv.leaves[i].path)
+          for reason, paths in by_reason.items():
+            named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3
+                                            else "")
+            level("jaxtier: %s fall%s back to host_xla: %s",
+                  f"{len(paths)} leaves ({named})" if len(paths) > 1 else f"leaf {named}",
+                  "" if len(paths) > 1 else "s", reason)
         demoted = True
       else:
         masters |= comp_masters
