@@ -112,3 +112,31 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: int(0.95 * 135.3 * 2**30))
   pipeline_lib._raise_with_room(first.value, inv, dict(fixed, pinnable_bytes=108 * 2**30),
                                 None, costs, state)
+
+
+def test_does_not_fit_is_said_only_of_a_plan_whose_compiled_step_is_over(caplog):
+  # The streamed tiny decoder under a budget its first prediction is over but its compiled
+  # step is under: the plan fits, and nothing warned DOES NOT FIT on the way (it did, before
+  # the compiled step was known).
+  from jaxtier.examples import llama, train  # pylint: disable=g-import-not-at-top
+  config = llama.CONFIGS["tiny"]
+  _, state, step_fn = train.make_train_state(config, 1e-3)
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, config.max_seq_len + 1)),
+                      jnp.int32)
+  probe = jaxtier.offload(step_fn, policy=train.stream_layers_policy)
+  probe.place(jax.tree.map(jnp.copy, state), batch)
+  first = jaxtier.plan(step_fn, state, batch, policy=train.stream_layers_policy)
+  compiled = probe.plan.compiler_peak_hbm_bytes
+  assert first.predicted_peak_hbm_bytes > compiled
+  budget = (first.predicted_peak_hbm_bytes + compiled) // 2
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    step = jaxtier.offload(step_fn, policy=train.stream_layers_policy, device_budget=budget)
+    step.place(state, batch)
+  assert step.plan.fits and step.plan.compiler_peak_hbm_bytes <= budget
+  assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  # Over the compiled peak too: said.
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    jaxtier.offload(step_fn, policy=train.stream_layers_policy,
+                    device_budget=compiled // 4).place(state, batch)
+  assert [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]

@@ -29,7 +29,7 @@ from jaxtier._src.lowering import programs as programs_lib
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import verify as verify_lib
-from jaxtier._src.planning.plan import Plan
+from jaxtier._src.planning.plan import Plan, verdict_lines
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
 
@@ -135,7 +135,15 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   except PlanError as e:
     e.plan = planned.plan
     raise
+  # Said once the compiled step is known: a plan predicted over the budget whose compiled
+  # step fits it fits (`_verify`).
+  _warn_unfit(planned.plan)
   return planned
+
+
+def _warn_unfit(plan: Plan) -> None:
+  for line in verdict_lines(plan.verdicts if not plan.fits else ()):
+    log.warning("jaxtier: %s", line)
 
 
 def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: dict[str, Any],
@@ -229,6 +237,7 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       streamable=streamable, dha_readable=dha_readable, activations=activations,
       resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what,
       stream_blocked=blocked)
+  _warn_unfit(result)  # not compiled: the prediction is all there is
   if platform != here:
     result = dataclasses.replace(result, notes=result.notes + (
         f"planned for {platform} on a machine without one ({here}): "

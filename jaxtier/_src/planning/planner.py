@@ -29,7 +29,7 @@ from jaxtier._src.planning import cost_model, solver
 from jaxtier._src.planning import problem as problem_lib
 from jaxtier._src.planning.admission import admit, default_device_budget
 from jaxtier._src.planning.cut import cut_updates
-from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan, verdict_lines
+from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, Executor, NamedPolicy,
@@ -188,8 +188,6 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
              "(jaxtier.plan)")
       violations.append(BudgetViolation(limit="host_memory", need_bytes=need,
                                         limit_bytes=available))
-  for line in verdict_lines(verdicts):
-    log.warning("jaxtier: %s", line)
   assumed = None
   if activations is not None:
     chosen = act_policy or activations.traced
