@@ -199,6 +199,9 @@ def main(argv: list[str]) -> None:
     try:
       plan_main()
     except ValueError as e:  # a flag out of range: the message names the limit and the fix
+      if _JSON.value:  # the JSON form says so in its fields too
+        import json  # pylint: disable=g-import-not-at-top
+        print(json.dumps({"fits": False, "refused": f"{type(e).__name__}: {e}"}, indent=1))
       print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
       sys.exit(1)
   else:

@@ -255,9 +255,14 @@ def test_a_sequence_over_the_models_maximum_is_refused_before_anything_runs(tmp_
   for command in (("train", "--config=tiny", "--steps=1"), ("plan", "--config=tiny")):
     out = _cli(tmp_path, *command, "--seq_len=100000")
     assert out.returncode == 1, out.stderr[-2000:]
-    assert ("error: ValueError: run: --seq_len=100000 is over the tiny model's maximum "
+    assert ("error: ValueError: --seq_len=100000 is over the tiny model's maximum "
             "sequence length of 128; use --seq_len=128 or less") in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+  out = _cli(tmp_path, "plan", "--config=tiny", "--seq_len=100000", "--json")
+  assert out.returncode == 1 and json.loads(out.stdout) == {
+      "fits": False, "refused": "ValueError: --seq_len=100000 is over the tiny model's "
+      "maximum sequence length of 128; use --seq_len=128 or less (or a config with a longer "
+      "max_seq_len)."}
 
 
 def test_a_data_file_that_is_not_text_is_refused(tmp_path):

@@ -98,7 +98,7 @@ def check_seq_len(config: llama.LlamaConfig, config_name: str, seq_len: int) -> 
   maximum (`config.max_seq_len`)."""
   if seq_len > config.max_seq_len:
     raise ValueError(
-        f"run: --seq_len={seq_len} is over the {config_name} model's maximum sequence length "
+        f"--seq_len={seq_len} is over the {config_name} model's maximum sequence length "
         f"of {config.max_seq_len}; use --seq_len={config.max_seq_len} or less (or a config "
         "with a longer max_seq_len).")
 
