@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import optax_train_step
 import jaxtier
 from jaxtier._src import runtime
 
@@ -80,12 +81,8 @@ def _init_state(key):
   return {"params": params, "opt": _TX.init(params)}
 
 
-def _init_step(state, batch):
-  x, y = batch
-  loss, g = jax.value_and_grad(
-      lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(state["params"])
-  updates, opt = _TX.update(g, state["opt"], state["params"])
-  return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+_init_step = optax_train_step(
+    _TX, lambda p, x, y: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))
 
 
 _INIT_BATCH = (jnp.ones((16, 64)), jnp.zeros((16, 8)))

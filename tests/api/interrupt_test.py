@@ -9,19 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
+from conftest import optax_train_step
 import jaxtier
 
 TX = optax.adamw(1e-2, weight_decay=0.1)
 
 
-def _step(state, batch):
-  x, y = batch
-  loss, g = jax.value_and_grad(
-      lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(state["params"])
-  u, o = TX.update(g, state["opt"], state["params"])
-  return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
+_step = optax_train_step(
+    TX, lambda p, x, y: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))
 
 
 def _fresh():
