@@ -408,10 +408,9 @@ def compile_component(jaxpr: Any, consts: list[Any], comp: jaxpr_graph.Component
     aval = v.aval
     if np.dtype(aval.dtype) not in SUPPORTED_DTYPES:
       raise Unsupported(f"a result of dtype {np.dtype(aval.dtype).name}")
-    # Only host leaves are updated in place. A device param's new value gets its own result:
-    # aliasing it to the device operand made XLA (jax 0.11.2, H200) give that result the host
-    # memory space of its siblings and fail verification; jit-level donation still recycles
-    # the old param buffer.
+    # Here only host leaves are aliased. A device param's new value is written over its old
+    # value by a call of its own (`calls_of`): beside host results, XLA gives a result their
+    # host memory space.
     alias = -1
     for j in outs:
       for key in (("host", j),):

@@ -148,8 +148,7 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
   component's first leaf's shard fraction.
   """
   seed = leaves[cc.component.seeds[0]]
-  global_bytes = int(np.prod(seed.shape, dtype=np.int64)) * _itemsize(seed.dtype)
-  frac = seed.nbytes / global_bytes if global_bytes else 1.0
+  frac = _shard_fraction(cc, leaves)
   operands = range(len(cc.operands)) if call is None else call.operands
   results = range(len(cc.results)) if call is None else call.results
   read = write = dev_in = dev_out = 0.0
@@ -180,9 +179,7 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
 def fresh_result_bytes(cc: Any, leaves: Sequence[Any]) -> int:
   """Device bytes, per device, of `cc`'s results that get a buffer of their own (a device
   result its call cannot write over a device operand)."""
-  seed = leaves[cc.component.seeds[0]]
-  global_bytes = int(np.prod(seed.shape, dtype=np.int64)) * _itemsize(seed.dtype)
-  frac = seed.nbytes / global_bytes if global_bytes else 1.0
+  frac = _shard_fraction(cc, leaves)
   total = 0.0
   for call in program_compiler.calls_of(cc):
     for k, a in zip(call.results, call.aliases):
@@ -190,6 +187,13 @@ def fresh_result_bytes(cc: Any, leaves: Sequence[Any]) -> int:
         r = cc.results[k]
         total += int(np.prod(r.shape, dtype=np.int64)) * np.dtype(r.dtype).itemsize * frac
   return int(total)
+
+
+def _shard_fraction(cc: Any, leaves: Sequence[Any]) -> float:
+  """The share of `cc`'s global sizes each device holds: its first leaf's shard fraction."""
+  seed = leaves[cc.component.seeds[0]]
+  global_bytes = int(np.prod(seed.shape, dtype=np.int64)) * _itemsize(seed.dtype)
+  return seed.nbytes / global_bytes if global_bytes else 1.0
 
 
 def _itemsize(dtype: Any) -> int:
