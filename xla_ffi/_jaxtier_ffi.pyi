@@ -10,8 +10,9 @@ def registrations() -> dict[str, dict[str, Any]]:
     state) a dict ``{"instantiate": PyCapsule, "execute": PyCapsule}``; either goes to
     ``jax.ffi.register_ffi_target(name, handler, platform=...)``. Register ``state_types()``
     first. Targets: ``"jaxtier_host_update_ffi"``, ``"jaxtier_stream_fetch_ffi"``,
+    ``"jaxtier_host_update_layer_ffi"``, ``"jaxtier_host_update_join_ffi"``,
     ``"jaxtier_stream_wait_ffi"``, ``"jaxtier_stream_send_ffi"``, ``"jaxtier_dha_gather_ffi"``,
-    ``"jaxtier_dha_matmul_ffi"`` (the last two are plain capsules on both platforms).
+    ``"jaxtier_dha_matmul_ffi"`` (the layer, join, gather and matmul targets are plain capsules on both platforms).
     """
 
 def state_types() -> dict[str, dict[str, dict[str, Any]]]:

@@ -807,6 +807,25 @@ ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   return ffi::Error::Success();
 }
 
+// The layer call runs at once on the CPU backend (XLA:CPU runs it in program order).
+ffi::Error HostUpdateLayerCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                  ffi::Dictionary attrs) {
+  host_update::LayerAttrs a;
+  HostUpdateParams params;
+  int32_t aliases[host_update::kMaxResults];
+  JT_RETURN_IF_ERROR(host_update::DecodeLayerAttrs(attrs, &a));
+  JT_RETURN_IF_ERROR(host_update::PrepareLayerUpdate(args, rets, a, &params, aliases));
+  if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
+  auto plan = std::make_unique<CpuPlan>();
+  BuildPlan(params, plan.get());
+  host_update::RunCpuPlan(params, *plan, 0, params.n);
+  return ffi::Error::Success();
+}
+
+ffi::Error HostUpdateJoinCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return host_update::PrepareJoin(args, rets);
+}
+
 }  // namespace
 
 namespace host_update {
@@ -855,5 +874,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCpu, HostUpdateCpuImpl,
                                   .Attrs<ffi::Dictionary>());     // program, consts, num_regs,
                                                                   // aliases, executor,
                                                                   // dha_fraction
+
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateLayerCpu, HostUpdateLayerCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()              // operands, then order-only
+                                  .RemainingRets()              // the token
+                                  .Attrs<ffi::Dictionary>());   // as DecodeLayerAttrs
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateJoinCpu, HostUpdateJoinCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()    // pass-through arrays, then order-only
+                                  .RemainingRets());  // the arrays, aliased
 
 }  // namespace jaxtier

@@ -46,6 +46,8 @@ namespace {
 
 using host_update::HostUpdateParams;
 using host_update::Instruction;
+using host_update::kJoinOpName;
+using host_update::kLayerOpName;
 using host_update::kOpName;  // the op that errors name
 
 constexpr int kThreadsPerBlock = 256;
@@ -165,6 +167,9 @@ struct DeviceResources {
   cudaEvent_t start = nullptr;  // on XLA's stream, at the start of a call
   cudaEvent_t ready = nullptr;  // on streams[0], once the CPU plan of a call is built
   cudaEvent_t done[kNumStreams] = {};
+  // Layer calls only: the kernel part runs here, at the lowest priority, beside XLA's compute.
+  cudaStream_t kernel_stream = nullptr;
+  cudaEvent_t kernel_done = nullptr;
   char* staging = nullptr;  // pinned host memory
   int64_t staging_bytes = 0;
 };
@@ -174,7 +179,12 @@ ffi::Error DeviceResources::Init() {
     JT_CUDA_CHECK(kOpName, cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking),
                   "a jaxtier stream of the host CPU executor");
   }
-  for (cudaEvent_t* e : {&start, &ready, &done[0], &done[1], &done[2]}) {
+  int least = 0, greatest = 0;
+  JT_CUDA_CHECK(kOpName, cudaDeviceGetStreamPriorityRange(&least, &greatest), "");
+  JT_CUDA_CHECK(kOpName,
+                cudaStreamCreateWithPriority(&kernel_stream, cudaStreamNonBlocking, least),
+                "the low-priority kernel stream of layer calls");
+  for (cudaEvent_t* e : {&start, &ready, &done[0], &done[1], &done[2], &kernel_done}) {
     JT_CUDA_CHECK(kOpName, cudaEventCreateWithFlags(e, cudaEventDisableTiming), "");
   }
   static_assert(kNumStreams == 3, "Init lists the done events");
@@ -211,12 +221,14 @@ DeviceResources::~DeviceResources() {
     if (s != nullptr) (void)cudaStreamSynchronize(s);
   }
   if (staging != nullptr) (void)cudaFreeHost(staging);
-  for (cudaEvent_t e : {start, ready, done[0], done[1], done[2]}) {
+  if (kernel_stream != nullptr) (void)cudaStreamSynchronize(kernel_stream);
+  for (cudaEvent_t e : {start, ready, done[0], done[1], done[2], kernel_done}) {
     if (e != nullptr) (void)cudaEventDestroy(e);
   }
   for (cudaStream_t s : streams) {
     if (s != nullptr) (void)cudaStreamDestroy(s);
   }
+  if (kernel_stream != nullptr) (void)cudaStreamDestroy(kernel_stream);
   if (switched) (void)cudaSetDevice(previous);
   (void)cudaGetLastError();  // leave no error of ours behind for a later check on this thread
 }
@@ -362,10 +374,11 @@ ffi::Error IsDeviceMemory(const void* ptr, const std::string& where, bool* on_de
 
 // Enqueues the CPU executor over elements [lo, hi) of `params` (lo < hi) on `dev`'s streams.
 // The caller holds dev->mu and has recorded dev->start on `xla_stream` where the CPU part may
-// begin; on success `xla_stream` waits for the CPU part.
+// begin; on success `xla_stream` waits for the CPU part, unless `deferred` (a layer call: the
+// streams are shared, this call's work starts after the previous call's, and a join waits).
 ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceResources* dev,
-                           const HostUpdateParams& params, ffi::Span<const int32_t> aliases,
-                           int64_t lo, int64_t hi) {
+                           const HostUpdateParams& params, const int32_t* aliases,
+                           int64_t lo, int64_t hi, bool deferred) {
   using host_update::StorageBytes;
   auto owned = std::make_unique<CpuCall>();
   CpuCall* call = owned.get();
@@ -457,6 +470,12 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   for (int s = 0; s < num_streams; ++s) {
     JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(dev->streams[s], dev->start, 0),
                   "jaxtier stream on XLA's stream");
+    // Deferred calls share the staging buffer: each starts once the last one is done.
+    for (int q = 0; deferred && q < kNumStreams; ++q) {
+      if (q == s) continue;
+      JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(dev->streams[s], dev->done[q], 0),
+                    "jaxtier stream on the previous layer call");
+    }
   }
   // Scalars first (stream 0), then the plan, which reads them.
   for (int i = 0; i < num_operands; ++i) {
@@ -507,6 +526,7 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   for (int s = 0; s < num_streams; ++s) {
     JT_CUDA_CHECK(kOpName, cudaEventRecord(dev->done[s], dev->streams[s]),
                   "the end of a jaxtier stream's part");
+    if (deferred) continue;
     JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(xla_stream, dev->done[s], 0),
                   "XLA's stream on a jaxtier stream");
   }
@@ -567,7 +587,91 @@ ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
     head.n = k;
     JT_RETURN_IF_ERROR(LaunchKernel(stream, head));
   }
-  return EnqueueCpuRange(stream, state->chunk_bytes, dev, params, a.aliases, k, params.n);
+  return EnqueueCpuRange(stream, state->chunk_bytes, dev, params, a.aliases.begin(), k, params.n,
+                         /*deferred=*/false);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Layer calls and the join (program.h): one set of streams and staging per device, shared by
+// every layer call of the process; never freed (layer calls of any executable may use them).
+// ------------------------------------------------------------------------------------------------
+
+int64_t LayerChunkBytes() {
+  static const int64_t bytes = [] {
+    const char* env = std::getenv("JAXTIER_HOST_CPU_CHUNK_BYTES");
+    if (env == nullptr || !*env) return kDefaultChunkBytes;
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    return (end == env || *end != '\0' || v < kMinChunkBytes) ? kDefaultChunkBytes
+                                                              : static_cast<int64_t>(v);
+  }();
+  return bytes;
+}
+
+std::mutex g_shared_mu;
+DeviceResources* g_shared[kMaxDevices] = {};
+
+// This device's shared resources (created on first use when `create`; else may be null).
+ffi::Error SharedResources(int device, bool create, DeviceResources** out) {
+  if (device < 0 || device >= kMaxDevices) {
+    return Internal(kOpName, "device ordinal " + std::to_string(device) + " out of range");
+  }
+  std::lock_guard<std::mutex> lock(g_shared_mu);
+  if (g_shared[device] == nullptr && create) {
+    auto r = std::make_unique<DeviceResources>(device);
+    JT_RETURN_IF_ERROR(r->Init());
+    g_shared[device] = r.release();
+  }
+  *out = g_shared[device];
+  return ffi::Error::Success();
+}
+
+ffi::Error HostUpdateLayerCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
+                                   ffi::RemainingRets rets, ffi::Dictionary attrs) {
+  host_update::LayerAttrs a;
+  HostUpdateParams params;
+  int32_t aliases[host_update::kMaxResults];
+  JT_RETURN_IF_ERROR(host_update::DecodeLayerAttrs(attrs, &a));
+  JT_RETURN_IF_ERROR(host_update::PrepareLayerUpdate(args, rets, a, &params, aliases));
+  if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
+  int64_t k = params.n;  // the kernel's share: [0, k)
+  if (a.base.executor == host_update::kExecutorHostCpu) k = 0;
+  if (a.base.executor == host_update::kExecutorSplit) k = SplitPoint(params.n, a.base.dha_fraction);
+  int device = 0;
+  JT_CUDA_CHECK(kLayerOpName, cudaGetDevice(&device), "");
+  DeviceResources* dev = nullptr;
+  JT_RETURN_IF_ERROR(SharedResources(device, /*create=*/true, &dev));
+  std::lock_guard<std::mutex> lock(dev->mu);
+  JT_CUDA_CHECK(kLayerOpName, cudaEventRecord(dev->start, stream), "the start of the call");
+  if (k > 0) {
+    // The kernel on the low-priority stream: after XLA's stream reaches the call and after the
+    // previous layer call's kernel.
+    JT_CUDA_CHECK(kLayerOpName, cudaStreamWaitEvent(dev->kernel_stream, dev->start, 0), "");
+    HostUpdateParams head = params;
+    head.n = k;
+    JT_RETURN_IF_ERROR(LaunchKernel(dev->kernel_stream, head));
+    JT_CUDA_CHECK(kLayerOpName, cudaEventRecord(dev->kernel_done, dev->kernel_stream),
+                  "the end of the kernel part");
+  }
+  if (k == params.n) return ffi::Error::Success();
+  return EnqueueCpuRange(stream, LayerChunkBytes(), dev, params, aliases, k, params.n,
+                         /*deferred=*/true);
+}
+
+ffi::Error HostUpdateJoinCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
+                                  ffi::RemainingRets rets) {
+  JT_RETURN_IF_ERROR(host_update::PrepareJoin(args, rets));
+  int device = 0;
+  JT_CUDA_CHECK(kJoinOpName, cudaGetDevice(&device), "");
+  DeviceResources* dev = nullptr;
+  JT_RETURN_IF_ERROR(SharedResources(device, /*create=*/false, &dev));
+  if (dev == nullptr) return ffi::Error::Success();  // no layer call has run on this device
+  std::lock_guard<std::mutex> lock(dev->mu);
+  for (cudaEvent_t e : {dev->done[0], dev->done[1], dev->done[2], dev->kernel_done}) {
+    JT_CUDA_CHECK(kJoinOpName, cudaStreamWaitEvent(stream, e, 0),
+                  "XLA's stream on the layer calls' streams");
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -587,6 +691,19 @@ const XLA_FFI_TypeInfo* HostUpdateCudaStateTypeInfo() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCudaInstantiate, HostUpdateCudaInstantiateImpl,
                               ffi::Ffi::BindInstantiate()
                                   .Attrs<ffi::Dictionary>());  // the attributes
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateLayerCuda, HostUpdateLayerCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .RemainingArgs()             // operands, then order-only
+                                  .RemainingRets()             // the token
+                                  .Attrs<ffi::Dictionary>());  // as DecodeLayerAttrs
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateJoinCuda, HostUpdateJoinCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .RemainingArgs()    // pass-through arrays, then order-only
+                                  .RemainingRets());  // the arrays, aliased
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCuda, HostUpdateCudaImpl,
                               ffi::Ffi::Bind()

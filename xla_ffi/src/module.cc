@@ -1,11 +1,13 @@
 // Python module `_jaxtier_ffi`: hands the XLA FFI handlers to Python as capsules.
 //
 //   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule,
+//                               "jaxtier_host_update_{layer,join}_ffi": capsule,
 //                               "jaxtier_stream_fetch_ffi": capsule, (wait, send alike),
 //                               "jaxtier_dha_gather_ffi": capsule,
 //                               "jaxtier_dha_matmul_ffi": capsule},
 //                       "CUDA": {"jaxtier_host_update_ffi": {"instantiate": capsule,
 //                                                            "execute": capsule},
+//                                "jaxtier_host_update_{layer,join}_ffi": capsule,
 //                                "jaxtier_stream_fetch_ffi": {"instantiate": ..., (alike)},
 //                                "jaxtier_dha_gather_ffi": capsule,
 //                                "jaxtier_dha_matmul_ffi": capsule}}
@@ -48,6 +50,8 @@ nb::dict Registrations() {
   nb::dict registrations;
   nb::dict cpu;
   cpu["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCpu);
+  cpu["jaxtier_host_update_layer_ffi"] = EncapsulateFfiHandler(HostUpdateLayerCpu);
+  cpu["jaxtier_host_update_join_ffi"] = EncapsulateFfiHandler(HostUpdateJoinCpu);
   cpu["jaxtier_stream_fetch_ffi"] = EncapsulateFfiHandler(StreamFetchCpu);
   cpu["jaxtier_stream_wait_ffi"] = EncapsulateFfiHandler(StreamWaitCpu);
   cpu["jaxtier_stream_send_ffi"] = EncapsulateFfiHandler(StreamSendCpu);
@@ -60,6 +64,8 @@ nb::dict Registrations() {
   host_update_cuda["execute"] = EncapsulateFfiHandler(HostUpdateCuda);
   nb::dict cuda;
   cuda["jaxtier_host_update_ffi"] = host_update_cuda;
+  cuda["jaxtier_host_update_layer_ffi"] = EncapsulateFfiHandler(HostUpdateLayerCuda);
+  cuda["jaxtier_host_update_join_ffi"] = EncapsulateFfiHandler(HostUpdateJoinCuda);
   // The three streaming targets share one instantiate stage (and state type).
   const std::pair<const char*, XLA_FFI_Handler*> stream_targets[] = {
       {"jaxtier_stream_fetch_ffi", StreamFetchCuda},

@@ -463,6 +463,125 @@ inline xla::ffi::Error DecodeHostUpdateAttrs(const xla::ffi::Dictionary& attrs,
 // Size in bytes of one element of a storage type.
 inline int64_t StorageBytes(uint8_t type) { return type == kF32 ? 4 : 2; }
 
+// Validates the program, its constants and `num_regs` against `params->num_operands` and
+// `params->num_results` (set by the caller) and stores them in `params`: opcodes, register,
+// operand, result and constant indices, registers read only after they are written, every
+// result stored.
+inline xla::ffi::Error PrepareProgram(xla::ffi::Span<const int32_t> program,
+                                      xla::ffi::Span<const float> consts, int32_t num_regs,
+                                      HostUpdateParams* params) {
+  using internal::Instr;
+  using internal::Range;
+  namespace ffi = xla::ffi;
+  if (num_regs < 0 || num_regs > kMaxRegisters) {
+    return Invalid(kOpName, "value", "attribute num_regs", Range(0, kMaxRegisters + 1),
+                   std::to_string(num_regs));
+  }
+  params->num_registers = num_regs;
+  if (consts.size() > static_cast<size_t>(kMaxConsts)) {
+    return Invalid(kOpName, "length", "attribute consts", "at most " + std::to_string(kMaxConsts),
+                   std::to_string(consts.size()));
+  }
+  for (size_t k = 0; k < consts.size(); ++k) params->consts[k] = consts[k];
+  if (program.size() % kWordsPerInstruction != 0) {
+    return Invalid(kOpName, "length", "attribute program",
+                   "a multiple of " + std::to_string(kWordsPerInstruction),
+                   std::to_string(program.size()));
+  }
+  const int64_t num_instructions = static_cast<int64_t>(program.size()) / kWordsPerInstruction;
+  if (num_instructions > kMaxInstructions) {
+    return Invalid(kOpName, "number of instructions", "attribute program",
+                   "at most " + std::to_string(kMaxInstructions), std::to_string(num_instructions));
+  }
+  params->num_instructions = static_cast<int32_t>(num_instructions);
+
+  // The program.
+  bool written[kMaxRegisters] = {};
+  bool stored[kMaxResults] = {};
+  const int64_t num_consts = static_cast<int64_t>(consts.size());
+  for (int64_t k = 0; k < num_instructions; ++k) {
+    const int32_t* w = program.begin() + k * kWordsPerInstruction;
+    const int32_t op = w[0], dst = w[1], a = w[2], b = w[3], c = w[4];
+    const OpKind kind = KindOf(op);
+    if (kind == OpKind::kInvalid) {
+      return Invalid(kOpName, "opcode", Instr(k, "op"), "an opcode listed in docs/design.md",
+                     std::to_string(op));
+    }
+    // Register reads (must be in range and written by an earlier instruction).
+    auto check_read = [&](int32_t reg, const char* field) -> ffi::Error {
+      if (reg < 0 || reg >= num_regs) {
+        return Invalid(kOpName, "register index", Instr(k, field), Range(0, num_regs),
+                       std::to_string(reg));
+      }
+      if (!written[reg]) {
+        return Invalid(kOpName, "register read", Instr(k, field),
+                       "a register written by an earlier instruction",
+                       "register " + std::to_string(reg) + ", not written yet");
+      }
+      return ffi::Error::Success();
+    };
+    Instruction ins{static_cast<uint8_t>(op), 0, 0, 0, 0};
+    switch (kind) {
+      case OpKind::kLoad:
+        if (a < 0 || a >= params->num_operands) {
+          return Invalid(kOpName, "operand index", Instr(k, "a"), Range(0, params->num_operands),
+                         std::to_string(a));
+        }
+        ins.a = static_cast<uint8_t>(a);
+        break;
+      case OpKind::kConst:
+        if (a < 0 || a >= num_consts) {
+          return Invalid(kOpName, "const index", Instr(k, "a"), Range(0, num_consts),
+                         std::to_string(a));
+        }
+        ins.a = static_cast<uint8_t>(a);
+        break;
+      case OpKind::kStore:
+        if (dst < 0 || dst >= params->num_results) {
+          return Invalid(kOpName, "result index", Instr(k, "dst"), Range(0, params->num_results),
+                         std::to_string(dst));
+        }
+        JT_RETURN_IF_ERROR(check_read(a, "a"));
+        ins.dst = static_cast<uint8_t>(dst);
+        ins.a = static_cast<uint8_t>(a);
+        stored[dst] = true;
+        break;
+      case OpKind::kTernary:
+        JT_RETURN_IF_ERROR(check_read(c, "c"));
+        ins.c = static_cast<uint8_t>(c);
+        [[fallthrough]];
+      case OpKind::kBinary:
+        JT_RETURN_IF_ERROR(check_read(b, "b"));
+        ins.b = static_cast<uint8_t>(b);
+        [[fallthrough]];
+      case OpKind::kCopy:
+      case OpKind::kUnary:
+        JT_RETURN_IF_ERROR(check_read(a, "a"));
+        ins.a = static_cast<uint8_t>(a);
+        break;
+      case OpKind::kInvalid:
+        break;
+    }
+    if (kind != OpKind::kStore) {
+      if (dst < 0 || dst >= num_regs) {
+        return Invalid(kOpName, "register index", Instr(k, "dst"), Range(0, num_regs),
+                       std::to_string(dst));
+      }
+      ins.dst = static_cast<uint8_t>(dst);
+      written[dst] = true;
+    }
+    params->instructions[k] = ins;
+  }
+  for (int64_t r = 0; r < params->num_results; ++r) {
+    if (!stored[r]) {
+      return Invalid(kOpName, "program", "result " + std::to_string(r),
+                     "a STORE to every result", "no STORE to this result");
+    }
+  }
+
+  return ffi::Error::Success();
+}
+
 // Validates a call and fills `params`. Returns an InvalidArgument error naming the first
 // problem found. Checks: operand/result counts and dtypes (f32/bf16/f16), element counts (N or
 // 1 for operands, N for results), the program (length, opcodes, register/operand/result/const
@@ -528,116 +647,11 @@ inline xla::ffi::Error PrepareHostUpdate(xla::ffi::RemainingArgs args,
   }
   params->n = n < 0 ? 0 : n;
 
-  // Attributes.
-  if (num_regs < 0 || num_regs > kMaxRegisters) {
-    return Invalid(kOpName, "value", "attribute num_regs", Range(0, kMaxRegisters + 1),
-                   std::to_string(num_regs));
-  }
-  params->num_registers = num_regs;
-  if (consts.size() > static_cast<size_t>(kMaxConsts)) {
-    return Invalid(kOpName, "length", "attribute consts", "at most " + std::to_string(kMaxConsts),
-                   std::to_string(consts.size()));
-  }
-  for (size_t k = 0; k < consts.size(); ++k) params->consts[k] = consts[k];
-  if (program.size() % kWordsPerInstruction != 0) {
-    return Invalid(kOpName, "length", "attribute program",
-                   "a multiple of " + std::to_string(kWordsPerInstruction),
-                   std::to_string(program.size()));
-  }
-  const int64_t num_instructions = static_cast<int64_t>(program.size()) / kWordsPerInstruction;
-  if (num_instructions > kMaxInstructions) {
-    return Invalid(kOpName, "number of instructions", "attribute program",
-                   "at most " + std::to_string(kMaxInstructions), std::to_string(num_instructions));
-  }
-  params->num_instructions = static_cast<int32_t>(num_instructions);
+  JT_RETURN_IF_ERROR(PrepareProgram(program, consts, num_regs, params));
   if (aliases.size() != static_cast<size_t>(num_results)) {
     return Invalid(kOpName, "length", "attribute aliases",
                    std::to_string(num_results) + " (one entry per result)",
                    std::to_string(aliases.size()));
-  }
-
-  // The program.
-  bool written[kMaxRegisters] = {};
-  bool stored[kMaxResults] = {};
-  const int64_t num_consts = static_cast<int64_t>(consts.size());
-  for (int64_t k = 0; k < num_instructions; ++k) {
-    const int32_t* w = program.begin() + k * kWordsPerInstruction;
-    const int32_t op = w[0], dst = w[1], a = w[2], b = w[3], c = w[4];
-    const OpKind kind = KindOf(op);
-    if (kind == OpKind::kInvalid) {
-      return Invalid(kOpName, "opcode", Instr(k, "op"), "an opcode listed in docs/design.md",
-                     std::to_string(op));
-    }
-    // Register reads (must be in range and written by an earlier instruction).
-    auto check_read = [&](int32_t reg, const char* field) -> ffi::Error {
-      if (reg < 0 || reg >= num_regs) {
-        return Invalid(kOpName, "register index", Instr(k, field), Range(0, num_regs),
-                       std::to_string(reg));
-      }
-      if (!written[reg]) {
-        return Invalid(kOpName, "register read", Instr(k, field),
-                       "a register written by an earlier instruction",
-                       "register " + std::to_string(reg) + ", not written yet");
-      }
-      return ffi::Error::Success();
-    };
-    Instruction ins{static_cast<uint8_t>(op), 0, 0, 0, 0};
-    switch (kind) {
-      case OpKind::kLoad:
-        if (a < 0 || a >= num_operands) {
-          return Invalid(kOpName, "operand index", Instr(k, "a"), Range(0, num_operands),
-                         std::to_string(a));
-        }
-        ins.a = static_cast<uint8_t>(a);
-        break;
-      case OpKind::kConst:
-        if (a < 0 || a >= num_consts) {
-          return Invalid(kOpName, "const index", Instr(k, "a"), Range(0, num_consts),
-                         std::to_string(a));
-        }
-        ins.a = static_cast<uint8_t>(a);
-        break;
-      case OpKind::kStore:
-        if (dst < 0 || dst >= num_results) {
-          return Invalid(kOpName, "result index", Instr(k, "dst"), Range(0, num_results),
-                         std::to_string(dst));
-        }
-        JT_RETURN_IF_ERROR(check_read(a, "a"));
-        ins.dst = static_cast<uint8_t>(dst);
-        ins.a = static_cast<uint8_t>(a);
-        stored[dst] = true;
-        break;
-      case OpKind::kTernary:
-        JT_RETURN_IF_ERROR(check_read(c, "c"));
-        ins.c = static_cast<uint8_t>(c);
-        [[fallthrough]];
-      case OpKind::kBinary:
-        JT_RETURN_IF_ERROR(check_read(b, "b"));
-        ins.b = static_cast<uint8_t>(b);
-        [[fallthrough]];
-      case OpKind::kCopy:
-      case OpKind::kUnary:
-        JT_RETURN_IF_ERROR(check_read(a, "a"));
-        ins.a = static_cast<uint8_t>(a);
-        break;
-      case OpKind::kInvalid:
-        break;
-    }
-    if (kind != OpKind::kStore) {
-      if (dst < 0 || dst >= num_regs) {
-        return Invalid(kOpName, "register index", Instr(k, "dst"), Range(0, num_regs),
-                       std::to_string(dst));
-      }
-      ins.dst = static_cast<uint8_t>(dst);
-      written[dst] = true;
-    }
-    params->instructions[k] = ins;
-  }
-  for (int64_t r = 0; r < num_results; ++r) {
-    if (!stored[r]) {
-      return Invalid(kOpName, "program", "result " + std::to_string(r),
-                     "a STORE to every result", "no STORE to this result");
-    }
   }
 
   // Aliases: result r is updated in place in operand aliases[r].
@@ -681,6 +695,179 @@ inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
                                         HostUpdateParams* params) {
   JT_RETURN_IF_ERROR(DecodeHostUpdateAttrs(attrs, a));
   return PrepareHostUpdate(args, rets, a->program, a->consts, a->num_regs, a->aliases, params);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layer call (`jaxtier_host_update_layer_ffi`) and the join (`jaxtier_host_update_join_ffi`)
+// ---------------------------------------------------------------------------------------------
+//
+// A layer call runs the op program over one window [offset, offset + count) of stacked
+// operands and writes each result into the window of an operand (`targets`): the per-layer
+// update of a leaf stacked over layers, issued inside the backward pass. XLA sees the
+// operands read and one token produced; the writes are the enclosing program's business (it
+// makes them safe: every other reader of a window is ordered before the call, and the written
+// buffers pass through a join, aliased, before anything else reads them).
+//
+//   operands: the program's [0, num_operands), then order-only ones (not read)
+//   results:  one token (not written)
+//   attributes: program, consts, num_regs, executor, dha_fraction (as the host update);
+//     offset, count (int64, elements); targets (int32 [num_results]: the operand each result
+//     is written into); num_operands (int32)
+//   operand element counts: 1 (a broadcast scalar), count (read as is), or at least
+//     offset + count (stacked: read from element offset on)
+//
+// On a GPU the CPU and split executors return at once: their work runs on streams shared by
+// every layer call of the process (one call after another), and a join makes XLA's stream wait
+// for all of it. The join's operands pass through to its results (aliased, in place), then
+// order-only operands follow (attribute num_arrays: how many pass through).
+
+inline constexpr const char kLayerOpName[] = "jaxtier_host_update_layer";
+inline constexpr const char kJoinOpName[] = "jaxtier_host_update_join";
+
+struct LayerAttrs {
+  HostUpdateAttrs base;  // program, consts, num_regs, executor, dha_fraction (aliases: unused)
+  int64_t offset = 0;
+  int64_t count = 0;
+  xla::ffi::Span<const int32_t> targets;
+  int32_t num_operands = 0;
+};
+
+// Decodes and checks a layer call's attributes; an unknown name is an error.
+inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, LayerAttrs* out) {
+  using internal::GetAttr;
+  static constexpr const char* kKnown[] = {"consts", "count", "dha_fraction", "executor",
+                                           "num_operands", "num_regs", "offset", "program",
+                                           "targets"};
+  for (auto it = attrs.begin(); it != attrs.end(); ++it) {
+    const std::string_view name = *it;
+    bool known = false;
+    for (const char* k : kKnown) known = known || name == k;
+    if (!known) {
+      return Invalid(kLayerOpName, "attribute", "the call",
+                     "one of consts, count, dha_fraction, executor, num_operands, num_regs, "
+                     "offset, program, targets",
+                     "`" + std::string(name) + "`");
+    }
+  }
+  HostUpdateAttrs& b = out->base;
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "program", "an int32 array", true, &b.program));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "consts", "a float32 array", true, &b.consts));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "num_regs", "an int32 scalar", true, &b.num_regs));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "executor", "an int32 scalar", false, &b.executor));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "dha_fraction", "a float32 scalar", false, &b.dha_fraction));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "offset", "an int64 scalar", true, &out->offset));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "count", "an int64 scalar", true, &out->count));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "targets", "an int32 array", true, &out->targets));
+  JT_RETURN_IF_ERROR(
+      GetAttr(attrs, "num_operands", "an int32 scalar", true, &out->num_operands));
+  if (b.executor < 0 || b.executor >= kNumExecutors) {
+    return Invalid(kLayerOpName, "value", "attribute executor",
+                   "0 (host_dha), 1 (host_cpu) or 2 (split)", std::to_string(b.executor));
+  }
+  if (!(b.dha_fraction >= 0.0f && b.dha_fraction <= 1.0f)) {
+    return Invalid(kLayerOpName, "value", "attribute dha_fraction", "a value in [0, 1]",
+                   std::to_string(b.dha_fraction));
+  }
+  if (out->offset < 0 || out->count < 0) {
+    return Invalid(kLayerOpName, "value", "attributes offset and count", "values >= 0",
+                   std::to_string(out->offset) + " and " + std::to_string(out->count));
+  }
+  return xla::ffi::Error::Success();
+}
+
+// Validates a layer call and fills `params` (n = count; pointers at the window) and `aliases`
+// (per result, its target: the staged buffers of the CPU executor are shared with it).
+inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
+                                          xla::ffi::RemainingRets rets, const LayerAttrs& a,
+                                          HostUpdateParams* params, int32_t* aliases) {
+  using internal::Range;
+  namespace ffi = xla::ffi;
+  const int64_t num_operands = a.num_operands;
+  if (num_operands < 0 || num_operands > kMaxOperands ||
+      num_operands > static_cast<int64_t>(args.size())) {
+    return Invalid(kLayerOpName, "value", "attribute num_operands",
+                   "at most " + std::to_string(kMaxOperands) + " and at most the " +
+                       std::to_string(args.size()) + " operands of the call",
+                   std::to_string(num_operands));
+  }
+  const int64_t num_results = static_cast<int64_t>(a.targets.size());
+  if (num_results > kMaxResults) {
+    return Invalid(kLayerOpName, "length", "attribute targets",
+                   "at most " + std::to_string(kMaxResults), std::to_string(num_results));
+  }
+  if (rets.size() != 1) {
+    return Invalid(kLayerOpName, "number of results", "the call", "1 (the token)",
+                   std::to_string(rets.size()));
+  }
+  params->num_operands = static_cast<int32_t>(num_operands);
+  params->num_results = static_cast<int32_t>(num_results);
+  params->n = a.count;
+  const int64_t end = a.offset + a.count;
+  for (int64_t i = 0; i < num_operands; ++i) {
+    const std::string where = "input " + std::to_string(i);
+    std::optional<ffi::AnyBuffer> buf;
+    JT_RETURN_IF_ERROR(GetArg(kLayerOpName, args, i, where, &buf));
+    const ffi::AnyBuffer& b = *buf;
+    JT_RETURN_IF_ERROR(CheckFloatStorage(kLayerOpName, where, b.element_type()));
+    const uint8_t type = internal::StorageTypeOf(b.element_type());
+    params->operand_type[i] = type;
+    const int64_t size = static_cast<int64_t>(b.element_count());
+    const char* base = static_cast<const char*>(b.untyped_data());
+    if (size == 1 && a.count != 1) {
+      params->operand_scalar[i] = 1;
+      params->operands[i] = base;
+    } else if (size == a.count) {
+      params->operand_scalar[i] = 0;
+      params->operands[i] = base;
+    } else if (size >= end) {
+      params->operand_scalar[i] = 0;
+      params->operands[i] = base + a.offset * StorageBytes(type);
+    } else {
+      return Invalid(kLayerOpName, "element count", where,
+                     "1, " + std::to_string(a.count) + " (the window) or at least " +
+                         std::to_string(end) + " (a stack holding the window)",
+                     std::to_string(size));
+    }
+  }
+  bool targeted[kMaxOperands] = {};
+  for (int64_t r = 0; r < num_results; ++r) {
+    const int32_t t = a.targets[r];
+    const std::string where = "result " + std::to_string(r) + " (attribute targets)";
+    if (t < 0 || t >= num_operands) {
+      return Invalid(kLayerOpName, "target", where, Range(0, num_operands), std::to_string(t));
+    }
+    if (targeted[t] || params->operand_scalar[t]) {
+      return Invalid(kLayerOpName, "target", where,
+                     "a vector operand written by at most one result",
+                     "operand " + std::to_string(t) + (targeted[t] ? " again" : ", a scalar"));
+    }
+    targeted[t] = true;
+    params->result_type[r] = params->operand_type[t];
+    params->results[r] = const_cast<void*>(params->operands[t]);
+    aliases[r] = t;
+  }
+  return PrepareProgram(a.base.program, a.base.consts, a.base.num_regs, params);
+}
+
+// Validates a join: the first `num_arrays` operands pass through to the results, in place.
+inline xla::ffi::Error PrepareJoin(xla::ffi::RemainingArgs args, xla::ffi::RemainingRets rets) {
+  namespace ffi = xla::ffi;
+  if (rets.size() > args.size()) {
+    return Invalid(kJoinOpName, "number of results", "the call",
+                   "at most the " + std::to_string(args.size()) + " operands",
+                   std::to_string(rets.size()));
+  }
+  for (size_t r = 0; r < rets.size(); ++r) {
+    std::optional<ffi::AnyBuffer> in, out;
+    JT_RETURN_IF_ERROR(GetArg(kJoinOpName, args, r, "input " + std::to_string(r), &in));
+    JT_RETURN_IF_ERROR(GetRet(kJoinOpName, rets, r, "result " + std::to_string(r), &out));
+    if (in->size_bytes() > 0 && in->untyped_data() != out->untyped_data()) {
+      return Invalid(kJoinOpName, "alias", "result " + std::to_string(r),
+                     "the buffer of input " + std::to_string(r) + " (aliased, donated)",
+                     "a different buffer");
+    }
+  }
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------

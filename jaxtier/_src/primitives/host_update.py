@@ -20,6 +20,14 @@ Executors (attribute `executor`; on a GPU):
   rounded to a multiple of 256.
 On the CPU backend the CPU handler runs every executor the same way (it is the host CPU
 executor); the pure-JAX reference ignores the executor.
+
+Per-layer updates inside the backward pass use two more targets of the family:
+`host_update_layer` (`jaxtier_host_update_layer_ffi`) runs a program over one layer's window of
+leaves stacked over layers and writes its results into the window of operands (not as XLA
+results: a chain of in-place results through every layer would cost XLA's host-offload passes
+one path per result per call); on a GPU its CPU and kernel parts run on jaxtier's streams
+while XLA's stream goes on. `join` (`jaxtier_host_update_join_ffi`) hands the written buffers
+back as results, in place, once every layer call before it is done.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from jaxtier._src.primitives.base import ffi_disabled
 from jaxtier._src.vocab import Executor
 
 TARGET = "jaxtier_host_update_ffi"
+LAYER_TARGET = "jaxtier_host_update_layer_ffi"
+JOIN_TARGET = "jaxtier_host_update_join_ffi"
 
 MAX_INSTRUCTIONS = 256
 MAX_REGISTERS = 64
@@ -204,6 +214,104 @@ def host_update(program: Program, operands: Sequence[jax.Array],
              executor=np.int32(EXECUTORS[executor]),
              dha_fraction=np.float32(fraction))
   return list(out)
+
+
+def host_update_layer(program: Program, operands: Sequence[jax.Array], targets: Sequence[int],
+                      *, offset: int, count: int, after: Sequence[jax.Array] = (),
+                      executor: str = Executor.HOST_CPU, dha_fraction: float = 0.5) -> jax.Array:
+  """Runs `program` over elements [offset, offset + count) and writes result r into that window
+  of operand ``targets[r]``, in place; returns a token (f32[1], not written).
+
+  The call is the per-layer host update of the backward pass: operands stacked over layers
+  (``[L, ...]``, read from element `offset`), one layer's values (`count` elements, read as
+  they are: the layer's gradient) and broadcast scalars (1 element). XLA sees the operands read
+  and the token made, not the writes; the caller keeps them safe: every other use of a written
+  window comes before the call (name its values in `after`), and the written buffers are read
+  afterwards only through `join`'s results (pass the token there).
+
+  Args:
+    program: the op program; result r is stored into operand ``targets[r]``.
+    operands: float32/bfloat16/float16 arrays of 1, `count`, or at least offset + count
+      elements; any memory kind (pinned_host operands are used in place).
+    targets: per result, the operand it is written into (a vector operand, each at most once).
+    offset: first element of the window in the stacked operands (a static int).
+    count: elements in the window.
+    after: order-only operands: the call runs after their producers; not read.
+    executor: 'host_cpu', 'split' or 'host_dha', as for `host_update`. On a GPU the CPU part
+      (and the split's kernel part, on a low-priority stream) runs on jaxtier's streams without
+      holding XLA's stream; host_dha's kernel runs on XLA's stream.
+    dha_fraction: the kernel's share for 'split', in [0, 1].
+
+  Returns:
+    The token.
+
+  Raises:
+    ValueError: a dtype outside float32/bfloat16/float16, an operand of another element count,
+      a target that is not a distinct vector operand, an unknown executor, or a dha_fraction
+      outside [0, 1].
+    NotImplementedError: under `JAXTIER_DISABLE_FFI=1` (the lowering then keeps the serial
+      update).
+  """
+  operands, targets, after = list(operands), [int(t) for t in targets], list(after)
+  offset, count = int(offset), int(count)
+  if len(operands) != program.num_operands or len(targets) != program.num_results:
+    raise ValueError(f"host_update_layer: expected {program.num_operands} operands and "
+                     f"{program.num_results} targets, got {len(operands)} and {len(targets)}")
+  if offset < 0 or count < 0:
+    raise ValueError(f"host_update_layer: expected offset, count >= 0, got {offset}, {count}")
+  for i, x in enumerate(operands):
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+      raise ValueError(f"host_update_layer: operand {i} has dtype {x.dtype}; expected one of "
+                       "float32, bfloat16, float16")
+    size = int(np.prod(np.shape(x)))
+    if size not in (1, count) and size < offset + count:
+      raise ValueError(f"host_update_layer: operand {i} has {size} elements; expected 1, "
+                       f"{count}, or at least {offset + count} (a stack holding the window)")
+  sizes = [int(np.prod(np.shape(x))) for x in operands]
+  if len(set(targets)) != len(targets) or any(
+      not 0 <= t < len(operands) or (sizes[t] == 1 and count != 1) for t in targets):
+    raise ValueError(f"host_update_layer: expected distinct vector operands as targets, got "
+                     f"{targets} for operands of {sizes} elements")
+  if executor not in EXECUTORS:
+    raise ValueError(f"host_update_layer: expected executor in {tuple(EXECUTORS)}, got "
+                     f"{executor!r}")
+  if not 0.0 <= float(dha_fraction) <= 1.0:
+    raise ValueError(f"host_update_layer: expected dha_fraction in [0, 1], got {dha_fraction!r}")
+  if ffi_disabled():
+    raise NotImplementedError("host_update_layer: needs the FFI handlers "
+                              "(JAXTIER_DISABLE_FFI is set)")
+  call = ffi.ffi_call(LAYER_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
+                      has_side_effect=True)
+  return call(*operands, *after,
+              program=np.ascontiguousarray(program.code.reshape(-1), dtype=np.int32),
+              consts=np.ascontiguousarray(program.consts, dtype=np.float32),
+              num_regs=np.int32(program.num_regs), executor=np.int32(EXECUTORS[executor]),
+              dha_fraction=np.float32(dha_fraction), offset=np.int64(offset),
+              count=np.int64(count), targets=np.asarray(targets, dtype=np.int32),
+              num_operands=np.int32(len(operands)))
+
+
+def join(arrays: Sequence[jax.Array], *, after: Sequence[jax.Array] = ()) -> list[jax.Array]:
+  """Hands `arrays` back, in place, once every `host_update_layer` call before it has finished.
+
+  On a GPU XLA's stream waits here for the layer calls' work on jaxtier's streams (all of it
+  issued so far on this device); on the CPU backend those calls have run already.
+
+  Args:
+    arrays: the buffers the layer calls wrote (donated by the enclosing jit); any memory kind.
+    after: order-only operands: the layer calls' tokens, and every device value they read
+      (kept alive until here: a GPU layer call reads them after XLA's stream has moved on).
+
+  Returns:
+    `arrays` as new values (the same buffers): read the written buffers through these.
+  """
+  arrays, after = list(arrays), list(after)
+  if not arrays:
+    return []
+  # Each result has its operand's type (memory space included: a host leaf stays pinned_host).
+  call = ffi.ffi_call(JOIN_TARGET, [jax.typeof(a) for a in arrays],
+                      aliases={k: k for k in range(len(arrays))}, has_side_effect=True)
+  return list(call(*arrays, *after))
 
 
 def restrict(program: Program, keep: Sequence[int], also: Sequence[int] = ()
