@@ -177,10 +177,12 @@ def main(argv):
   c = tr.lower(st, x).compile()
   # The compute program alone (internal handles): fwd + bwd + gradients to the host.
   dev_leaves, host_leaves = tr._programs.leaf_groups(jax.tree.leaves(st))
+  layered = tr._programs.layered_group(jax.tree.leaves(st), tr._masters)  # none: streamed
   tr._ensure_scratch()
 
   def compute_only():
-    _, _, _, tr._scratch = tr._programs.compute(dev_leaves, host_leaves, [x], tr._scratch)
+    _, _, _, tr._scratch, _, _ = tr._programs.compute(dev_leaves, host_leaves, [x],
+                                                      tr._scratch, *layered)
     return tr._scratch
   s, t = median_secs(compute_only, a.reps)
   grad = np.asarray(tr._scratch[0].astype(jnp.float32))

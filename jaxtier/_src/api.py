@@ -21,7 +21,7 @@ log = logging.getLogger("jaxtier")
 
 def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
             host_budget: Any = None, policy: Any = "auto",
-            donate_argnums: "int | tuple[int, ...]" = (0,)) -> Any:
+            donate_argnums: "int | tuple[int, ...]" = (0,), overlap_update: bool = True) -> Any:
   """Wraps an unchanged train step so that its state spans device and pinned host memory.
 
   Works bare (`@jaxtier.offload`) or with options (`jaxtier.offload(step, host_budget='64GB')`).
@@ -44,6 +44,12 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
       layers read by a layer loop; a stream pattern's match on optimizer state puts that
       state on the host).
     donate_argnums: arguments donated to the step; must include 0.
+    overlap_update: update leaves stacked over layers (a `scan` over layers' params and their
+      optimizer state) layer by layer inside the backward pass, overlapped with the compute;
+      the values equal the serial step's. Updates that need every gradient first (a
+      global-norm clip) stay after the backward pass, the reason in `plan.notes`. False: every
+      host update runs after the backward pass. A step that fails after its layered updates
+      began leaves those leaves partly updated (the error names them; restore a checkpoint).
 
   Returns:
     An `OffloadedStep` (or a decorator making one, when `fun` is omitted).
@@ -61,7 +67,7 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
     >>> print(step.plan)                              # doctest: +SKIP
   """
   options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy,
-                           donate_argnums=donate_argnums)
+                           donate_argnums=donate_argnums, overlap_update=overlap_update)
   if fun is MISSING:
     return lambda f: OffloadedStep(f, options)
   return OffloadedStep(fun, options)

@@ -30,12 +30,17 @@ class OffloadOptions:
     policy: 'auto', 'none', a callable `(path, LeafInfo) -> placement | None`, or a
       `{regex: placement}` dict over leaf paths.
     donate_argnums: must include 0 (the state is updated in place).
+    overlap_update: update the leaves stacked over layers inside the backward pass, layer by
+      layer, overlapped with the compute (exactly the serial step's values; components that
+      need every gradient first, such as a global-norm clip, stay serial). False runs every
+      host update after the backward pass.
   """
 
   device_budget: "int | None" = None
   host_budget: "int | None" = None
   policy: Any = "auto"
   donate_argnums: tuple[int, ...] = (0,)
+  overlap_update: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "device_budget",

@@ -83,14 +83,18 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
                pinnable_bytes=host_lib.pinnable_bytes(platform, _num_local_devices(state)),
                hardware=profile.load(platform=platform),
                streamable=set() if blocked else _streamable(inv),
-               resident_bytes=_resident_bytes(state), stream_blocked=blocked)
+               resident_bytes=_resident_bytes(state), stream_blocked=blocked,
+               overlap_update=options.overlap_update)
   sig = signature(state, args)
 
   def make(step_costs):
     return planner.make_plan(inv, device_budget=budget, step_costs=step_costs, **fixed)
 
   def lower(plan):
-    return Planned(inv, plan, programs_lib.build(inv, plan, state, args), sig)
+    programs = programs_lib.build(inv, plan, state, args, options.overlap_update)
+    notes = _overlap_notes(plan, programs)
+    return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
+                   programs, sig)
 
   gpu_here = platform == "gpu" and jax.default_backend() == "gpu"
   try:
@@ -323,6 +327,27 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
               format_bytes(over), format_bytes(budget),
               format_bytes(plan.predicted_peak_hbm_bytes), format_bytes(over))
   return planned, max(1, budget - over)
+
+
+def _overlap_notes(plan: Any, programs: programs_lib.StepPrograms) -> tuple[str, ...]:
+  """What the plan's notes say of the per-layer host updates (`lowering/overlap.py`)."""
+  ov = programs.split.overlap
+  if not plan.components:
+    return ()
+  notes = []
+  if ov.updates:
+    leaves = sorted({plan.leaves[i].path for i in ov.host_leaves})
+    notes.append(f"{len(ov.updates)} of {len(plan.components)} host updates run layer by layer "
+                 "inside the backward pass, overlapped with it ("
+                 + ", ".join(leaves[:3]) + (f" and {len(leaves) - 3} more" if len(leaves) > 3
+                                            else "") + ")")
+  reasons: dict[str, int] = {}
+  for why in ov.serial.values():
+    reasons[why] = reasons.get(why, 0) + 1
+  for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+    notes.append(f"{count} host update{'s' if count > 1 else ''} run after the backward pass: "
+                 f"{why}")
+  return tuple(notes)
 
 
 def _update_host_extra_bytes(programs: programs_lib.StepPrograms, state: Any,

@@ -333,34 +333,65 @@ class OffloadedStep:
     #    only once the compute program has succeeded: an update fed by a failed program would
     #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step;
     #    a plan without host updates does not wait (dispatch stays asynchronous).
+    #    Leaves stacked over layers are updated inside it, layer by layer
+    #    (`split.overlap`): those host leaves and masters are donated to it.
+    # 2. The fused host updates, in place on the donated host leaves and masters. Dispatched
+    #    only once the compute program has succeeded: an update fed by a failed program would
+    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step;
+    #    a plan without serial host updates does not wait (dispatch stays asynchronous).
+    master_of = dict(zip(self._programs.master_indices, self._masters))
+    layered, layered_masters = self._programs.layered_group(moved, self._masters)
     try:
-      first, feeds, rest, self._scratch = self._programs.compute(dev, host, arg_leaves,
-                                                                 self._scratch)
-      if self.plan.components:
+      first, feeds, rest, self._scratch, layered_new, layered_masters_new = (
+          self._programs.compute(dev, host, arg_leaves, self._scratch, layered,
+                                 layered_masters))
+      if split.has_update:
         jax.block_until_ready((first, feeds, rest, self._scratch))
     except Exception as e:
       self._scratch = []  # donated to the failed program; fresh buffers next time
+      if split.layered_host or split.layered_masters:
+        self._masters, self._master_sources = [], ()  # donated too: derived again
       if hasattr(e, "add_note"):
-        deleted = sum(x.is_deleted() for x in dev if isinstance(x, jax.Array))
-        e.add_note("jaxtier: the step failed before its host updates ran: the state's "
-                   "pinned_host leaves are intact and usable; " + (
-                       f"{deleted} of its {len(dev)} device leaves were donated to the failed "
-                       "program (as with jax.jit(donate_argnums=...))." if deleted else
-                       "its device leaves were not consumed (the program did not run)."))
+        e.add_note(self._failure_note(dev))
       raise
     update_outs = []
-    if self.plan.components:
+    if split.has_update:
       update = self._programs.update([x.sharding for x in feeds])
-      update_outs, self._masters = update(
+      update_outs, new_masters = update(
           [moved[i] for i in split.updated_host], [moved[i] for i in split.read_host],
-          self._masters, *split.split_feeds(feeds), self._scratch)
+          [master_of[i] for i in split.update_masters], *split.split_feeds(feeds),
+          self._scratch)
+      master_of.update(zip(split.update_masters, new_masters))
+    master_of.update(zip(split.layered_masters, layered_masters_new))
+    self._masters = [master_of[i] for i in self._programs.master_indices]
     outs = split.assemble(moved, list(first) + list(rest), update_outs,
-                          self._planned.inventory.out_treedef.num_leaves)
+                          self._planned.inventory.out_treedef.num_leaves, layered_new)
     self._master_sources = tuple(outs[i] for i in self._programs.master_indices)
     if timing:
       self._record_step_time(outs, time.perf_counter() - t0)
     out = jax.tree_util.tree_unflatten(self._planned.inventory.out_treedef, outs)
     return out[0], out[1]
+
+  def _failure_note(self, dev: Sequence[Any]) -> str:
+    """What a failed compute program left of the state (added to its exception)."""
+    split = self._programs.split
+    deleted = sum(x.is_deleted() for x in dev if isinstance(x, jax.Array))
+    device_part = (f"{deleted} of its {len(dev)} device leaves were donated to the failed "
+                   "program (as with jax.jit(donate_argnums=...))." if deleted else
+                   "its device leaves were not consumed (the program did not run).")
+    written = sorted(set(split.layered_host) | set(split.overlap.device_leaves)
+                     | set(split.layered_masters))
+    if not written:
+      return ("jaxtier: the step failed before its host updates ran: the state's pinned_host "
+              "leaves are intact and usable; " + device_part)
+    paths = ", ".join(self.plan.leaves[i].path for i in written[:6]) + (
+        f" and {len(written) - 6} more" if len(written) > 6 else "")
+    return ("jaxtier: the step failed inside its compute program, where leaves stacked over "
+            f"layers are updated layer by layer: {paths} (and their fp32 masters) were donated "
+            "to it, and any of their layers may already hold the next step's values while "
+            "others hold this step's. Restore the state from a checkpoint "
+            "(`step.restore(path, state)`); the other pinned_host leaves are intact. "
+            + device_part)
 
   def _record_step_time(self, outs: list[Any], dispatch_secs: float) -> None:
     """Times calls 2 .. 1 + MEASURED_STEPS (synchronised) and reports measured vs predicted."""
@@ -383,9 +414,13 @@ class OffloadedStep:
     not be placed yet: its leaves are lowered with the plan's shardings.
     """
     self._ensure_plan(state, args)
-    dev, host = self._programs.leaf_groups(self._programs.state_specs(state))
-    return self._programs.compute.lower(dev, host, jax.tree_util.tree_leaves(args),
-                                        self._scratch_avals())
+    specs = self._programs.state_specs(state)
+    dev, host = self._programs.leaf_groups(specs)
+    split = self._programs.split
+    return self._programs.compute.lower(
+        dev, host, jax.tree_util.tree_leaves(args), self._scratch_avals(),
+        [specs[i] for i in split.layered_host],
+        self._programs.master_specs(specs, split.layered_masters))
 
   def lower_update(self, state: Any, *args: Any):
     """`jax.stages.Lowered` of the step's fused host-update program (its custom calls)."""
@@ -397,8 +432,7 @@ class OffloadedStep:
     feed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
                   compiled.out_info[1]]
     update = self._programs.update(feed_sh)
-    masters = self._masters or [jax.ShapeDtypeStruct(leaves[i].shape, jnp.float32)
-                                for i in self._programs.master_indices]
+    masters = self._programs.master_specs(leaves, split.update_masters)
     return update.lower([leaves[i] for i in split.updated_host],
                         [leaves[i] for i in split.read_host], masters,
                         *split.split_feeds(feed_avals), self._scratch_avals())

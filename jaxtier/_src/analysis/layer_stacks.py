@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph
 
@@ -62,3 +64,83 @@ def stream_reason(jaxpr: Any, index: int) -> str:
         continue
     return f"`{name}` reads it whole outside a layer loop"
   return "" if scans else "no `scan` reads it layer by layer"
+
+
+class LayerLoops:
+  """Which fused host updates can run layer by layer inside a top-level layer loop.
+
+  A component qualifies (`of`) when its gradient operands are `ys` outputs of one top-level
+  `scan` of length L >= 2, every other vector operand is stacked `[L, ...]` with the
+  component's N = L * n elements, and every scalar operand depends on nothing that scan
+  computes (a global-norm clip's scale does: it needs every gradient). What the lowering adds
+  (memory kinds, streaming, meshes) is `lowering/overlap.py`'s.
+  """
+
+  def __init__(self, jaxpr: Any):
+    self.jaxpr = jaxpr
+    self.scan_out: dict[Any, tuple[int, int]] = {}  # ys var -> (scan eqn, outvar position)
+    self.producer: dict[Any, int] = {}
+    self.uses: dict[Any, list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+      for v in eqn.outvars:
+        if isinstance(v, jc.Var):
+          self.producer[v] = k
+      for x in eqn.invars:
+        if isinstance(x, jc.Var):
+          self.uses.setdefault(x, []).append(k)
+      if eqn.primitive.name == "scan":
+        _, nk = jc.scan_counts(eqn)
+        for pos, v in enumerate(eqn.outvars):
+          if pos >= nk and isinstance(v, jc.Var) and not isinstance(v, jc.DropVar):
+            self.scan_out[v] = (k, pos)
+    self._tainted: dict[int, set[Any]] = {}
+
+  def tainted(self, k: int) -> set[Any]:
+    """Values that depend on what top-level equation k computes."""
+    if k not in self._tainted:
+      t = {v for v in self.jaxpr.eqns[k].outvars if isinstance(v, jc.Var)}
+      for eqn in self.jaxpr.eqns[k + 1:]:
+        if any(isinstance(x, jc.Var) and x in t for x in eqn.invars):
+          t.update(v for v in eqn.outvars if isinstance(v, jc.Var))
+      self._tainted[k] = t
+    return self._tainted[k]
+
+  def of(self, cc: Any) -> "tuple[int, dict[int, int]] | str":
+    """(the scan's equation index, {operand position: its gradient's outvar position in the
+    scan}) for component `cc`, or why it has no layer loop."""
+    if not cc.results:
+      return "no results"
+    n_total = int(np.prod(cc.results[0].shape))
+    grads: dict[int, int] = {}
+    scans = set()
+    for pos, spec in enumerate(cc.operands):
+      if spec.kind == "value" and spec.var in self.scan_out:
+        k, out_pos = self.scan_out[spec.var]
+        scans.add(k)
+        grads[pos] = out_pos
+    if len(scans) != 1:
+      return ("its gradient is not a layer loop's output" if not scans
+              else "it reads the outputs of several layer loops")
+    (k,) = scans
+    length = int(self.jaxpr.eqns[k].params["length"])
+    if length < 2 or n_total % length:
+      return f"{n_total} elements do not split into {length} layers"
+    late = self.tainted(k)
+    for pos, spec in enumerate(cc.operands):
+      if spec.kind == "const" or pos in grads:
+        continue
+      aval = spec.var.aval if spec.kind == "value" else self.jaxpr.invars[spec.index].aval
+      shape = tuple(aval.shape)
+      if int(np.prod(shape)) == 1:
+        if spec.kind == "value" and spec.var in late:
+          return ("it waits for a value computed from every gradient (a global-norm clip or "
+                  "a non-finite check)")
+        continue
+      if int(np.prod(shape)) != n_total or not shape or shape[0] != length:
+        return f"operand {pos} is not stacked over the {length} layers"
+      if spec.kind == "value" and spec.var in late:
+        return f"operand {pos} is computed after the layer loop"
+    for r in cc.results:
+      if int(np.prod(r.shape)) != n_total or not r.shape or r.shape[0] != length:
+        return "a result is not stacked over the layers"
+    return k, grads

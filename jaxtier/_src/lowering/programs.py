@@ -68,9 +68,24 @@ class StepPrograms:
     return self._update
 
   def leaf_groups(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """(device leaves, host leaves) of the state's flat leaves, as `compute` takes them."""
+    """(device leaves, host leaves) of the state's flat leaves, as `compute` takes them first
+    (the layered host leaves are `layered_group`)."""
     return ([leaves[i] for i in self.split.device_leaves],
             [leaves[i] for i in self.split.host_leaves])
+
+  def layered_group(self, leaves: Sequence[Any], masters: Sequence[Any]
+                    ) -> tuple[list[Any], list[Any]]:
+    """(layered host leaves, their masters) as `compute` takes them last, from the state's
+    flat leaves and the masters in `master_indices` order."""
+    of = dict(zip(self.master_indices, masters))
+    return ([leaves[i] for i in self.split.layered_host],
+            [of[i] for i in self.split.layered_masters])
+
+  def master_specs(self, leaves: Sequence[Any], indices: Sequence[int]
+                   ) -> list[jax.ShapeDtypeStruct]:
+    sh = dict(zip(self.master_indices, self.master_shardings))
+    return [jax.ShapeDtypeStruct(np.shape(leaves[i]), np.float32, sharding=sh[i])
+            for i in indices]
 
   def state_specs(self, state: Any) -> list[jax.ShapeDtypeStruct]:
     """The state's leaves as shapes with the shardings the call will see (placed or not)."""
@@ -89,8 +104,10 @@ class StepPrograms:
                  for x in jax.tree_util.tree_leaves(args)]
     dev, host = self.leaf_groups(specs)
     scratch = self.scratch_specs()
-    lowered = self.compute.lower(dev, host, arg_specs, scratch)
-    every = dev + host + arg_specs + scratch
+    layered = [specs[i] for i in self.split.layered_host]
+    layered_masters = self.master_specs(specs, self.split.layered_masters)
+    lowered = self.compute.lower(dev, host, arg_specs, scratch, layered, layered_masters)
+    every = dev + host + arg_specs + scratch + layered + layered_masters
     host_bytes = sum(inv_lib.bytes_per_device(a) for a in every
                      if jc.memory_kind_of(a) == MemoryKind.PINNED_HOST)
     return lowered, sum(inv_lib.bytes_per_device(a) for a in every) - host_bytes, host_bytes
@@ -99,28 +116,30 @@ class StepPrograms:
     """Lowers the fused host-update program for the state as it will be placed, its feeds as
     `compiled_compute` (the compiled `compute`) returns them; None when the step has no host
     update. What `verify` reads its pinned_host figures from."""
-    if not (self.split.updated_host or self.master_indices):
+    if not self.split.has_update:
       return None
     specs = self.state_specs(state)
     feed_sh = list(compiled_compute.output_shardings[1])
     feeds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
              for a, sh in zip(compiled_compute.out_info[1], feed_sh)]
-    masters = [jax.ShapeDtypeStruct(specs[i].shape, np.float32, sharding=sh)
-               for i, sh in zip(self.master_indices, self.master_shardings)]
+    masters = self.master_specs(specs, self.split.update_masters)
     return self.update(feed_sh).lower([specs[i] for i in self.split.updated_host],
                                       [specs[i] for i in self.split.read_host], masters,
                                       *self.split.split_feeds(feeds), self.scratch_specs())
 
 
-def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[Any]
-          ) -> StepPrograms:
-  """Lowers the traced step by `plan` and jits its two programs (`rewrite.SplitStep`)."""
+def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[Any],
+          overlap_update: bool = True) -> StepPrograms:
+  """Lowers the traced step by `plan` and jits its two programs (`rewrite.SplitStep`);
+  `overlap_update`: update leaves stacked over layers inside the backward pass, where they
+  qualify (`lowering/overlap.py`)."""
   state_sh = state_shardings(state, plan)
-  split = rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh)
+  split = rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh, overlap_update)
   stream = split.stream
   n_state = len(plan.leaves)
   masters = rewrite_lib.master_indices(plan.components)
   master_sh = [state_sh[i].with_memory_kind(MemoryKind.PINNED_HOST) for i in masters]
+  master_sh_of = dict(zip(masters, master_sh))
   # A gradient buffer is sharded like its leaf (else replicated on the leaf's mesh).
   scratch_sh = [
       state_sh[s.leaf].with_memory_kind(MemoryKind.PINNED_HOST)
@@ -135,12 +154,16 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
   arg_sh = [jc.named_sharding(x, jc.memory_kind_of(x) or MemoryKind.DEVICE, mesh)
             for x in jax.tree_util.tree_leaves(args)]
   out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
+  layered_sh = [state_sh[i] for i in split.layered_host]
+  layered_master_sh = [master_sh_of[i] for i in split.layered_masters]
   compute = jax.jit(
-      split.compute, donate_argnums=(0, 3),
+      split.compute, donate_argnums=(0, 3, 4, 5),
       in_shardings=([state_sh[i] for i in split.device_leaves],
-                    [state_sh[i] for i in split.host_leaves], arg_sh, scratch_sh),
+                    [state_sh[i] for i in split.host_leaves], arg_sh, scratch_sh, layered_sh,
+                    layered_master_sh),
       out_shardings=(out_sh(split.compute_outs[:split.num_first]), [None] * split.num_feeds,
-                     out_sh(split.compute_outs[split.num_first:]), scratch_sh))
+                     out_sh(split.compute_outs[split.num_first:]), scratch_sh,
+                     out_sh(split.layered_outs), layered_master_sh))
 
   # A metric the update program returns (an updated leaf, or an elementwise function of one,
   # computed by a host update) comes out of the custom call in pinned_host: the step's
@@ -156,9 +179,10 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
     return jax.jit(
         split.update, donate_argnums=(0, 2, 4),
         in_shardings=([state_sh[i] for i in split.updated_host],
-                      [state_sh[i] for i in split.read_host], master_sh, kept_sh, donated_sh,
+                      [state_sh[i] for i in split.read_host],
+                      [master_sh_of[i] for i in split.update_masters], kept_sh, donated_sh,
                       scratch_sh),
-        out_shardings=(update_out_sh, master_sh))
+        out_shardings=(update_out_sh, [master_sh_of[i] for i in split.update_masters]))
 
   return StepPrograms(split=split, state_shardings=state_sh,
                       scratch_shardings=scratch_sh, master_shardings=master_sh,

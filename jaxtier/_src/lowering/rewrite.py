@@ -13,6 +13,7 @@ transfers, say) leaves them intact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import program_compiler
 from jaxtier._src.analysis.program_compiler import CompiledComponent
+from jaxtier._src.lowering import overlap as overlap_lib
 from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
 from jaxtier._src.primitives import host_update as hu
@@ -33,11 +35,13 @@ from jaxtier._src.vocab import MemoryKind, Placement
 class SplitStep:
   """The traced step lowered as two programs run one after the other.
 
-  `compute(device_leaves, host_leaves, args, scratch) -> (outs, feeds, more_outs, scratch)`:
-  the forward,
-  backward and everything else on the device, with host_stream leaves fetched layer by layer
-  and their gradients sent into `scratch`. It reads host leaves but never donates them, so a
-  step that fails here leaves every host-resident leaf intact and usable.
+  `compute(device_leaves, host_leaves, args, scratch, layered_host, layered_masters)
+  -> (outs, feeds, more_outs, scratch, layered_host, layered_masters)`: the forward, backward
+  and everything else on the device, with host_stream leaves fetched layer by layer and their
+  gradients sent into `scratch`, and the components of `overlap` updated layer by layer in the
+  backward pass, in place on the donated `layered_host` leaves and masters
+  (`lowering/overlap.py`). Other host leaves are read, never donated: where nothing is
+  layered, a step that fails here leaves every host-resident leaf intact and usable.
 
   `update(updated_host, read_host, masters, feeds, donated_feeds, scratch) -> (outs, masters)`:
   the fused host updates, in place on the donated `updated_host` leaves and masters; the feeds
@@ -61,6 +65,16 @@ class SplitStep:
   num_first: int               # compute_outs[:num_first] come before the feeds
   stream: streaming.StreamSchedule = streaming.EMPTY  # the streamed layer loops
   donated_feeds: tuple[int, ...] = ()  # feeds `update` overwrites in place (donated there)
+  overlap: overlap_lib.OverlapSchedule = overlap_lib.EMPTY  # the per-layer host updates
+  layered_host: list[int] = dataclasses.field(default_factory=list)  # donated to `compute`
+  layered_masters: list[int] = dataclasses.field(default_factory=list)  # param leaves
+  layered_outs: list[int] = dataclasses.field(default_factory=list)  # outvars, as returned
+  update_masters: list[int] = dataclasses.field(default_factory=list)  # `update`'s masters
+
+  @property
+  def has_update(self) -> bool:
+    """Whether any component runs in the serial `update` program."""
+    return bool(self.update_outs or self.update_masters)
 
   def split_feeds(self, feeds: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """(kept, donated) feeds, as `update` takes them."""
@@ -69,9 +83,12 @@ class SplitStep:
             [feeds[k] for k in self.donated_feeds])
 
   def assemble(self, state_leaves: Sequence[Any], compute_outs: Sequence[Any],
-               update_outs: Sequence[Any], num_outvars: int) -> list[Any]:
+               update_outs: Sequence[Any], num_outvars: int,
+               layered_outs: Sequence[Any] = ()) -> list[Any]:
     out: list[Any] = [None] * num_outvars
     for j, x in zip(self.compute_outs, compute_outs):
+      out[j] = x
+    for j, x in zip(self.layered_outs, layered_outs):
       out[j] = x
     for j, x in zip(self.update_outs, update_outs):
       out[j] = x
@@ -80,8 +97,8 @@ class SplitStep:
     return out
 
 
-def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = None
-            ) -> SplitStep:
+def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = None,
+            overlap_update: bool = True) -> SplitStep:
   """Lowers the traced step by `plan` into a `SplitStep` (compute, then fused host updates).
 
   Every equation that no fused host update (`plan.components`) takes is re-bound as traced;
@@ -89,20 +106,30 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   (`streaming.schedule`); each compiled component becomes one `host_update` call.
   `shardings` (one `NamedSharding` per state leaf, as the state is sharded) lets a component
   whose leaves are sharded over a mesh run per shard: each device updates its own shard of the
-  host buffers (`shard_map`), with no all-gather. Masters are ordered like
-  `master_indices(plan.components)`, scratch buffers like `SplitStep.stream.scratch`.
+  host buffers (`shard_map`), with no all-gather. Components of leaves stacked over layers run
+  layer by layer inside the backward pass where `overlap_update` and `overlap.schedule` allow
+  (`SplitStep.overlap`). The update program's masters are ordered like
+  `master_indices(serial components)`, scratch buffers like `SplitStep.stream.scratch`.
   """
-  compiled = plan.components
+  every = plan.components
   stream = streaming.schedule(
       closed_jaxpr.jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM],
-      {k for cc in compiled for k in cc.component.eqns})
+      {k for cc in every for k in cc.component.eqns})
   jaxpr, consts = closed_jaxpr.jaxpr, list(closed_jaxpr.consts)
+  ov = overlap_lib.schedule(jaxpr, every, plan.leaves, stream, shardings, overlap_update)
+  compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
-  skip = {k for cc in compiled for k in cc.component.eqns}
+  skip = {k for cc in every for k in cc.component.eqns}
   xla_host = {l.index for l in plan.leaves if l.placement == Placement.HOST_XLA}
-  host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"]
+  layered_host = list(ov.host_leaves)
+  host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"
+          and l.index not in ov.host_leaves]
   device = [l.index for l in plan.leaves if l.memory_kind != "pinned_host"]
   masters = master_indices(compiled)
+  layered_masters = list(ov.masters)
+  # The layered host leaves' new values, returned last (after the scratch buffers) in the
+  # order the leaves are donated, so that JAX pairs each with its own buffer.
+  layered_outs = [j for j in layered_host]
   by_update = {j for cc in compiled for r in cc.results for j in r.outputs}
   host_set = set(host)
   invar_pos = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -113,7 +140,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # shape in order, and (jax 0.10) not always by memory kind. A device leaf whose new value
   # `update` makes (a bf16 param from its master) then pairs with a feed (its gradient).
   compute_outs = [j for j in range(len(jaxpr.outvars)) if j not in by_update
-                  and j not in passthrough]
+                  and j not in passthrough and j not in layered_outs]
   rank = {i: r for r, i in enumerate(device)}
   compute_outs.sort(key=lambda j: (0, rank[j]) if j in rank else (1, j))
   num_first = sum(1 for j in compute_outs if j in rank)
@@ -135,15 +162,22 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   donated_feeds = tuple(feed_vars.index(v) for v in donated_vars)
   kept_vars = [v for v in feed_vars if v not in donated_vars]
 
-  def compute(device_leaves, host_leaves, arg_leaves, scratch_leaves):
+  layered_scans = {u.scan for u in ov.updates}
+
+  def compute(device_leaves, host_leaves, arg_leaves, scratch_leaves, layered_leaves=(),
+              layered_master_leaves=()):
     state = [None] * n_state
     for i, x in zip(device, device_leaves):
       state[i] = x
     for i, x in zip(host, host_leaves):
       state[i] = jax.device_put(x, jc.memory_space("device")) if i in xla_host else x
+    for i, x in zip(layered_host, layered_leaves):
+      state[i] = x
     env: dict[Any, Any] = dict(zip(jaxpr.invars, state + list(arg_leaves)))
     env.update(zip(jaxpr.constvars, consts))
     scratch = list(scratch_leaves)
+    layers = _LayerCalls(every, ov, jaxpr, state, dict(zip(layered_masters,
+                                                            layered_master_leaves)))
 
     def read(v):
       if isinstance(v, jc.Literal):
@@ -151,20 +185,29 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
       val = env[v]
       return val.whole() if isinstance(val, streaming.Stacked) else val
 
-    for k, eqn in enumerate(jaxpr.eqns):
+    for k in ov.order(len(jaxpr.eqns)):
+      eqn = jaxpr.eqns[k]
       if k in skip:
         continue
-      if k in stream.scans:  # a layer loop over host_stream leaves: unrolled, streamed
-        outs = streaming.run_scan(eqn, stream.scans[k], [
-            v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars], scratch)
+      if k in stream.scans or k in layered_scans:
+        # A layer loop over host_stream leaves (unrolled, streamed) or one whose gradients
+        # feed per-layer host updates (unrolled, the updates issued as it goes).
+        outs = streaming.run_scan(
+            eqn, stream.scans.get(k) or streaming.StreamedScan(k, (), ()),
+            [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars], scratch,
+            on_layer=(functools.partial(layers.issue, k, read) if k in layered_scans
+                      else None))
       else:
         outs = jc.bind_eqn(eqn, [read(v) for v in eqn.invars])
       for v, val in zip(eqn.outvars, outs):
         if not isinstance(v, jc.DropVar):
           env[v] = val
+    new_masters = layers.join(env)
     feeds = [read(v) for v in feed_vars]
     outs = [read(jaxpr.outvars[j]) for j in compute_outs]
-    return outs[:num_first], feeds, outs[num_first:], scratch
+    return (outs[:num_first], feeds, outs[num_first:], scratch,
+            [read(jaxpr.outvars[j]) for j in layered_outs],
+            [new_masters[i] for i in layered_masters])
 
   def update(updated_leaves, read_leaves, master_leaves, feeds, donated, scratch):
     host_of = dict(zip(updated, updated_leaves)) | dict(zip(read_only, read_leaves))
@@ -198,7 +241,85 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   return SplitStep(compute=compute, update=update, device_leaves=device, host_leaves=host,
                    updated_host=updated, read_host=read_only, compute_outs=compute_outs,
                    update_outs=update_outs, passthrough=passthrough, num_feeds=len(feed_vars),
-                   num_first=num_first, stream=stream, donated_feeds=donated_feeds)
+                   num_first=num_first, stream=stream, donated_feeds=donated_feeds,
+                   overlap=ov, layered_host=layered_host, layered_masters=layered_masters,
+                   layered_outs=layered_outs, update_masters=masters)
+
+
+class _LayerCalls:
+  """The per-layer host updates of one trace of `compute`: issued as the unrolled scans go
+  (`issue`), then joined (`join`)."""
+
+  def __init__(self, compiled: Sequence[CompiledComponent], ov: overlap_lib.OverlapSchedule,
+               jaxpr: Any, state: list[Any], masters: dict[int, Any]):
+    self.compiled, self.ov, self.jaxpr = compiled, ov, jaxpr
+    self.state, self.masters = state, masters
+    self.tokens: list[Any] = []
+    self.read_values: list[Any] = []  # device values the calls read, alive until the join
+
+  def _buffer(self, key: tuple[str, int]) -> Any:
+    kind, i = key
+    return self.masters[i] if kind == "master" else self.state[i]
+
+  def _key(self, cc: CompiledComponent, u: overlap_lib.LayeredUpdate, t: int
+           ) -> tuple[str, int]:
+    if t >= len(cc.operands):
+      return ("leaf", u.extra[t - len(cc.operands)])
+    spec = cc.operands[t]
+    if spec.kind == "master":
+      return ("master", spec.index)
+    if spec.kind == "host":
+      return ("leaf", spec.index)
+    return ("leaf", self.jaxpr.invars.index(spec.var))
+
+  def issue(self, k: int, read: Any, layer: int, outs: list[Any]) -> None:
+    after = [x for x in outs if hasattr(x, "aval") or isinstance(x, jax.Array)]
+    for u in self.ov.by_scan(k):
+      cc = self.compiled[u.component]
+      operands = []
+      for pos, spec in enumerate(cc.operands):
+        if pos in u.grads:
+          x = outs[u.grads[pos]]
+        elif spec.kind == "host":
+          x = self.state[spec.index]
+        elif spec.kind == "master":
+          x = self.masters[spec.index]
+        elif spec.kind == "const":
+          x = jnp.asarray(spec.value)
+        else:
+          x = read(spec.var)
+        if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
+          x = jnp.asarray(x).astype(jnp.float32)
+        if pos in u.grads or np.size(x) == 1:
+          self.read_values.append(x)
+        operands.append(x)
+      operands += [self.state[j] for j in u.extra]
+      program = dataclasses.replace(cc.program, num_operands=len(operands))
+      self.tokens.append(hu.host_update_layer(
+          program, operands, u.targets, offset=layer * u.count, count=u.count, after=after,
+          executor=cc.executor, dha_fraction=cc.dha_fraction))
+
+  def join(self, env: dict[Any, Any]) -> dict[int, Any]:
+    """Joins the calls; sets the layered results' outvars in `env`; returns the new masters."""
+    if not self.ov.updates:
+      return {}
+    keys = sorted({self._key(self.compiled[u.component], u, t)
+                   for u in self.ov.updates for t in u.targets})
+    # One join per buffer: XLA's host-offload passes follow a pinned_host parameter through
+    # every result of a call that aliases it (`streaming.run_scan`'s note), so one join of
+    # every buffer would cost them a path per buffer per buffer.
+    after = self.tokens + self.read_values
+    joined = {key: hu.join([self._buffer(key)], after=after)[0] for key in keys}
+    new_masters: dict[int, Any] = {}
+    for u in self.ov.updates:
+      cc = self.compiled[u.component]
+      for r, t in zip(cc.results, u.targets):
+        value = joined[self._key(cc, u, t)]
+        for j in r.outputs:
+          env[self.jaxpr.outvars[j]] = value
+        if r.master >= 0:
+          new_masters[r.master] = value
+    return new_masters
 
 
 def _donations(compiled: Sequence[CompiledComponent],

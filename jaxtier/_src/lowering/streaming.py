@@ -154,8 +154,8 @@ class Stacked:
 
 
 def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any],
-             read_body: "Callable[[Any, list[Any]], list[Any]] | None" = None
-             ) -> list[Any]:
+             read_body: "Callable[[Any, list[Any]], list[Any]] | None" = None,
+             on_layer: "Callable[[int, list[Any]], None] | None" = None) -> list[Any]:
   """Runs one streamed scan unrolled; returns its outputs (stacked ys as `Stacked`).
 
   Each scratch buffer gets its own send and d2h wait calls, each with that buffer as its only
@@ -176,6 +176,9 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
     scratch: the scratch buffers (pinned_host), updated in place in this list by the sends.
     read_body: evaluates the body (a ClosedJaxpr) on a list of inputs (default: equation by
       equation with `jax_compat.bind_eqn`).
+    on_layer: called as `on_layer(layer, outs)` after each iteration with the body's outputs
+      (carry, then ys slices): the per-layer host updates (`lowering/overlap.py`). A scan with
+      no streamed leaves is unrolled for it alone (no fetch or wait).
 
   Returns:
     The scan's outputs: final carry values, then ys (a `Stacked` each, or for a sent ys the
@@ -195,12 +198,12 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
   order = list(range(length - 1, -1, -1)) if reverse else list(range(length))
   num_ys = len(eqn.outvars) - nk
   ys: list[list[Any]] = [[None] * length for _ in range(num_ys)]
-  bufs, _ = stream.fetch(host, order[0]) if order else ([], [])
+  bufs, _ = stream.fetch(host, order[0]) if order and host else ([], [])
   prev_outs: list[Any] = list(carry)
   pending: list[Any] = []  # last iteration's sent slices (alive until their copies land)
   for t, layer in enumerate(order):
-    cur = stream.wait(bufs, after=_arrays(prev_outs))
-    if t + 1 < length:
+    cur = stream.wait(bufs, after=_arrays(prev_outs)) if host else []
+    if t + 1 < length and host:
       bufs, cur = stream.fetch(host, order[t + 1], after=cur)
     fetched = dict(zip(streamed, cur))
     x_t = []
@@ -212,6 +215,8 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
       else:
         x_t.append(jax.lax.index_in_dim(invals[q], layer, keepdims=False))
     outs = run_body(body, consts + carry + x_t)
+    if on_layer is not None:
+      on_layer(layer, outs)
     carry = outs[:nk]
     sends = []
     for j in range(num_ys):

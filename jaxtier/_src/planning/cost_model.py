@@ -360,24 +360,43 @@ class Prediction:
             "pinned_bytes": self.pinned_bytes}
 
 
+# The backward pass's share of the layer stages' time (two matmuls per forward one).
+BACKWARD_SHARE = 2.0 / 3.0
+
+
 def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: float,
             updates: Iterable[Cost], xla_copies: Iterable[Cost], peak_hbm_bytes: int,
-            pinned_bytes: int, profile: HardwareProfile) -> Prediction:
+            pinned_bytes: int, profile: HardwareProfile,
+            overlapped: Iterable[tuple[Cost, int]] = ()) -> Prediction:
   """Step time as the sum of the step's serial phases, each bounded by its slowest resource.
 
-    step = t_layers + t_other + sum(t_update) + sum(t_xla)
+    step = t_layers + t_other + t_exposed + sum(t_update) + sum(t_xla)
   - t_layers: the layer stages (forward + backward, streams overlapped: `stream_stage`), of
     which `layer_compute_secs` is their compute alone;
   - t_other: compute outside the layer stages (embedding, head, loss), seconds;
-  - t_update: each fused host update, after the backward pass (`update_cost`);
+  - t_exposed: what the updates run layer by layer inside the backward pass (`overlapped`:
+    (cost, L) each) add: they start once the first layer's gradient exists and run one after
+    another, so with b the backward's share of t_layers (BACKWARD_SHARE) and U their total,
+    max(U / L, U + b / L - b), the last layer's update at least;
+  - t_update: each fused host update after the backward pass (`update_cost`);
   - t_xla: each `host_xla` leaf's copies (`xla_copy_cost`).
   The critical path is the resource that bounds the most seconds of the step.
   """
-  updates, xla_copies = list(updates), list(xla_copies)
+  updates, xla_copies, overlapped = list(updates), list(xla_copies), list(overlapped)
   up = sum(updates, ZERO)
   xla = sum(xla_copies, ZERO)
   segments = [("forward+backward", layers.secs + other_compute_secs,
                layers.bound if layers.bound and layers.bound != "compute" else "compute")]
+  if overlapped:
+    total = sum(c.secs for c, _ in overlapped)
+    num_layers = max(n for _, n in overlapped)
+    backward = BACKWARD_SHARE * layers.secs
+    exposed = max(total / num_layers, total + backward / num_layers - backward)
+    segments.append(("layered host update (exposed)", exposed,
+                     _dominant([c for c, _ in overlapped])))
+    up_all = up + sum((c for c, _ in overlapped), ZERO)
+  else:
+    up_all = up
   if up.secs:
     segments.append(("host update", up.secs, _dominant(updates)))
   if xla.secs:
@@ -387,7 +406,7 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
   for _, secs, bound in segments:
     by_bound[bound] = by_bound.get(bound, 0.0) + secs
   critical = max(by_bound, key=by_bound.get) if by_bound else "compute"
-  everything = layers + up + xla
+  everything = layers + up_all + xla
   compute = layer_compute_secs + other_compute_secs
   resource = {"compute": compute,
               "link_h2d": everything.h2d_bytes / bytes_per_sec(profile.link_h2d_gbps),

@@ -47,7 +47,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               dha_readable: "frozenset[int] | set[int]" = frozenset(),
               activations: "cost_model.ActivationModel | None" = None,
               resident_bytes: int = 0, pinnable_what: str = HERE_PINNABLE,
-              stream_blocked: str = "") -> Plan:
+              stream_blocked: str = "", overlap_update: bool = True) -> Plan:
   """Plans every leaf of `inv` and checks the budgets.
 
   Under policy 'auto' (and for the leaves a callable / mapping policy leaves to 'auto') the
@@ -78,6 +78,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       backend's arrays), taken off what a plan without a device budget needs there.
     pinnable_what: where `pinnable_bytes` comes from, for the refusal's message (default: this
       host's free memory).
+    overlap_update: updates of leaves stacked over a layer loop are costed as run layer by
+      layer inside the backward pass (`cost_model.predict`), as the lowering runs them.
     stream_blocked: why no leaf may be placed `host_stream` here ('' when they may): a policy
       asking for it is refused with this reason.
 
@@ -136,7 +138,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
         step_costs=costs, streamable=frozenset(streamable) - user_fixed,
         dha_readable=frozenset(dha_readable) - user_fixed if platform == "gpu" else frozenset(),
         activations=activations, device_budget=solver_budget, host_budget=host_limit,
-        profile=hardware, platform=platform)
+        profile=hardware, platform=platform, overlap_update=overlap_update)
 
   act_policy = None
   if solve:

@@ -64,6 +64,9 @@ class UpdateItem:
     result_nbytes: device bytes of the results it writes to a fresh device buffer (new params
       its call cannot write over their old value, `fresh_result_bytes`): while the old
       param is still read the step's peak holds one more.
+    num_layers: L where the update runs layer by layer inside the backward pass (one call per
+      layer, each writing its window in place: `analysis.layer_stacks.LayerLoops`); 0 where
+      it runs after it.
   """
 
   seeds: tuple[int, ...]
@@ -73,12 +76,15 @@ class UpdateItem:
   costs: Mapping[str, cost_model.Cost]
   fixed: "str | None" = None
   result_nbytes: int = 0
+  num_layers: int = 0
 
   def best(self) -> tuple[str, cost_model.Cost]:
-    """(executor, cost) of the fastest allowed host executor."""
+    """(executor, cost) of the fastest allowed host executor; for a layered update, of those
+    that leave XLA's stream free (host_cpu, host_split: host_dha's kernel runs on it)."""
     if self.fixed and self.fixed != Placement.DEVICE:
       return self.fixed, self.costs[self.fixed]
-    name = min(self.costs, key=lambda e: (self.costs[e].secs, e))
+    names = [e for e in self.costs if not self.num_layers or e != Placement.HOST_DHA]
+    name = min(names or self.costs, key=lambda e: (self.costs[e].secs, e))
     return name, self.costs[name]
 
 
@@ -218,7 +224,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                   dha_readable: frozenset[int] = frozenset(),
                   activations: "cost_model.ActivationModel | None" = None,
                   device_budget: "int | None", host_budget: "int | None",
-                  profile: HardwareProfile, platform: str) -> Problem:
+                  profile: HardwareProfile, platform: str,
+                  overlap_update: bool = True) -> Problem:
   """The solver's `Problem` for a traced step, from the planner's first cut.
 
   Args:
@@ -236,8 +243,11 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     activations: the model's activation options, or None.
     device_budget, host_budget: per device, bytes (None: no limit).
     profile, platform: the rates and 'gpu' / 'cpu'.
+    overlap_update: updates of leaves stacked over a layer loop run layer by layer inside the
+      backward pass (`OffloadOptions.overlap_update`).
   """
   executors = host_executors(platform)
+  loops = layer_stacks.LayerLoops(jaxpr) if overlap_update else None
   seeded: dict[int, int] = {}
   updates: list[UpdateItem] = []
   for u, cc in enumerate(compiled):
@@ -249,7 +259,11 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       # The call's executor (a call of host_stream leaves has one too: the cut's choice).
       fixed = Executor(cc.executor).placement
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
-    # The calls run one after the other: their costs add.
+    got = loops.of(cc) if loops is not None and _shard_fraction(cc, leaves) == 1.0 else ""
+    num_layers = 0 if isinstance(got, str) else int(jaxpr.eqns[got[0]].params["length"])
+    # The calls run one after the other: their costs add. A layered update is one call per
+    # layer, writing device and host results in place alike.
+    calls = (None,) if num_layers else calls
     costs = {e: functools.reduce(operator.add, [
         cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call), profile,
                                platform=platform) for call in calls]) for e in names}
@@ -257,7 +271,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
         seeds=seeds, label=leaves[seeds[0]].path, device_nbytes=sum(leaves[i].nbytes
                                                                    for i in seeds),
         pinned_nbytes=sum(leaves[i].nbytes for i in seeds) + ms, costs=costs, fixed=fixed,
-        result_nbytes=fresh_result_bytes(cc, leaves)))
+        result_nbytes=0 if num_layers else fresh_result_bytes(cc, leaves),
+        num_layers=num_layers))
     for i in seeds:
       seeded[i] = u
   update_of_param: dict[int, int] = {}

@@ -209,9 +209,12 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
                             if params[p.index] == Placement.HOST_STREAM else 1)
                 for p in problem.params if params[p.index] != Placement.DEVICE)
   layers = sum((opt[1] for opt in chosen), cost_model.ZERO)
-  update_costs = [updates[u].best()[1] for u in sorted(on_host)]
+  update_costs = [updates[u].best()[1] for u in sorted(on_host) if not updates[u].num_layers]
+  overlapped = [(updates[u].best()[1], updates[u].num_layers) for u in sorted(on_host)
+                if updates[u].num_layers]
   pred = cost_model.predict(layers=layers, layer_compute_secs=total_layer * scale,
                     other_compute_secs=other_compute, updates=update_costs,
+                    overlapped=overlapped,
                     xla_copies=problem.fixed_costs, peak_hbm_bytes=peak, pinned_bytes=pinned,
                     profile=prof)
   fits = (budget is None or peak <= budget) and (

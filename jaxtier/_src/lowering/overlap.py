@@ -1,0 +1,263 @@
+"""Per-layer host updates inside the backward pass, overlapped with the GPU's compute.
+
+A fused host update of a leaf stacked over layers (`[L, ...]`, the params of an `nnx.scan` or
+linen `scan` and their optimizer state) reads that leaf's gradient as the `ys` output of the
+backward scan. Lowered here, the scan is unrolled and layer t's update is issued as soon as
+iteration t has made its gradient slice: one `host_update_layer` call over elements
+[t * n, (t + 1) * n) of every stacked operand, writing the new params, moments and masters in
+place while iterations t - 1 ... 0 are differentiated. A `join` at the end of the program hands
+the written buffers back (XLA's stream waits there for the host work) and keeps every value the
+calls read alive until then.
+
+Why in the backward pass rather than across the step boundary: the state the step returns is
+final (a caller reading it, or a checkpoint, sees the serial step's values), and the forward
+of the next step needs no per-layer wait. The cost is the exposed tail (the last layer's update,
+and the leaves outside the stack, which stay in the serial update program).
+
+Which components qualify (`schedule`; otherwise they stay serial, with the reason):
+- every vector operand is `[L, ...]` with N = L * n elements: the gradient (a `ys` output of
+  one top-level scan, not a streamed leaf's, which goes to a pinned scratch buffer), the leaf
+  and its moments and master; every scalar operand (the learning rate, the bias corrections)
+  depends on nothing that scan computes. A scalar computed from every gradient (a global-norm
+  clip, a non-finite check) must wait for the whole backward pass: such a component stays
+  serial, so the result equals the serial step's exactly;
+- each result is a state leaf's new value (or its master), returned by the step only as that
+  leaf; a device leaf written in place is read elsewhere only by scans as their `xs` (so every
+  read of layer t's slice is an input of iteration t, which the call follows);
+- the leaf is not sharded over a mesh.
+
+The writes are unseen by XLA: each call names iteration t's outputs as order-only operands
+(every read of slice t, in the forward or the backward, comes before), and the written buffers
+are read afterwards only through the join's results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis.program_compiler import CompiledComponent
+from jaxtier._src.lowering import streaming
+from jaxtier._src.primitives.base import ffi_disabled
+from jaxtier._src.vocab import MemoryKind
+
+
+@dataclasses.dataclass(frozen=True)
+class LayeredUpdate:
+  """One component run layer by layer inside scan `scan`.
+
+  Attributes:
+    component: index into the plan's components.
+    scan: index of the top-level scan equation.
+    length: L, the scan's length and every vector operand's leading dimension.
+    count: n, elements per layer.
+    grads: per operand position of the component: the `ys` position (in the scan's outvars) of
+      the gradient it reads, for the operands that are a gradient.
+    targets: per result: the operand position it is written into; an operand position past
+      the component's operands names `extra[k]`.
+    extra: state leaves (device) appended as operands, written by results that read no old
+      value of their leaf (a bf16 param made from its master).
+    hoist: equations after the scan that compute its other operands (the learning rate, the
+      step count: they depend on nothing the scan makes), run before the scan instead.
+  """
+
+  component: int
+  scan: int
+  length: int
+  count: int
+  grads: dict[int, int]
+  targets: tuple[int, ...]
+  extra: tuple[int, ...] = ()
+  hoist: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapSchedule:
+  """The components updated layer by layer, and why the others are not.
+
+  Attributes:
+    updates: the layered components.
+    host_leaves: pinned_host state leaves they write (donated to the compute program).
+    masters: param leaves whose fp32 masters they write (donated to the compute program).
+    device_leaves: device state leaves they write in place.
+    serial: component index -> why it stays in the serial update program.
+  """
+
+  updates: tuple[LayeredUpdate, ...] = ()
+  host_leaves: tuple[int, ...] = ()
+  masters: tuple[int, ...] = ()
+  device_leaves: tuple[int, ...] = ()
+  serial: dict[int, str] = dataclasses.field(default_factory=dict)
+
+  def by_scan(self, k: int) -> list[LayeredUpdate]:
+    return [u for u in self.updates if u.scan == k]
+
+  def order(self, num_eqns: int) -> list[int]:
+    """The top-level equations in the order the lowering runs them: each layered scan after
+    the equations hoisted before it, the rest as traced."""
+    hoist: dict[int, set[int]] = {}
+    for u in self.updates:
+      hoist.setdefault(u.scan, set()).update(u.hoist)
+    moved = set().union(*hoist.values()) if hoist else set()
+    out: list[int] = []
+    for k in range(num_eqns):
+      if k in moved:
+        continue
+      out.extend(sorted(hoist.get(k, ())))
+      out.append(k)
+    return out
+
+  @property
+  def components(self) -> set[int]:
+    return {u.component for u in self.updates}
+
+
+EMPTY = OverlapSchedule()
+
+
+def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence[Any],
+             stream: streaming.StreamSchedule, shardings: "Sequence[Any] | None" = None,
+             enabled: bool = True) -> OverlapSchedule:
+  """Which components of `compiled` run layer by layer in the backward pass (module doc).
+
+  Args:
+    jaxpr: the traced step's top-level jaxpr (state leaves first among its invars).
+    compiled: the plan's components.
+    leaves: the plan's `LeafPlan`s (memory kind per state leaf).
+    stream: the streaming schedule (a streamed leaf's gradient goes to a scratch buffer).
+    shardings: one `NamedSharding` per state leaf, or None.
+    enabled: False keeps every component serial (`OffloadOptions.overlap_update`).
+
+  Returns:
+    The schedule; `serial` gives each other component's reason.
+  """
+  if not compiled:
+    return EMPTY
+  if not enabled or ffi_disabled():
+    why = "overlap_update is off" if not enabled else "JAXTIER_DISABLE_FFI is set"
+    return OverlapSchedule(serial={c: why for c in range(len(compiled))})
+  n_state = len(leaves)
+  loops = layer_stacks.LayerLoops(jaxpr)
+  uses, producer = loops.uses, loops.producer
+  out_count: dict[Any, int] = {}
+  for v in jaxpr.outvars:
+    if isinstance(v, jc.Var):
+      out_count[v] = out_count.get(v, 0) + 1
+
+  def scan_only(var: Any, own: set[int]) -> bool:  # read only as scan xs, or by the component
+    for k in uses.get(var, []):
+      if k in own:
+        continue
+      eqn = jaxpr.eqns[k]
+      if eqn.primitive.name != "scan":
+        return False
+      xs = set(range(sum(jc.scan_counts(eqn)), len(eqn.invars)))
+      if any(x is var and p not in xs for p, x in enumerate(eqn.invars)):
+        return False
+    return True
+
+  in_components = {k for cc in compiled for k in cc.component.eqns}
+
+  def hoisted(k: int, values: list[Any]) -> "tuple[int, ...] | None":
+    """Equations after scan k that make `values` (None: one of them is a host update's)."""
+    need, stack = set(), [producer[v] for v in values if producer.get(v, -1) > k]
+    while stack:
+      e = stack.pop()
+      if e in need:
+        continue
+      if e in in_components:
+        return None
+      need.add(e)
+      stack.extend(producer[x] for x in jaxpr.eqns[e].invars
+                   if isinstance(x, jc.Var) and producer.get(x, -1) > k)
+    return tuple(sorted(need))
+
+  updates: list[LayeredUpdate] = []
+  serial: dict[int, str] = {}
+  for c, cc in enumerate(compiled):
+    got = _layered(c, cc, jaxpr, leaves, n_state, stream, shardings, loops, scan_only,
+                   out_count)
+    if not isinstance(got, str):
+      early = [spec.var for p, spec in enumerate(cc.operands)
+               if spec.kind == "value" and p not in got.grads]
+      hoist = hoisted(got.scan, early)
+      got = ("an operand is computed by another host update" if hoist is None
+             else dataclasses.replace(got, hoist=hoist))
+    if isinstance(got, str):
+      serial[c] = got
+    else:
+      updates.append(got)
+  host, masters, device = set(), set(), set()
+  for u in updates:
+    cc = compiled[u.component]
+    for t in u.targets:
+      if t >= len(cc.operands):
+        device.add(u.extra[t - len(cc.operands)])
+        continue
+      spec = cc.operands[t]
+      if spec.kind == "host":
+        host.add(spec.index)
+      elif spec.kind == "master":
+        masters.add(spec.index)
+      else:
+        device.add(jaxpr.invars.index(spec.var))
+  return OverlapSchedule(tuple(updates), tuple(sorted(host)), tuple(sorted(masters)),
+                         tuple(sorted(device)), serial)
+
+
+def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n_state: int,
+             stream: streaming.StreamSchedule, shardings: Any, loops: layer_stacks.LayerLoops,
+             scan_only: Any, out_count: dict[Any, int]) -> "LayeredUpdate | str":
+  """The layered form of component `c`, or why it has none."""
+  seed = cc.component.seeds[0]
+  sh = shardings[seed] if shardings is not None else None
+  if sh is not None and getattr(sh, "mesh", None) is not None and sh.mesh.size > 1:
+    return "sharded over a mesh"
+  got = loops.of(cc)
+  if isinstance(got, str):
+    return got
+  k, grads = got
+  if any(cc.operands[p].var in stream.sent_vars for p in grads):
+    return "its gradient is a streamed leaf's (sent to pinned_host whole)"
+  length = int(jaxpr.eqns[k].params["length"])
+  count = int(np.prod(cc.results[0].shape)) // length
+  own = set(cc.component.eqns)
+  for spec in cc.operands:
+    if spec.kind == "host" and not scan_only(jaxpr.invars[spec.index], own):
+      return f"host leaf {spec.index} is read outside its update"
+  targets: list[int] = []
+  extra: list[int] = []
+  for r in cc.results:
+    if r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"):
+      spec = cc.operands[r.alias]
+      if spec.kind == "host" and tuple(r.outputs) != (spec.index,):
+        return f"the step returns leaf {spec.index}'s new value more than once"
+      if spec.kind == "master" and r.outputs:
+        return "a master's new value is returned"
+      targets.append(r.alias)
+      continue
+    if len(r.outputs) != 1 or r.outputs[0] >= n_state:
+      return "a result is not one state leaf's new value"
+    j = r.outputs[0]
+    if out_count.get(jaxpr.outvars[j], 0) != 1:
+      return f"the step returns leaf {j}'s new value more than once"
+    leaf = leaves[j]
+    if (leaf.memory_kind != MemoryKind.DEVICE or tuple(leaf.shape) != tuple(r.shape)
+        or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
+      return f"result for leaf {j} is not written over that device leaf"
+    old = jaxpr.invars[j]
+    if old in jaxpr.outvars or not scan_only(old, own):
+      return f"leaf {j}'s old value is read outside the layer loops"
+    at = [p for p, spec in enumerate(cc.operands) if spec.kind == "value" and spec.var is old]
+    if at:
+      targets.append(at[0])
+    else:
+      targets.append(len(cc.operands) + len(extra))
+      extra.append(j)
+  if len(set(targets)) != len(targets):
+    return "two results write one buffer"
+  return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra))

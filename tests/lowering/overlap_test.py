@@ -1,0 +1,211 @@
+"""Per-layer host updates inside the backward pass (`lowering/overlap.py`).
+
+A stack of layers under `nnx.scan` with its optimizer state on the host: the stacked leaves are
+updated layer by layer in the compute program, the others after it. Each optimizer of the
+optimizer table gives the serial schedule's values bit for bit (fp32 and bf16 with masters);
+a global-norm clip keeps the stack serial, with its reason; the compiled program reads the host
+leaves in place; a step that fails after the layered updates began names what it left.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxtier
+from jaxtier._src.lowering import hlo as hlo_lib
+from jaxtier._src.primitives import host_update as hu
+
+LAYERS, WIDTH = 4, 16
+ON_HOST = "optimizer_state_on_host"
+
+
+class Block(nnx.Module):
+
+  def __init__(self, rngs):
+    self.w = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.w(x.astype(self.w.kernel.get_value().dtype)).astype(jnp.float32))
+
+
+class Stack(nnx.Module):
+
+  def __init__(self, rngs):
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(rngs)
+    self.blocks = make(rngs)
+    self.head = nnx.Linear(WIDTH, 2, rngs=rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(h, block):
+      return block(h)
+    return self.head(run(x, self.blocks))
+
+
+def _model(dtype=jnp.float32):
+  graphdef, params = nnx.split(Stack(nnx.Rngs(0)))
+  return graphdef, jax.tree.map(lambda p: p.astype(dtype), params)
+
+
+def _step(graphdef, tx):
+  def step(state, batch):
+    x, y = batch
+
+    def loss(p):
+      return jnp.mean((nnx.merge(graphdef, p)(x).astype(jnp.float32) - y) ** 2)
+    value, g = jax.value_and_grad(loss)(state["params"])
+    u, o = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": value}
+  return step
+
+
+def _batch(i):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(100 + i % 3))
+  return jax.random.normal(k1, (8, WIDTH)), jax.random.normal(k2, (8, 2))
+
+
+def _train(tx, overlap, dtype=jnp.float32, steps=6):
+  graphdef, params = _model(dtype)
+  step = jaxtier.offload(_step(graphdef, tx), policy=ON_HOST, overlap_update=overlap)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  losses = []
+  for i in range(steps):
+    state, m = step(state, _batch(i))
+    losses.append(float(m["loss"]))
+  return step, state, losses
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda: optax.sgd(5e-2, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda: optax.lion(1e-3, weight_decay=0.01),
+    "rmsprop_centered_momentum": lambda: optax.rmsprop(1e-3, centered=True, momentum=0.9),
+    "adabelief": lambda: optax.adabelief(1e-2),
+    "adamw_warmup_cosine": lambda: optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.1),
+    "clip_by_global_norm_adamw": lambda: optax.chain(optax.clip_by_global_norm(0.05),
+                                                     optax.adamw(1e-2)),
+}
+
+
+def _layered_paths(step):
+  split = step._programs.split
+  return sorted(step.plan.leaves[i].path for i in split.layered_host)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_layered_equals_serial_bit_for_bit(name):
+  serial, s_state, s_losses = _train(OPTIMIZERS[name](), overlap=False)
+  layered, l_state, l_losses = _train(OPTIMIZERS[name](), overlap=True)
+  assert l_losses == s_losses
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(s_state)[0],
+                          jax.tree.leaves(l_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+  ov = layered._programs.split.overlap
+  assert not serial._programs.split.overlap.updates
+  if name.startswith("clip"):
+    # The clip scale needs every gradient: nothing can run before the backward pass ends.
+    assert not ov.updates
+    assert any("global-norm clip" in why for why in ov.serial.values()), ov.serial
+  else:
+    # The stacked block's kernel and bias are layered; the head (no layer loop) is not.
+    assert len(ov.updates) == 2, ov.serial
+    assert all("blocks" in p for p in _layered_paths(layered)), _layered_paths(layered)
+    assert any("not a layer loop" in why for why in ov.serial.values()), ov.serial
+
+
+def test_bf16_params_with_masters_layered_equal_serial():
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  _, s_state, s_losses = _train(tx, overlap=False, dtype=jnp.bfloat16)
+  layered, l_state, l_losses = _train(tx, overlap=True, dtype=jnp.bfloat16)
+  assert l_losses == s_losses
+  for a, b in zip(jax.tree.leaves(s_state), jax.tree.leaves(l_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  split = layered._programs.split
+  assert len(split.layered_masters) == 2  # the block's kernel and bias masters
+  assert len(split.overlap.device_leaves) == 2  # their bf16 params, written on the device
+  serial_masters = set(split.update_masters)
+  assert serial_masters and not serial_masters & set(split.layered_masters)
+
+
+def test_layered_step_matches_jax_jit():
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  graphdef, params = _model()
+  step = _step(graphdef, tx)
+  state = {"params": params, "opt": tx.init(params)}
+  ref = jax.jit(step)
+  losses = []
+  for i in range(6):
+    state, m = ref(state, _batch(i))
+    losses.append(float(m["loss"]))
+  _, _, got = _train(tx, overlap=True)
+  np.testing.assert_allclose(got, losses, rtol=1e-5)
+
+
+def test_compute_program_reads_host_leaves_in_place():
+  tx = optax.adamw(1e-2)
+  graphdef, params = _model()
+  step = jaxtier.offload(_step(graphdef, tx), policy=ON_HOST)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  compiled = step.lower(state, _batch(0)).compile()
+  hlo = compiled.as_text()
+  assert hlo_lib.hlo_violations(hlo, target=hu.LAYER_TARGET) == []
+  # One call per layer per stacked leaf (kernel, bias).
+  assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 2 * LAYERS
+  # One join per written buffer: the stacked kernel's and bias's mu and nu (pinned_host), and
+  # the kernel and bias themselves (device, written over their old values).
+  assert hlo.count(f'custom_call_target="{hu.JOIN_TARGET}"') == 6
+  # The moments come back in their own buffers: nothing in pinned_host beyond the state.
+  ma = compiled.memory_analysis()
+  assert ma.host_output_size_in_bytes - ma.host_alias_size_in_bytes <= 8 * 16, ma
+  assert ma.host_temp_size_in_bytes == 0, ma
+
+
+def test_a_failed_layered_step_names_the_leaves_it_left():
+  tx = optax.adam(1e-2)
+  graphdef, params = _model()
+  calls = {"n": 0}
+
+  def fail_in_backward(x):
+    calls["n"] += 1
+    if calls["n"] >= 3:  # the third layer differentiated: two layers' updates have run
+      raise RuntimeError("injected failure in the backward pass")
+    return x
+
+  @jax.custom_vjp
+  def probe(h):
+    return h
+
+  def probe_fwd(h):
+    return h, None
+
+  def probe_bwd(_, g):
+    return (jax.pure_callback(fail_in_backward, jax.ShapeDtypeStruct(g.shape, g.dtype), g),)
+  probe.defvjp(probe_fwd, probe_bwd)
+
+  class Probed(Stack):
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run(h, block):
+        return block(probe(h))
+      return self.head(run(x, self.blocks))
+
+  graphdef = nnx.split(Probed(nnx.Rngs(0)))[0]
+  step = jaxtier.offload(_step(graphdef, tx), policy=ON_HOST)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  assert step._programs.split.overlap.updates
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(step(state, _batch(0)))
+  notes = "\n".join(getattr(info.value, "__notes__", []))
+  assert "updated layer by layer" in notes, notes
+  assert "blocks" in notes and "step.restore" in notes, notes
+  # The head's moments were not layered: they are intact.
+  assert not state["opt"][0].mu["head"]["kernel"].get_value().is_deleted()
