@@ -43,7 +43,9 @@ _STACK_EVERY = flags.DEFINE_integer(
     "(faulthandler), to show where a slow variant spends its time.")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["fp32:none", "fp32:auto", "bf16:none", "bf16:auto"],
-    "dtype:offload pairs; offload in none/auto/stream (stream: the layers' params host_stream).")
+    "dtype:offload[:serial] variants; offload in none/auto/stream (stream: the layers' params "
+    "host_stream); ':serial' runs every host update after the backward pass "
+    "(--nooverlap_update).")
 
 
 def child(variant: str) -> None:
@@ -57,7 +59,7 @@ def child(variant: str) -> None:
   if _STACK_EVERY.value > 0:
     import faulthandler  # pylint: disable=g-import-not-at-top
     faulthandler.dump_traceback_later(_STACK_EVERY.value, repeat=True)
-  dtype, offload = variant.split(":")
+  dtype, offload, *rest = variant.split(":")
   # 'auto' here names the run with AdamW moments in pinned_host: since the cost-model planner,
   # policy 'auto' keeps a state that fits on the device, so ask for the rule by name.
   offload = "optimizer_state_on_host" if offload == "auto" else offload
@@ -66,7 +68,7 @@ def child(variant: str) -> None:
     config = dataclasses.replace(config, param_dtype=jnp.bfloat16)
   r = train.run(config_name=_CONFIG.value, config=config, steps=_STEPS.value,
                 batch_size=_BATCH.value, seq_len=_SEQ.value, offload=offload, log_every=1,
-                progress=False)
+                progress=False, overlap_update="serial" not in rest)
   stats = jax.devices()[0].memory_stats() or {}
   times = np.asarray(r["step_times"][1:])
   out = dict(variant=variant, losses=r["losses"], step_secs_median=float(np.median(times)),
@@ -93,7 +95,7 @@ def summarize(runs):
                      "peak_hbm_bytes": r["peak_hbm_bytes"],
                      "is": "device-resident (offload none): the baseline of its dtype's runs"}
   for v, f in figures.items():
-    dtype, mode = v.split(":")
+    dtype, mode = v.split(":")[:2]
     b = baseline.get(f"{dtype}:none")
     if mode == "none" or b is None or "error" in f:
       continue

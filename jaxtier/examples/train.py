@@ -103,10 +103,11 @@ def check_seq_len(config: llama.LlamaConfig, config_name: str, seq_len: int) -> 
         "with a longer max_seq_len).")
 
 
-def _offload_step(train_step, *, device_budget, host_budget, policy="auto"):
+def _offload_step(train_step, *, device_budget, host_budget, policy="auto",
+                  overlap_update=True):
   import jaxtier  # pylint: disable=g-import-not-at-top
   return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget,
-                         policy=policy)
+                         policy=policy, overlap_update=overlap_update)
 
 
 def _budget(value):
@@ -132,6 +133,7 @@ def run(
     remat_policy: str | None = None,
     progress: bool = True,
     allow_over_budget: bool = True,
+    overlap_update: bool = True,
 ) -> dict[str, Any]:
   """Trains ``steps`` steps and reports the losses and the speed.
 
@@ -167,6 +169,8 @@ def run(
     allow_over_budget: if False, raise `OverBudgetError` before the first step when a
       ``device_budget`` / ``host_budget`` was given and the plan does not fit it
       (`over_budget`); if True, only the plan's notes and jaxtier's warnings say so.
+    overlap_update: update the layers' leaves inside the backward pass
+      (`jaxtier.offload(overlap_update=...)`).
 
   Returns:
     A dict with ``losses`` (one float per step), ``step_times`` (seconds per
@@ -235,7 +239,8 @@ def run(
   if offload != "none":
     step = _offload_step(train_step,
                          policy=stream_layers_policy if offload == "stream" else offload,
-                         device_budget=_budget(device_budget), host_budget=_budget(host_budget))
+                         device_budget=_budget(device_budget), host_budget=_budget(host_budget),
+                         overlap_update=overlap_update)
     state = step.init(init_state, example_args=(first_batch,))
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
@@ -401,6 +406,9 @@ _ALLOW_OVER_BUDGET = flags.DEFINE_bool(
     "--host_budget given (by default that is an error before the first step).")
 
 
+_OVERLAP_UPDATE = flags.DEFINE_bool(
+    "overlap_update", True, "Update the layers' params and optimizer state layer by layer "
+    "inside the backward pass, overlapped with it (--nooverlap_update: after it).")
 _JSON_OUT = flags.DEFINE_string(
     "json_out", "", "Also write the run's results (losses, step times, tokens/s, memory "
     "figures; run()'s return value without the plan's text) as JSON to this file.")
@@ -414,7 +422,8 @@ def main(argv: Sequence[str]) -> None:
       seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
       warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
       device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
-      remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value)
+      remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value,
+      overlap_update=_OVERLAP_UPDATE.value)
   if _JSON_OUT.value:
     import json  # pylint: disable=g-import-not-at-top
     with open(_JSON_OUT.value, "w") as f:
