@@ -153,6 +153,24 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       verdicts.append(verdict)
       violations.extend(missed)
     act_policy = sol.activation_policy
+  if not solve and platform == "gpu":
+    # A named policy's rule puts optimizer state on host_dha; an update run layer by layer
+    # inside the backward pass would hold XLA's stream with that kernel: it gets the fastest
+    # executor that leaves the stream free (`UpdateItem.best`).
+    changed = False
+    for item in problem_for(placement).updates:
+      if not item.num_layers or item.fixed is not None:
+        continue
+      best = item.best()[0]
+      if best != host_exec and all(placement[i] == host_exec for i in item.seeds):
+        for i in item.seeds:
+          placement[i] = best
+          reasons[i] += (f"; updated layer by layer inside the backward pass, by {best} "
+                         "(host_dha's kernel would hold the compute stream)")
+        changed = True
+    if changed:
+      compiled, masters = cut_updates(inv, placement, reasons, executor_leaves, hardware,
+                                      host_exec, user_fixed)
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement)
   # A call's placement: its leaves' executor (a call of only host_stream leaves: the cut's).
