@@ -38,6 +38,7 @@ _BATCH = flags.FLAGS["batch_size"]
 _SEQ = flags.FLAGS["seq_len"]
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one variant ('fp32:none', ...).")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Where the JSON goes.")
+_RESULT = flags.DEFINE_string("result", "w3_end_to_end.json", "The JSON's file name.")
 _STACK_EVERY = flags.DEFINE_integer(
     "stack_every", 0, "If > 0, each child dumps its Python stacks every this many seconds "
     "(faulthandler), to show where a slow variant spends its time.")
@@ -156,7 +157,7 @@ def main(argv):
                                     ("variants", ",".join(_VARIANTS.value))))),
       device=bench_util.device_name(jax.devices()[0]), versions=bench_util.versions(jaxtier),
       figures=figures, baseline=baseline, ratio=ratio, runs=runs, checks=checks)
-  bench_util.write_result(result, _OUT.value, "w3_end_to_end.json")
+  bench_util.write_result(result, _OUT.value, _RESULT.value)
   print(f"\n{'variant':<12} {'ms/step':>9} {'tok/s':>10} {'peak HBM GiB':>13} "
         f"{'pinned GiB':>11} {'loss0':>8} {'lossN':>8}")
   for v, r in runs.items():
