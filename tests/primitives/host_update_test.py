@@ -180,11 +180,13 @@ def test_layer_calls_write_their_windows_and_join_hands_the_buffers_back(executo
   lr = np.float32(0.25)
 
   def step(m, p, g):
-    tokens = [hu.host_update_layer(_LAYER_PROGRAM, [m, g[t], p, lr], [0, 2], offset=t * n,
+    slices = [g[t] for t in (4, 2, 0)]  # layers 1 and 3 untouched
+    tokens = [hu.host_update_layer(_LAYER_PROGRAM, [m, g_t, p, lr], [0, 2], offset=t * n,
                                    count=n, executor=executor, dha_fraction=0.5)
-              for t in (4, 2, 0)]  # layers 1 and 3 untouched
-    m, = hu.join([m], after=tokens)
-    p, = hu.join([p], after=tokens)
+              for t, g_t in zip((4, 2, 0), slices)]
+    # The slices stay alive until the joins: a GPU call reads them after XLA's stream moved on.
+    m, = hu.join([m], after=tokens + slices)
+    p, = hu.join([p], after=tokens + slices)
     return m, p
   out_sh = (jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"),
             None)

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -278,6 +279,9 @@ struct CpuCall {
   int64_t operand_offset[host_update::kMaxOperands];  // bytes into a slot; -1: in place
   int64_t result_offset[host_update::kMaxResults];    // bytes into a slot; -1: in place
   const void* scalar_src[host_update::kMaxOperands] = {};  // host-readable scalar operands
+  // The scalars as BuildPlanHostFn read them (8 bytes each, the largest storage is 4): chunks
+  // read these, so the next call may reuse the staging's scalar area once the plan is built.
+  alignas(8) char scalar_copy[host_update::kMaxOperands][8] = {};
   std::vector<CpuChunk> chunks;
   host_update::CpuPlan plan;
   std::atomic<bool> plan_ready{false};
@@ -318,6 +322,12 @@ void ChunkParams(const CpuCall& call, int slot, int64_t lo, int64_t hi, HostUpda
 // the CPU thread pool works.
 void CUDART_CB BuildPlanHostFn(void* arg) {
   CpuCall* call = static_cast<CpuCall*>(arg);
+  for (int i = 0; i < call->params.num_operands; ++i) {
+    if (!call->params.operand_scalar[i]) continue;
+    memcpy(call->scalar_copy[i], call->scalar_src[i],
+           static_cast<size_t>(host_update::StorageBytes(call->params.operand_type[i])));
+    call->scalar_src[i] = call->scalar_copy[i];
+  }
   {
     host_update::ScopedIeeeFloatingPoint ieee;
     HostUpdateParams p;
@@ -375,7 +385,10 @@ ffi::Error IsDeviceMemory(const void* ptr, const std::string& where, bool* on_de
 // Enqueues the CPU executor over elements [lo, hi) of `params` (lo < hi) on `dev`'s streams.
 // The caller holds dev->mu and has recorded dev->start on `xla_stream` where the CPU part may
 // begin; on success `xla_stream` waits for the CPU part, unless `deferred` (a layer call: the
-// streams are shared, this call's work starts after the previous call's, and a join waits).
+// streams are shared with the other layer calls, and a join waits). Deferred calls pipeline
+// one after another: stream s always stages through the same fixed region of the staging
+// buffer (so its calls reuse it in stream order), and the scalars are copied out of the shared
+// scalar area by the plan's host function, before the next call's stream 0 writes it.
 ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceResources* dev,
                            const HostUpdateParams& params, const int32_t* aliases,
                            int64_t lo, int64_t hi, bool deferred) {
@@ -447,12 +460,25 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
       slot_bytes += AlignUp(chunk * StorageBytes(params.result_type[r]), kRegionAlignBytes);
     }
   }
-  const int64_t scalar_bytes = any_device_scalar ? kScalarAreaBytes : 0;
+  int64_t scalar_bytes = any_device_scalar ? kScalarAreaBytes : 0;
+  int64_t region = slot_bytes;
+  if (deferred) {
+    // Fixed: every chunk's slot fits (chunk * bytes per element, plus each buffer's alignment).
+    scalar_bytes = kScalarAreaBytes;
+    region = AlignUp(chunk_bytes + (host_update::kMaxOperands + host_update::kMaxResults) *
+                                       kRegionAlignBytes,
+                     kRegionAlignBytes);
+    if (slot_bytes > region) {
+      return Internal(kLayerOpName, "a chunk's staging (" + std::to_string(slot_bytes) +
+                                        " bytes) is over the fixed region of " +
+                                        std::to_string(region));
+    }
+  }
   if (slot_bytes > 0 || scalar_bytes > 0) {
-    JT_RETURN_IF_ERROR(dev->EnsureStaging(scalar_bytes + num_streams * slot_bytes));
+    JT_RETURN_IF_ERROR(dev->EnsureStaging(scalar_bytes + kNumStreams * region));
   }
   for (int s = 0; s < num_streams; ++s) {
-    call->slot_base[s] = dev->staging + scalar_bytes + s * slot_bytes;
+    call->slot_base[s] = dev->staging + scalar_bytes + s * region;
   }
   call->chunks.resize(static_cast<size_t>(num_chunks));
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -470,12 +496,6 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   for (int s = 0; s < num_streams; ++s) {
     JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(dev->streams[s], dev->start, 0),
                   "jaxtier stream on XLA's stream");
-    // Deferred calls share the staging buffer: each starts once the last one is done.
-    for (int q = 0; deferred && q < kNumStreams; ++q) {
-      if (q == s) continue;
-      JT_CUDA_CHECK(kOpName, cudaStreamWaitEvent(dev->streams[s], dev->done[q], 0),
-                    "jaxtier stream on the previous layer call");
-    }
   }
   // Scalars first (stream 0), then the plan, which reads them.
   for (int i = 0; i < num_operands; ++i) {
@@ -602,8 +622,10 @@ int64_t LayerChunkBytes() {
     if (env == nullptr || !*env) return kDefaultChunkBytes;
     char* end = nullptr;
     const long long v = std::strtoll(env, &end, 10);
-    return (end == env || *end != '\0' || v < kMinChunkBytes) ? kDefaultChunkBytes
-                                                              : static_cast<int64_t>(v);
+    // At least 1 MiB: a chunk of 4096 elements of every buffer then fits the fixed region.
+    return (end == env || *end != '\0' || v < kMinChunkBytes)
+               ? kDefaultChunkBytes
+               : std::max<int64_t>(static_cast<int64_t>(v), int64_t{1} << 20);
   }();
   return bytes;
 }

@@ -254,6 +254,7 @@ class _LayerCalls:
                jaxpr: Any, state: list[Any], masters: dict[int, Any]):
     self.compiled, self.ov, self.jaxpr = compiled, ov, jaxpr
     self.state, self.masters = state, masters
+    self.state_vars = set(jaxpr.invars[:len(state)])
     self.tokens: list[Any] = []
     self.read_values: list[Any] = []  # device values the calls read, alive until the join
 
@@ -290,7 +291,10 @@ class _LayerCalls:
           x = read(spec.var)
         if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
           x = jnp.asarray(x).astype(jnp.float32)
-        if pos in u.grads or np.size(x) == 1:
+        if spec.kind == "const" or (spec.kind == "value" and spec.var not in self.state_vars):
+          # A computed value (the gradient slice, a scalar): the GPU call reads it after XLA's
+          # stream has moved on, so it stays alive until the join. Not a state leaf: a join
+          # writes those in place, and one named as another join's operand would be copied.
           self.read_values.append(x)
         operands.append(x)
       operands += [self.state[j] for j in u.extra]
