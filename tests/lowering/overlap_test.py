@@ -2,7 +2,8 @@
 
 A stack of layers under `nnx.scan` with its optimizer state on the host: the stacked leaves are
 updated layer by layer in the compute program, the others after it. Each optimizer of the
-optimizer table gives the serial schedule's values bit for bit (fp32 and bf16 with masters);
+optimizer table gives the serial schedule's values (bit for bit on the CPU; fp32 and bf16 with
+masters);
 a global-norm clip keeps the stack serial, with its reason; the compiled program reads the host
 leaves in place; a step that fails after the layered updates began names what it left.
 """
@@ -100,14 +101,30 @@ def _layered_paths(step):
   return sorted(step.plan.leaves[i].path for i in split.layered_host)
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_layered_equals_serial_bit_for_bit(name):
-  serial, s_state, s_losses = _train(OPTIMIZERS[name](), overlap=False)
-  layered, l_state, l_losses = _train(OPTIMIZERS[name](), overlap=True)
-  assert l_losses == s_losses
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _assert_same(s_state, l_state, s_losses, l_losses):
+  """Bit for bit on the CPU. On a GPU the unrolled backward pass is compiled apart from the
+  rolled one, and its gradients differ in the last bit (reduction order): fp32 tolerance."""
+  if not ON_GPU:
+    assert l_losses == s_losses
+  np.testing.assert_allclose(l_losses, s_losses, rtol=1e-5)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(s_state)[0],
                           jax.tree.leaves(l_state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if ON_GPU:
+      np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(a)) or 1.0),
+                                 err_msg=str(path))
+    else:
+      np.testing.assert_array_equal(b, a, err_msg=str(path))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_layered_equals_serial(name):
+  serial, s_state, s_losses = _train(OPTIMIZERS[name](), overlap=False)
+  layered, l_state, l_losses = _train(OPTIMIZERS[name](), overlap=True)
+  _assert_same(s_state, l_state, s_losses, l_losses)
   ov = layered._programs.split.overlap
   assert not serial._programs.split.overlap.updates
   if name.startswith("clip"):
@@ -125,9 +142,7 @@ def test_bf16_params_with_masters_layered_equal_serial():
   tx = optax.adamw(1e-2, weight_decay=0.1)
   _, s_state, s_losses = _train(tx, overlap=False, dtype=jnp.bfloat16)
   layered, l_state, l_losses = _train(tx, overlap=True, dtype=jnp.bfloat16)
-  assert l_losses == s_losses
-  for a, b in zip(jax.tree.leaves(s_state), jax.tree.leaves(l_state)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _assert_same(s_state, l_state, s_losses, l_losses)
   split = layered._programs.split
   assert len(split.layered_masters) == 2  # the block's kernel and bias masters
   assert len(split.overlap.device_leaves) == 2  # their bf16 params, written on the device
@@ -162,6 +177,11 @@ def test_compute_program_reads_host_leaves_in_place():
   # One join per written buffer: the stacked kernel's and bias's mu and nu (pinned_host), and
   # the kernel and bias themselves (device, written over their old values).
   assert hlo.count(f'custom_call_target="{hu.JOIN_TARGET}"') == 6
+  # No written buffer is copied: the stacked params (device) are written over their old values.
+  copies = [line for line in hlo.splitlines() if " copy(" in line
+            and any(f"f32[{LAYERS},{WIDTH}" in line.split("=")[1].split("copy(")[0]
+                    for _ in (0,))]
+  assert not copies, copies
   # The moments come back in their own buffers: nothing in pinned_host beyond the state.
   ma = compiled.memory_analysis()
   assert ma.host_output_size_in_bytes - ma.host_alias_size_in_bytes <= 8 * 16, ma
