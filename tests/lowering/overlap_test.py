@@ -229,3 +229,22 @@ def test_a_failed_layered_step_names_the_leaves_it_left():
   assert "blocks" in notes and "step.restore" in notes, notes
   # The head's moments were not layered: they are intact.
   assert not state["opt"][0].mu["head"]["kernel"].get_value().is_deleted()
+
+
+@pytest.mark.parametrize("batch, want", [(8, "host_split"), (4096, "host_cpu")])
+def test_gpu_plan_picks_the_layered_executor_by_the_overlap(batch, want):
+  # Planned for an H200 (default profile): with little compute the update is exposed and the
+  # split (kernel and CPU at once) is faster; with enough compute to hide it, host_cpu takes no
+  # SMs from the compute.
+  tx = optax.adamw(1e-2)
+  graphdef, params = _model()
+  x = jax.ShapeDtypeStruct((batch, WIDTH), jnp.float32)
+  y = jax.ShapeDtypeStruct((batch, 2), jnp.float32)
+  plan = jaxtier.plan(_step(graphdef, tx), {"params": params, "opt": tx.init(params)}, (x, y),
+                      policy=ON_HOST, platform="gpu")
+  layered = [l for l in plan.leaves if "blocks" in l.path and l.role == "optimizer_state"]
+  assert layered and all(l.placement == want for l in layered), [
+      (l.path, l.placement) for l in layered]
+  assert all("layer by layer inside the backward pass" in l.reason for l in layered)
+  head = [l for l in plan.leaves if "head" in l.path and l.role == "optimizer_state"]
+  assert all(l.placement == "host_dha" for l in head)

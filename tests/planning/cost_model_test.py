@@ -85,3 +85,26 @@ def test_activation_choices():
   with pytest.raises(ValueError, match="expected traced in"):
     cost_model.ActivationModel.simple(keep_bytes=1, remat_bytes=1, forward_flops=0,
                                       traced="sometimes")
+
+
+def test_layered_updates_hide_under_the_backward_pass():
+  prof = profile.DEFAULT_PROFILE
+  layers = cost_model.Cost(secs=0.6, bound="compute")  # backward: 2/3 of it, 0.4 s
+  common = dict(layers=layers, layer_compute_secs=0.6, other_compute_secs=0.0, updates=[],
+                xla_copies=[], peak_hbm_bytes=0, pinned_bytes=0, profile=prof)
+  cpu = lambda secs: cost_model.Cost(secs=secs, cpu_secs=secs, bound="host_cpu")
+  # 0.3 s over 10 layers fits in the backward pass: only the last layer's update shows.
+  hidden = cost_model.predict(**common, overlapped=[(cpu(0.3), 10)])
+  assert hidden.step_secs == pytest.approx(0.6 + 0.03)
+  # 0.6 s does not: it starts after the first layer's backward (0.04 s) and ends 0.24 s late.
+  exposed = cost_model.predict(**common, overlapped=[(cpu(0.6), 10)])
+  assert exposed.step_secs == pytest.approx(0.6 + 0.6 + 0.04 - 0.4)
+  assert ("layered host update (exposed)", pytest.approx(0.24), "host_cpu") in [
+      (n, s, b) for n, s, b in exposed.segments]
+  # A split's kernel shares the GPU with the compute: its busy seconds slow the step.
+  split = cost_model.Cost(secs=0.3, cpu_secs=0.3, dha_secs=0.2, bound="dha")
+  slowed = cost_model.predict(**common, overlapped=[(split, 10)])
+  assert slowed.step_secs == pytest.approx(0.6 + 0.03 + cost_model.DHA_CONTENTION * 0.2)
+  # The serial schedule adds the whole update.
+  serial = cost_model.predict(**{**common, "updates": [cpu(0.3)]})
+  assert serial.step_secs == pytest.approx(0.9)

@@ -84,9 +84,10 @@ class HardwareProfile:
   # reached 2.30e9 params/s x 24 B = 55 GB/s (W2) and the 1b e2e run 52 GB/s: the kernel's rate.
   dha_rw_gbps: float = 52.0
   host_dram_gbps: float = 80.5
-  # W2's first run (benchmarks/results/host_update.json at b26faa2): host_cpu 2.03e9 params/s,
-  # transfers included.
-  cpu_adamw_params_per_sec: float = 2.0e9
+  # `jaxtier.calibrate` on this H200 (benchmarks/results/calibrate_h200.log): host_cpu AdamW
+  # 2.73e9 params/s, transfers included (W2 reached 3.30e9 on larger calls; its first run,
+  # before the executor's fused passes, 2.03e9).
+  cpu_adamw_params_per_sec: float = 2.73e9
   # W2 (w2_host_update.json): host_dha 2.739e9 params/s.
   dha_adamw_params_per_sec: float = 2.739e9
   # The DHA update kernel's time per call is not bytes over one rate: on the H200 it moved

@@ -362,6 +362,10 @@ class Prediction:
 
 # The backward pass's share of the layer stages' time (two matmuls per forward one).
 BACKWARD_SHARE = 2.0 / 3.0
+# Seconds of compute lost per second of a layered split update's DHA kernel running beside it:
+# H200, W3 1b batch 32 (`w3_1b_b32.json`): host_split 716.5 ms per step, host_cpu 620.1, for
+# 178 ms of predicted kernel time (0.54).
+DHA_CONTENTION = 0.54
 
 
 def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: float,
@@ -377,7 +381,9 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
   - t_exposed: what the updates run layer by layer inside the backward pass (`overlapped`:
     (cost, L) each) add: they start once the first layer's gradient exists and run one after
     another, so with b the backward's share of t_layers (BACKWARD_SHARE) and U their total,
-    max(U / L, U + b / L - b), the last layer's update at least;
+    max(U / L, U + b / L - b), the last layer's update at least, plus
+    DHA_CONTENTION * min(D, b) for the DHA kernel's busy seconds D (a split's kernel runs
+    beside the compute on the GPU's SMs and HBM, and slows it);
   - t_update: each fused host update after the backward pass (`update_cost`);
   - t_xla: each `host_xla` leaf's copies (`xla_copy_cost`).
   The critical path is the resource that bounds the most seconds of the step.
@@ -391,7 +397,9 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
     total = sum(c.secs for c, _ in overlapped)
     num_layers = max(n for _, n in overlapped)
     backward = BACKWARD_SHARE * layers.secs
-    exposed = max(total / num_layers, total + backward / num_layers - backward)
+    kernel = sum(c.dha_secs for c, _ in overlapped)
+    exposed = (max(total / num_layers, total + backward / num_layers - backward)
+               + DHA_CONTENTION * min(kernel, backward))
     segments.append(("layered host update (exposed)", exposed,
                      _dominant([c for c, _ in overlapped])))
     up_all = up + sum((c for c, _ in overlapped), ZERO)

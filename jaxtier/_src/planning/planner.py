@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -153,24 +153,11 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       verdicts.append(verdict)
       violations.extend(missed)
     act_policy = sol.activation_policy
-  if not solve and platform == "gpu":
-    # A named policy's rule puts optimizer state on host_dha; an update run layer by layer
-    # inside the backward pass would hold XLA's stream with that kernel: it gets the fastest
-    # executor that leaves the stream free (`UpdateItem.best`).
-    changed = False
-    for item in problem_for(placement).updates:
-      if not item.num_layers or item.fixed is not None:
-        continue
-      best = item.best()[0]
-      if best != host_exec and all(placement[i] == host_exec for i in item.seeds):
-        for i in item.seeds:
-          placement[i] = best
-          reasons[i] += (f"; updated layer by layer inside the backward pass, by {best} "
-                         "(host_dha's kernel would hold the compute stream)")
-        changed = True
-    if changed:
-      compiled, masters = cut_updates(inv, placement, reasons, executor_leaves, hardware,
-                                      host_exec, user_fixed)
+  if platform == "gpu":
+    compiled, masters = _layered_executor(
+        problem_for, placement, reasons, act_policy,
+        lambda: cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
+                            user_fixed)) or (compiled, masters)
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement)
   # A call's placement: its leaves' executor (a call of only host_stream leaves: the cut's).
@@ -252,6 +239,43 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     e.plan = plan
     raise
   return plan
+
+
+def _layered_executor(problem_for: Callable[[dict], Any], placement: dict[int, str],
+                      reasons: dict[int, str], act_policy: "str | None",
+                      recut: Callable[[], Any]) -> Any:
+  """Picks the executor of the updates run layer by layer inside the backward pass (on a GPU):
+  host_cpu or host_split, whichever the prediction (`cost_model.predict`: hidden under the
+  backward pass, the split's kernel slowing the compute it shares the GPU with) makes faster,
+  the same for all of them. host_dha's kernel would run on the compute stream. Leaves the user
+  placed keep their executor. Returns the new cut (`recut()`), or None if nothing changed."""
+  problem = problem_for(placement)
+  layered = [u for u, item in enumerate(problem.updates)
+             if item.num_layers and item.fixed is None
+             and all(placement[i] in (Placement.HOST_DHA, Placement.HOST_CPU,
+                                      Placement.HOST_SPLIT) for i in item.seeds)]
+  if not layered:
+    return None
+  params = {p.index: placement[p.index] for p in problem.params}
+  others = {u: next((placement[i] for i in item.seeds if placement[i] != Placement.HOST_STREAM),
+                    Placement.HOST_CPU)
+            for u, item in enumerate(problem.updates) if u not in layered
+            and any(placement[i] in HOST_PLACEMENTS for i in item.seeds)}
+
+  def step_secs(executor: str) -> float:
+    updates = dict(others) | {u: executor for u in layered}
+    return solver.evaluate_fixed(problem, params, updates, act_policy).prediction.step_secs
+  best = min((Placement.HOST_CPU, Placement.HOST_SPLIT), key=step_secs)
+  changed = False
+  for u in layered:
+    for i in problem.updates[u].seeds:
+      if placement[i] != best:
+        placement[i] = best
+        changed = True
+      note = f"; updated layer by layer inside the backward pass, by {best}"
+      if note not in reasons[i]:
+        reasons[i] += note
+  return recut() if changed else None
 
 
 def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventory,
