@@ -489,7 +489,10 @@ def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platfor
   return step_costs_lib.measure_step(
       inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
       state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves,
-      time_scans=solves and _time_scans(platform))
+      # Also under optimizer_state_on_host: whether its layered updates hide under the
+      # backward pass, and so their executor, rests on the compute's time.
+      time_scans=(solves or is_named(policy, NamedPolicy.OPTIMIZER_STATE_ON_HOST))
+      and _time_scans(platform))
 
 
 def _resident_bytes(state: Any) -> int:
