@@ -3,6 +3,7 @@ scan bodies timed on this device in place of the analytic compute figure."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxtier
@@ -57,3 +58,23 @@ def test_scan_bodies_timed_replace_their_analytic_compute(monkeypatch):
   monkeypatch.setenv("JAXTIER_TIME_SCANS", "1")
   plan = jaxtier.plan(lambda w, x: (w - 0.1 * jax.grad(f)(w, x), None), w, x)
   assert any("scan bodies timed" in n for n in plan.notes), plan.notes
+
+
+def test_a_scan_body_too_large_to_time_leaves_the_others_timed():
+  # The backward body also reads the forward's residuals: over the limit it stays analytic
+  # while the forward body is timed.
+  def f(w, x):
+    h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+    return jnp.sum(h)
+  w = jnp.ones((4, 32, 32), jnp.float32)
+  x = jnp.ones((64, 32), jnp.float32)
+  closed = jax.make_jaxpr(jax.grad(f))(w, x)
+  sizes = []
+  for eqn in closed.jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      sizes.append(sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+                       for v in eqn.params["jaxpr"].jaxpr.invars))
+  assert len(sizes) == 2 and sizes[0] < sizes[1]
+  timed = step_costs_lib.time_scan_bodies(closed, reps=1, max_input_bytes=sizes[0])
+  assert (timed.count, timed.iterations) == (1, 4)
+  assert step_costs_lib.time_scan_bodies(closed, reps=1, max_input_bytes=sizes[0] - 1) is None
