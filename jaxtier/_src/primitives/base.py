@@ -79,7 +79,8 @@ def ffi_disabled() -> bool:
 
 
 def ffi_call(target: str, results: Any, *, aliases: "dict[int, int] | None" = None,
-             has_side_effect: bool = False, vmap_method: "str | None" = None) -> Any:
+             has_side_effect: bool = False, vmap_method: "str | None" = None,
+             scope: "str | None" = None) -> Any:
   """`jax.ffi.ffi_call` of one of jaxtier's targets, its handlers registered first.
 
   Args:
@@ -88,14 +89,22 @@ def ffi_call(target: str, results: Any, *, aliases: "dict[int, int] | None" = No
     aliases: {operand index: result index} updated in place (input_output_aliases).
     has_side_effect: keep the call even when its results are unused (the streaming calls).
     vmap_method: as `jax.ffi.ffi_call`'s (None: not batchable).
+    scope: the name the call carries in profiler traces and HLO metadata (`jax.named_scope`);
+      default: the target's, as `jaxtier.host_update_layer` for `jaxtier_host_update_layer_ffi`.
 
   Returns:
-    The callable `jax.ffi.ffi_call` returns: `call(*operands, **attributes)`.
+    `call(*operands, **attributes)`: `jax.ffi.ffi_call`'s callable, run inside the scope.
 
   Raises:
     ExtensionMissing: as `ensure_registered`.
   """
   ensure_registered()
   kwargs = {} if vmap_method is None else {"vmap_method": vmap_method}
-  return jax.ffi.ffi_call(target, results, input_output_aliases=aliases or {},
+  call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases or {},
                           has_side_effect=has_side_effect, **kwargs)
+  name = scope or "jaxtier." + target.removeprefix("jaxtier_").removesuffix("_ffi")
+
+  def named(*operands: Any, **attributes: Any) -> Any:
+    with jax.named_scope(name):
+      return call(*operands, **attributes)
+  return named

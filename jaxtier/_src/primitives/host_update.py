@@ -281,7 +281,8 @@ def host_update_layer(program: Program, operands: Sequence[jax.Array], targets: 
     raise NotImplementedError("host_update_layer: needs the FFI handlers "
                               "(JAXTIER_DISABLE_FFI is set)")
   call = ffi.ffi_call(LAYER_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
-                      has_side_effect=True)
+                      has_side_effect=True,
+                      scope=f"jaxtier.host_update_layer[{offset // count if count else 0}]")
   return call(*operands, *after,
               program=np.ascontiguousarray(program.code.reshape(-1), dtype=np.int32),
               consts=np.ascontiguousarray(program.consts, dtype=np.float32),
