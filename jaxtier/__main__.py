@@ -39,6 +39,8 @@ _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
                               "plan: plan for this platform's executors (default: this machine's).")
 _PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host bytes per leaf "
                             "group into this image file (e.g. plan.png).")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "plan: show each leaf's reason in the plan's "
+                             "table (wider, several lines per leaf).")
 _STREAM = flags.DEFINE_bool("stream", False, "plan: let the planner stream parameters from "
                             "pinned_host (host_stream), for what-if plans.")
 
@@ -105,7 +107,9 @@ def plan_main() -> None:
           "profile")
   print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
         f"seq {seq_len}, remat_policy {config.remat_policy}")
-  print(plan)
+  print(plan.format(reasons=_VERBOSE.value))
+  if not _VERBOSE.value:
+    print("(--verbose: each leaf's reason)")
   # The plan may fit only with another activation policy than the model's: `train` runs the
   # model's unless told (its fit is checked against the step it compiles).
   other = plan.assumed_checkpoint_policy

@@ -284,3 +284,18 @@ def test_train_prints_no_info_log_lines_unless_asked(tmp_path):
   out = _train(tmp_path, "--offload=optimizer_state_on_host", "--verbosity=0")
   assert out.returncode == 0, out.stderr[-2000:]
   assert info.search(out.stdout + out.stderr)
+
+
+def test_plan_table_fits_the_terminal_and_shows_reasons_when_verbose(tmp_path):
+  env = {**os.environ, "COLUMNS": "90", "JAX_PLATFORMS": "cpu"}
+  run = lambda *args: subprocess.run(
+      [sys.executable, "-m", "jaxtier", "plan", "--config=tiny", *args], capture_output=True,
+      text=True, timeout=120, cwd=tmp_path, env=env)
+  compact, verbose = run(), run("--verbose")
+  assert compact.returncode == 0 and verbose.returncode == 0, compact.stderr[-2000:]
+  table = lambda out: [l for l in out.splitlines() if l[:1] in "┏┃┡│└"]
+  for out in (compact.stdout, verbose.stdout):
+    assert table(out) and max(len(l) for l in table(out)) <= 90, out
+  assert "reason" not in table(compact.stdout)[1] and "--verbose" in compact.stdout
+  assert "reason" in table(verbose.stdout)[1]
+  assert len(table(verbose.stdout)) > len(table(compact.stdout))  # the reasons wrap

@@ -146,21 +146,36 @@ class Plan:
     return json.dumps({k: _plain(v) for k, v in fields.items()}, indent=1)
 
   def __str__(self) -> str:
+    return self.format()
+
+  def format(self, width: "int | None" = None, reasons: bool = True) -> str:
+    """The plan as text: a table of the leaves, then the predictions and notes.
+
+    Args:
+      width: columns (None: the terminal's, 160 where there is none).
+      reasons: include each leaf's reason (the widest column, several lines per leaf).
+    """
+    import shutil  # pylint: disable=g-import-not-at-top
+
     from rich.console import Console  # pylint: disable=g-import-not-at-top
     from rich.table import Table  # pylint: disable=g-import-not-at-top
 
+    if width is None:
+      width = shutil.get_terminal_size((160, 24)).columns
     table = Table(title=f"jaxtier plan ({self.platform}): device {format_bytes(self.device_bytes)}"
                   f"{_budget(self.device_budget)}, pinned_host {format_bytes(self.pinned_bytes)}"
                   f"{_budget(self.host_budget)}, {self.num_host_updates} fused host updates/step")
-    for col in ("leaf", "shape", "dtype", "bytes", "role", "placement", "reason"):
+    columns = ("leaf", "shape", "dtype", "bytes", "role", "placement") + (
+        ("reason",) if reasons else ())
+    for col in columns:
       table.add_column(col, overflow="fold")
     for leaf in self.leaves:
       size = format_bytes(leaf.nbytes)
       if leaf.master_nbytes:
         size += f" (+{format_bytes(leaf.master_nbytes)} fp32 master on host)"
-      table.add_row(leaf.path, str(list(leaf.shape)), leaf.dtype, size, leaf.role, leaf.placement,
-                    leaf.reason)
-    console = Console(width=160, record=True, file=open(os.devnull, "w"))
+      row = [leaf.path, str(list(leaf.shape)), leaf.dtype, size, leaf.role, leaf.placement]
+      table.add_row(*(row + [leaf.reason] if reasons else row))
+    console = Console(width=max(int(width), 40), record=True, file=open(os.devnull, "w"))
     console.print(table)
     for line in self.prediction_lines():
       console.print(line, highlight=False, markup=False)
