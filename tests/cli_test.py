@@ -299,3 +299,14 @@ def test_plan_table_fits_the_terminal_and_shows_reasons_when_verbose(tmp_path):
   assert "reason" not in table(compact.stdout)[1] and "--verbose" in compact.stdout
   assert "reason" in table(verbose.stdout)[1]
   assert len(table(verbose.stdout)) > len(table(compact.stdout))  # the reasons wrap
+
+
+def test_a_cpu_plan_says_its_step_time_is_an_h200s(tmp_path):
+  # No stored profile here (XDG_CACHE_HOME is the test's): the CPU plan predicts with the
+  # default profile's H200 rates and says so; a GPU plan with that profile is for an H200.
+  cpu = _cli(tmp_path, "plan", "--config=tiny")
+  gpu = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu")
+  line = lambda out: next(l for l in out.splitlines() if l.startswith("predicted step:"))
+  assert "the default profile's H200 rates, not this machine's" in line(cpu.stdout)
+  assert "jaxtier calibrate" in line(cpu.stdout)
+  assert "not this machine" not in line(gpu.stdout)

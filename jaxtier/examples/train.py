@@ -314,8 +314,9 @@ def run(
                                if v is not None))
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
-    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms, measured "
-          f"{measured * 1e3:.3g} ms (calls 2-4)")
+    rates = f" ({step.plan.rates_of})" if step.plan.rates_of else ""
+    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms{rates}, "
+          f"measured {measured * 1e3:.3g} ms (calls 2-4)")
   return {
       "losses": losses,
       "step_times": step_times,

@@ -101,6 +101,8 @@ class Plan:
       them, before the notes that verifying and refining added).
     components: the fused host updates the lowering runs, one compiled op program each
       (`program_compiler.CompiledComponent`); not part of the plan's JSON.
+    rates_of: whose rates the predictions use, where not this machine's ('' when they are:
+      a calibrated profile, or a GPU plan with the default H200 profile).
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -127,6 +129,7 @@ class Plan:
   verdicts: tuple[str, ...] = ()
   num_planning_notes: "int | None" = None
   components: tuple = dataclasses.field(default=(), repr=False, compare=False)
+  rates_of: str = ""
 
   def binding_violation(self) -> "BudgetViolation | None":
     """The violation of a limit that binds before the device budget, if any."""
@@ -185,8 +188,10 @@ class Plan:
     """The predictions and notes, as printable lines."""
     lines = []
     if self.predicted_step_secs is not None:
-      lines.append(f"predicted step: {self.predicted_step_secs * 1e3:.4g} ms, critical path: "
-                   f"{self.critical_path}")
+      rates = "" if not self.rates_of else (
+          f" ({self.rates_of}: `python -m jaxtier calibrate` measures this machine)")
+      lines.append(f"predicted step: {self.predicted_step_secs * 1e3:.4g} ms{rates}, critical "
+                   f"path: {self.critical_path}")
       lines.append("  phases: " + "; ".join(f"{name} {secs * 1e3:.4g} ms ({bound})"
                                            for name, secs, bound in self.segments))
       lines.append("  busy: " + ", ".join(f"{k} {v * 1e3:.4g} ms"

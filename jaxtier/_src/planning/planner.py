@@ -232,7 +232,9 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               planned_device_budget=solver_budget,
               notes=tuple(notes), fits=not verdicts, violations=tuple(violations),
               verdicts=tuple(verdicts), num_planning_notes=len(notes),
-              components=tuple(compiled))
+              components=tuple(compiled),
+              rates_of=("" if not hardware.is_default or platform == "gpu"
+                        else "the default profile's H200 rates, not this machine's"))
   try:
     admit(plan, pinnable_bytes, pinnable_what)
   except PlanError as e:
