@@ -9,7 +9,7 @@ Commands:
           allocating it: per leaf its placement and why, the predicted step time, critical
           path and peak HBM (`--config`, `--batch_size`, `--seq_len`, `--device_budget`,
           `--host_budget`, `--offload` (the policy), `--remat_policy`, `--json`,
-          `--platform`, `--plot=plan.png`, `--stream`). Exit status 1 when the plan is refused
+          `--platform`, `--plot=plan.png`, `--verbose`, `--nostream`). Exit status 1 when the plan is refused
           or over a budget (with `--json` too: its fields `fits` and `refused` say which).
   calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
@@ -41,8 +41,9 @@ _PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host 
                             "group into this image file (e.g. plan.png).")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "plan: show each leaf's reason in the plan's "
                              "table (wider, several lines per leaf).")
-_STREAM = flags.DEFINE_bool("stream", False, "plan: let the planner stream parameters from "
-                            "pinned_host (host_stream), for what-if plans.")
+_STREAM = flags.DEFINE_bool("stream", True, "plan: let the planner stream parameters from "
+                            "pinned_host (host_stream) where it pays, as `train` and "
+                            "jaxtier.offload do; --nostream: never.")
 
 
 def plan_main() -> None:
@@ -72,10 +73,8 @@ def plan_main() -> None:
   # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).
   policy = {"stream": train_lib.stream_layers_policy}.get(flags.FLAGS.offload,
                                                           flags.FLAGS.offload)
-  streamable = frozenset()
-  if _STREAM.value:
-    streamable = frozenset(i for i, leaf in enumerate(jax.tree_util.tree_leaves(state))
-                           if len(leaf.shape) >= 2 and jnp.issubdtype(leaf.dtype, jnp.floating))
+  # As `train` plans (None: every parameter the lowering can stream), unless --nostream.
+  streamable = None if _STREAM.value else frozenset()
   refused = None
   try:
     plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
@@ -124,7 +123,7 @@ def plan_main() -> None:
   if not fits:
     # The library's fixes name Python policies; these are the command line's.
     hints = [] if _STREAM.value or flags.FLAGS.offload == "stream" else [
-        "--stream (the planner may stream the layers' params from pinned_host)"]
+        "without --nostream (the planner may stream the layers' params from pinned_host)"]
     hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
     if platform == "gpu":
       hints.append("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> to raise XLA's pinned pool (64 GiB "

@@ -28,7 +28,7 @@ def test_plan_json_refused_exits_1_with_verdict(tmp_path):
   assert text.returncode == 1, text.stderr[-2000:]
   assert "REFUSED: the state needs" in text.stdout
   # The fixes in command-line terms (the library's name Python policies).
-  assert "from the command line: --stream (the planner may stream" in text.stdout
+  assert "from the command line: a larger --device_budget" in text.stdout
   assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB>" in text.stdout
   out = _cli(tmp_path, *flags, "--json")
   assert out.returncode == 1, out.stderr[-2000:]
@@ -310,3 +310,25 @@ def test_a_cpu_plan_says_its_step_time_is_an_h200s(tmp_path):
   assert "the default profile's H200 rates, not this machine's" in line(cpu.stdout)
   assert "jaxtier calibrate" in line(cpu.stdout)
   assert "not this machine" not in line(gpu.stdout)
+
+
+def test_plan_streams_as_train_does_unless_nostream(tmp_path):
+  # A device budget the state fits only with the layers' params streamed: `plan` finds that
+  # plan as `train --offload=auto` (jaxtier.offload) would; --nostream forbids it.
+  flags = ["plan", "--config=tiny", "--device_budget=53MiB", "--json"]
+  streams = json.loads(_cli(tmp_path, *flags).stdout)
+  never = json.loads(_cli(tmp_path, *flags, "--nostream").stdout)
+  placed = lambda p: {l["placement"] for l in p["leaves"]}
+  assert "host_stream" in placed(streams), placed(streams)
+  assert "host_stream" not in placed(never)
+
+
+def test_plan_names_the_pinned_limit_in_force_over_a_larger_host_budget(tmp_path):
+  # XLA's pinned pool (the profile's 64 GiB, planning for an absent GPU) is below the
+  # host_budget given: the header and the pinned line say the limit that applies, and why.
+  out = _cli(tmp_path, "plan", "--config=1b", "--platform=gpu", "--host_budget=126GB",
+             "--offload=optimizer_state_on_host").stdout
+  header = next(l for l in out.splitlines() if "jaxtier plan (gpu)" in l)
+  assert "of 64.00 GiB pinnable" in header and "117.35" not in header.split("pinnable")[0]
+  pinned = next(l for l in out.splitlines() if l.startswith("pinned host:"))
+  assert "of 64.00 GiB pinnable" in pinned and "host_budget 117.35 GiB" in pinned, pinned

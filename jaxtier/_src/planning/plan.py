@@ -103,6 +103,8 @@ class Plan:
       (`program_compiler.CompiledComponent`); not part of the plan's JSON.
     rates_of: whose rates the predictions use, where not this machine's ('' when they are:
       a calibrated profile, or a GPU plan with the default H200 profile).
+    pinnable_bytes, pinnable_what: what the host can pin per device (None: not checked), and
+      where that figure comes from (on a GPU: XLA's pinned pool caps it).
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -130,6 +132,8 @@ class Plan:
   num_planning_notes: "int | None" = None
   components: tuple = dataclasses.field(default=(), repr=False, compare=False)
   rates_of: str = ""
+  pinnable_bytes: "int | None" = None
+  pinnable_what: str = ""
 
   def binding_violation(self) -> "BudgetViolation | None":
     """The violation of a limit that binds before the device budget, if any."""
@@ -167,7 +171,7 @@ class Plan:
       width = shutil.get_terminal_size((160, 24)).columns
     table = Table(title=f"jaxtier plan ({self.platform}): device {format_bytes(self.device_bytes)}"
                   f"{_budget(self.device_budget)}, pinned_host {format_bytes(self.pinned_bytes)}"
-                  f"{_budget(self.host_budget)}, {self.num_host_updates} fused host updates/step")
+                  f"{self._host_limit()}, {self.num_host_updates} fused host updates/step")
     columns = ("leaf", "shape", "dtype", "bytes", "role", "placement") + (
         ("reason",) if reasons else ())
     for col in columns:
@@ -183,6 +187,16 @@ class Plan:
     for line in self.prediction_lines():
       console.print(line, highlight=False, markup=False)
     return console.export_text()
+
+  def _host_limit(self) -> str:
+    """' of <limit>' for the pinned bytes: the host budget, or what the host (on a GPU: XLA's
+    pinned pool) can pin where that is less, named."""
+    pinnable = self.pinnable_bytes
+    if pinnable is None or (self.host_budget is not None and self.host_budget <= pinnable):
+      return _budget(self.host_budget)
+    given = ("" if self.host_budget is None
+             else f"; host_budget {format_bytes(self.host_budget)}")
+    return f" of {format_bytes(pinnable)} pinnable ({self.pinnable_what}{given})"
 
   def prediction_lines(self) -> list[str]:
     """The predictions and notes, as printable lines."""
@@ -209,7 +223,7 @@ class Plan:
                    + ("" if self.compiler_peak_hbm_bytes is None else
                       f"; compiler: {format_bytes(self.compiler_peak_hbm_bytes)}"))
     lines.append(f"pinned host: {format_bytes(self.pinned_bytes)} per device"
-                 f"{_budget(self.host_budget)}")
+                 f"{self._host_limit()}")
     lines.append(f"activations: {self.activation_policy}")
     k = len(self.notes) if self.num_planning_notes is None else self.num_planning_notes
     lines.extend(f"note: {n}" for n in self.notes[:k])

@@ -234,7 +234,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               verdicts=tuple(verdicts), num_planning_notes=len(notes),
               components=tuple(compiled),
               rates_of=("" if not hardware.is_default or platform == "gpu"
-                        else "the default profile's H200 rates, not this machine's"))
+                        else "the default profile's H200 rates, not this machine's"),
+              pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what)
   try:
     admit(plan, pinnable_bytes, pinnable_what)
   except PlanError as e:
