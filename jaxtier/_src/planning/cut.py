@@ -22,7 +22,9 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
   """Cuts the host updates around `executor_leaves` and compiles each into an op program.
 
   A component that cannot run as one op program falls back to `host_xla` (placement, reason and
-  `executor_leaves` are updated in place); re-cut until stable. `host_stream` leaves are in
+  `executor_leaves` are updated in place): only its parameters where it has any (a parameter
+  with an executor is read by the forward pass, which ties in every host leaf it reaches),
+  else all its leaves; re-cut until stable. `host_stream` leaves are in
   `executor_leaves` (their update is a fused host update) but their reads by layer loops do
   not taint; their call's executor is its other leaves' (else `host_exec`). `user_placed`:
   the leaves whose placement the user's policy asked for (their executor wins a fused call).
@@ -65,17 +67,20 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
         except (program_compiler.Unsupported, ProgramTooLarge) as e:
           why = str(e)
       if why or not comp.elementwise:
-        params = [i for i in comp.seeds if inv.leaves[i].role == Role.PARAM]
-        for i in comp.seeds:
+        # The usual cause: a parameter placed with an executor is read by the forward pass
+        # too, which ties every host leaf it reaches into one non-elementwise cut. Only such
+        # parameters fall back (each with its own reason); the other leaves are cut again
+        # without them, so that no leaf's request changes another's placement.
+        params = [i for i in comp.seeds if inv.leaves[i].role == Role.PARAM
+                  and placement[i] != Placement.HOST_STREAM]
+        for i in params or comp.seeds:
           executor_leaves.discard(i)
           placement[i] = Placement.HOST_XLA
           if params:
-            # The usual cause: a parameter placed with an executor is read by the forward
-            # pass too, which ties every host leaf of the step into one non-elementwise cut.
             reasons[i] = (
-                f"update not one elementwise pass: the host parameter "
-                f"{inv.leaves[params[0]].path} is {inv.leaves[params[0]].why}, so its reads "
-                f"and update are one computation ({why}): XLA memory-kind transfers. A stack of "
+                f"a parameter placed {reasons_placement(reasons[i])}is "
+                f"{inv.leaves[i].why}, so no fused host update can serve it: it lives in "
+                "pinned_host and XLA copies it in and its new value out (host_xla). A stack of "
                 "layers read by a layer loop can be placed 'host_stream' instead")
           else:
             reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
@@ -84,7 +89,7 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
         # only logged.
         for user, level in ((True, log.warning), (False, log.info)):
           by_reason: dict[str, list[str]] = {}
-          for i in comp.seeds:
+          for i in params or comp.seeds:
             if (i in user_placed) == user:
               by_reason.setdefault(reasons[i], []).append(inv.leaves[i].path)
           for reason, paths in by_reason.items():
@@ -98,6 +103,11 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
         masters |= comp_masters
     if not demoted:
       return compiled, masters
+
+
+def reasons_placement(reason: str) -> str:
+  """'by the user's policy ' where `reason` says the user placed the leaf, else ''."""
+  return "by the user's policy " if "user's policy" in reason else ""
 
 
 def _masters_for(jaxpr: Any, comp: jaxpr_graph.Component, inv: Inventory) -> set[int]:
