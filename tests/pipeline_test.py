@@ -140,3 +140,31 @@ def test_does_not_fit_is_said_only_of_a_plan_whose_compiled_step_is_over(caplog)
     jaxtier.offload(step_fn, policy=train.stream_layers_policy,
                     device_budget=compiled // 4).place(state, batch)
   assert [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+
+
+def test_auto_streams_where_only_the_streamed_compiled_step_fits(caplog):
+  # The tiny decoder under a budget between the compiled peaks of its streamed step and of
+  # its best unstreamed one (optimizer state on the host): the solver's prediction finds no
+  # fitting placement, and `auto` takes the streamed plan, which fits by its compiled step.
+  from jaxtier.examples import llama, train  # pylint: disable=g-import-not-at-top
+  config = llama.CONFIGS["tiny"]
+  _, state, step_fn = train.make_train_state(config, 1e-3)
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (16, config.max_seq_len + 1)),
+                      jnp.int32)
+  peak = {}
+  for name, policy in (("stream", train.stream_layers_policy),
+                       ("host", "optimizer_state_on_host")):
+    probe = jaxtier.offload(step_fn, policy=policy)
+    probe.place(jax.tree.map(jnp.copy, state), batch)
+    peak[name] = probe.plan.compiler_peak_hbm_bytes
+  assert peak["stream"] < peak["host"], peak
+  budget = (peak["stream"] + peak["host"]) // 2
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    step = jaxtier.offload(step_fn, device_budget=budget)
+    placed = step.place(jax.tree.map(jnp.copy, state), batch)
+  assert step.plan.fits and step.plan.compiler_peak_hbm_bytes <= budget, step.plan
+  assert "host_stream" in {l.placement for l in step.plan.leaves}
+  assert any("streamed the compiled step's peak" in n for n in step.plan.notes)
+  assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  placed, metrics = step(placed, batch)
+  assert np.isfinite(float(metrics["loss"]))

@@ -28,6 +28,7 @@ from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import programs as programs_lib
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.planning import admission, planner
+from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
 from jaxtier._src.planning.plan import Plan, verdict_lines
 from jaxtier._src.units import format_bytes
@@ -124,6 +125,8 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       break
     previous, budget = planned, smaller
   planned = _refine(planned, state, args, costs, make, lower, options.policy)
+  if not planned.plan.fits and is_named(options.policy, NamedPolicy.AUTO):
+    planned = _streamed_if_it_fits(planned, inv, fixed, budget, costs, lower, state, args)
   log.debug("jaxtier plan:\n%s", planned.plan)
   # What JAX's device allocator can hold here, before anything is allocated.
   admission.admit_device(planned.plan,
@@ -362,6 +365,45 @@ def _update_host_extra_bytes(programs: programs_lib.StepPrograms, state: Any,
     log.debug("jaxtier: compiling the host-update program to check it failed: %r", e)
     return 0
   return 0 if fig is None else fig.host_extra_bytes
+
+
+def _streamed_if_it_fits(planned: Planned, inv: inv_lib.Inventory, fixed: dict[str, Any],
+                         budget: "int | None", costs: step_costs_lib.StepCosts,
+                         lower: Callable[[Plan], Planned], state: Any,
+                         args: Sequence[Any]) -> Planned:
+  """Under 'auto', where no plan fits by the solver's prediction or by the compiled step: the
+  plan with every stack of layers streamed (`host_stream`, the rest planned as 'auto'), kept
+  when its compiled step fits the device budget. The prediction of a streamed step's peak is
+  above its compiled one (the tiny decoder at a 100 MB budget: 109 MiB predicted, 94
+  compiled), so the solver can miss the plan that fits. Else `planned` is kept.
+  """
+  streamable = set(fixed["streamable"])
+  if not streamable:
+    return planned
+  def stream_stacks(path: str, leaf: Any) -> "str | None":
+    del path
+    return Placement.HOST_STREAM if leaf.index in streamable else None
+  try:
+    plan = planner.make_plan(inv, device_budget=budget, step_costs=costs,
+                             **{**fixed, "policy": stream_stacks})
+    streamed, _ = _verify(lower(plan), state, args, 0, stream_stacks)
+  except PlanError as e:
+    log.debug("jaxtier: the streamed alternative plan failed: %s", e)
+    return planned
+  alt = streamed.plan
+  if not (alt.fits and alt.compiler_peak_hbm_bytes is not None):
+    return planned
+  why = ("auto: no placement fit the budgets by the solver's prediction or the compiled step "
+         f"(compiled peak {format_bytes(planned.plan.compiler_peak_hbm_bytes or 0)}); with "
+         "every stack of layers streamed the compiled step's peak, "
+         f"{format_bytes(alt.compiler_peak_hbm_bytes)}, fits")
+  leaves = tuple(dataclasses.replace(
+      l, user_placed=False, reason=l.reason.replace(
+          policy_lib.USER_PLACED, "streamed: the plan that fits by its compiled step"))
+      for l in alt.leaves)
+  log.warning("jaxtier: %s; streaming them", why)
+  return dataclasses.replace(streamed, plan=dataclasses.replace(
+      alt, leaves=leaves, notes=alt.notes + (why,)))
 
 
 def _refine(planned: Planned, state: Any, args: Sequence[Any],
