@@ -67,7 +67,9 @@ def plan_main() -> None:
   batch = flags.FLAGS.batch_size or (defaults.batch_size if defaults else 8)
   seq_len = flags.FLAGS.seq_len or config.max_seq_len
   train_lib.check_seq_len(config, flags.FLAGS.config, seq_len)
-  _, state, step = train_lib.make_train_state(config, 1e-3, abstract=True)
+  optimizer = train_lib.OptimizerConfig(learning_rate=1e-3,
+                                        clip_norm=1.0 if flags.FLAGS.clip else None)
+  _, state, step = train_lib.make_train_state(config, optimizer, abstract=True)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   platform = _PLATFORM.value or jax.default_backend()
   # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).
@@ -80,7 +82,8 @@ def plan_main() -> None:
     plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
                         host_budget=flags.FLAGS.host_budget or None, platform=platform,
                         policy=policy, streamable=streamable,
-                        activations=llama.activation_model(config, batch, seq_len))
+                        activations=llama.activation_model(config, batch, seq_len),
+                        overlap_update=flags.FLAGS.overlap_update)
   except jaxtier.PlanError as e:
     if e.plan is None:
       raise app.UsageError(str(e)) from e

@@ -46,7 +46,8 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
     donate_argnums: arguments donated to the step; must include 0.
     overlap_update: update leaves stacked over layers (a `scan` over layers' params and their
       optimizer state) layer by layer inside the backward pass, overlapped with the compute;
-      the values equal the serial step's. Updates that need every gradient first (a
+      the serial step's arithmetic (the unrolled backward pass may round a gradient
+      differently in the last bit). Updates that need every gradient first (a
       global-norm clip) stay after the backward pass, the reason in `plan.notes`. False: every
       host update runs after the backward pass. A step that fails after its layered updates
       began leaves those leaves partly updated (the error names them; restore a checkpoint).
@@ -104,7 +105,8 @@ def calibrate(*, save: bool = True, path: "str | None" = None,
 def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
          host_budget: Any = None, policy: Any = "auto", platform: "str | None" = None,
          streamable: Any = None, dha_readable: Any = frozenset(),
-         activations: "cost_model.ActivationModel | None" = None) -> plan_lib.Plan:
+         activations: "cost_model.ActivationModel | None" = None,
+         overlap_update: bool = True) -> plan_lib.Plan:
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
 
   `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s (to plan a model that is not
@@ -116,12 +118,15 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   `predicted_peak_hbm_bytes`, `resource_secs`. `streamable` / `dha_readable` (state leaf
   indices) allow `host_stream` / `host_dha` placements of parameters (`streamable` None: every
   parameter the lowering can stream, as `offload` plans); `activations` (a
-  `jaxtier.ActivationModel`) lets the plan choose the activation policy.
+  `jaxtier.ActivationModel`) lets the plan choose the activation policy. `overlap_update` as
+  `offload`'s: the plan's notes say which host updates run layer by layer, and why the others
+  do not.
 
   Raises:
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
   """
-  options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy)
+  options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy,
+                           overlap_update=overlap_update)
   platform = platform or jax.default_backend()
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")

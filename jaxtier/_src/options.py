@@ -31,8 +31,8 @@ class OffloadOptions:
       `{regex: placement}` dict over leaf paths.
     donate_argnums: must include 0 (the state is updated in place).
     overlap_update: update the leaves stacked over layers inside the backward pass, layer by
-      layer, overlapped with the compute (exactly the serial step's values; components that
-      need every gradient first, such as a global-norm clip, stay serial). False runs every
+      layer, overlapped with the compute (the serial step's arithmetic; components that need
+      every gradient first, such as a global-norm clip, stay serial). False runs every
       host update after the backward pass.
   """
 

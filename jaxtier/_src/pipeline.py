@@ -27,6 +27,8 @@ from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import programs as programs_lib
 from jaxtier._src.options import OffloadOptions
+from jaxtier._src.lowering import overlap as overlap_lib
+from jaxtier._src.lowering import streaming
 from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
@@ -93,7 +95,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
 
   def lower(plan):
     programs = programs_lib.build(inv, plan, state, args, options.overlap_update)
-    notes = _overlap_notes(plan, programs)
+    notes = _overlap_notes(plan, programs.split.overlap)
     return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
                    programs, sig)
 
@@ -243,8 +245,17 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
       streamable=streamable, dha_readable=dha_readable, activations=activations,
       resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what,
-      stream_blocked=blocked)
+      stream_blocked=blocked, overlap_update=options.overlap_update)
   _warn_unfit(result)  # not compiled: the prediction is all there is
+  # Which updates the lowering runs layer by layer (its schedule alone: nothing is lowered).
+  jaxpr = inv.closed_jaxpr.jaxpr
+  stream = streaming.schedule(
+      jaxpr, [l.index for l in result.leaves if l.placement == Placement.HOST_STREAM],
+      {k for cc in result.components for k in cc.component.eqns})
+  notes = _overlap_notes(result, overlap_lib.schedule(
+      jaxpr, result.components, result.leaves, stream, None, options.overlap_update))
+  if notes:
+    result = dataclasses.replace(result, notes=result.notes + notes)
   if platform != here:
     result = dataclasses.replace(result, notes=result.notes + (
         f"planned for {platform} on a machine without one ({here}): "
@@ -332,9 +343,8 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
   return planned, max(1, budget - over)
 
 
-def _overlap_notes(plan: Any, programs: programs_lib.StepPrograms) -> tuple[str, ...]:
+def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...]:
   """What the plan's notes say of the per-layer host updates (`lowering/overlap.py`)."""
-  ov = programs.split.overlap
   if not plan.components:
     return ()
   notes = []
@@ -348,8 +358,8 @@ def _overlap_notes(plan: Any, programs: programs_lib.StepPrograms) -> tuple[str,
   for why in ov.serial.values():
     reasons[why] = reasons.get(why, 0) + 1
   for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
-    notes.append(f"{count} host update{'s' if count > 1 else ''} run after the backward pass: "
-                 f"{why}")
+    notes.append(f"{count} host update{'s run' if count > 1 else ' runs'} after the backward "
+                 f"pass: {why}")
   return tuple(notes)
 
 

@@ -251,3 +251,26 @@ def test_gpu_plan_picks_the_layered_executor_by_the_overlap(batch, want):
   assert all("layer by layer inside the backward pass" in l.reason for l in layered)
   head = [l for l in plan.leaves if "head" in l.path and l.role == "optimizer_state"]
   assert all(l.placement == "host_dha" for l in head)
+
+
+@pytest.mark.parametrize("case", ["layered", "clip", "off", "stream"])
+def test_jaxtier_plan_says_and_costs_the_schedule_the_lowering_runs(case):
+  # jaxtier.plan lowers nothing: its notes and its predicted phases still follow the per-layer
+  # schedule `offload` would run (a clip, overlap_update=False or a streamed stack: serial).
+  tx = (optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)) if case == "clip"
+        else optax.adam(1e-2))
+  graphdef, params = _model()
+  x = jax.ShapeDtypeStruct((8, WIDTH), jnp.float32)
+  y = jax.ShapeDtypeStruct((8, 2), jnp.float32)
+  policy = {r"\['params'\]\['blocks'\]": "host_stream"} if case == "stream" else ON_HOST
+  plan = jaxtier.plan(_step(graphdef, tx), {"params": params, "opt": tx.init(params)}, (x, y),
+                      policy=policy, overlap_update=case != "off")
+  phases = [name for name, _, _ in plan.segments]
+  layered = [n for n in plan.notes if "layer by layer inside the backward pass" in n]
+  serial = " ".join(n for n in plan.notes if "run after the backward pass" in n)
+  if case == "layered":
+    assert layered and "layered host update (exposed)" in phases, (plan.notes, phases)
+  else:
+    assert not layered and "layered host update (exposed)" not in phases, (plan.notes, phases)
+    assert {"clip": "global-norm clip", "off": "overlap_update is off",
+            "stream": "streamed leaf's"}[case] in serial, plan.notes

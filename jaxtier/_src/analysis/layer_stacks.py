@@ -119,8 +119,9 @@ class LayerLoops:
         scans.add(k)
         grads[pos] = out_pos
     if len(scans) != 1:
-      return ("its gradient is not a layer loop's output" if not scans
-              else "it reads the outputs of several layer loops")
+      return ("the gradient is not a layer loop's output alone (the leaf is no stack of layers, "
+              "or it is read outside the loop too)" if not scans
+              else "the update reads the outputs of several layer loops")
     (k,) = scans
     length = int(self.jaxpr.eqns[k].params["length"])
     if length < 2 or n_total % length:
@@ -133,8 +134,8 @@ class LayerLoops:
       shape = tuple(aval.shape)
       if int(np.prod(shape)) == 1:
         if spec.kind == "value" and spec.var in late:
-          return ("it waits for a value computed from every gradient (a global-norm clip or "
-                  "a non-finite check)")
+          return ("the update waits for a value computed from every gradient (a global-norm "
+                  "clip or a non-finite check)")
         continue
       if int(np.prod(shape)) != n_total or not shape or shape[0] != length:
         return f"operand {pos} is not stacked over the {length} layers"

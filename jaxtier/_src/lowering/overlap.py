@@ -20,7 +20,8 @@ Which components qualify (`schedule`; otherwise they stay serial, with the reaso
   and its moments and master; every scalar operand (the learning rate, the bias corrections)
   depends on nothing that scan computes. A scalar computed from every gradient (a global-norm
   clip, a non-finite check) must wait for the whole backward pass: such a component stays
-  serial, so the result equals the serial step's exactly;
+  serial, so that the layered ones compute what the serial step does (the unrolled backward
+  scan, compiled apart from the rolled one, may round a gradient differently in the last bit);
 - each result is a state leaf's new value (or its master), returned by the step only as that
   leaf; a device leaf written in place is read elsewhere only by scans as their `xs` (so every
   read of layer t's slice is an input of iteration t, which the call follows);
@@ -222,20 +223,20 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
     return got
   k, grads = got
   if any(cc.operands[p].var in stream.sent_vars for p in grads):
-    return "its gradient is a streamed leaf's (sent to pinned_host whole)"
+    return "the gradient is a streamed leaf's (sent to pinned_host whole)"
   length = int(jaxpr.eqns[k].params["length"])
   count = int(np.prod(cc.results[0].shape)) // length
   own = set(cc.component.eqns)
   for spec in cc.operands:
     if spec.kind == "host" and not scan_only(jaxpr.invars[spec.index], own):
-      return f"host leaf {spec.index} is read outside its update"
+      return f"host leaf {leaves[spec.index].path} is read outside its update"
   targets: list[int] = []
   extra: list[int] = []
   for r in cc.results:
     if r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"):
       spec = cc.operands[r.alias]
       if spec.kind == "host" and tuple(r.outputs) != (spec.index,):
-        return f"the step returns leaf {spec.index}'s new value more than once"
+        return f"the step returns {leaves[spec.index].path}'s new value more than once"
       if spec.kind == "master" and r.outputs:
         return "a master's new value is returned"
       targets.append(r.alias)
@@ -244,14 +245,15 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
       return "a result is not one state leaf's new value"
     j = r.outputs[0]
     if out_count.get(jaxpr.outvars[j], 0) != 1:
-      return f"the step returns leaf {j}'s new value more than once"
+      return f"the step returns {leaves[j].path}'s new value more than once"
     leaf = leaves[j]
     if (leaf.memory_kind != MemoryKind.DEVICE or tuple(leaf.shape) != tuple(r.shape)
         or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
-      return f"result for leaf {j} is not written over that device leaf"
+      return f"the new value of {leaves[j].path} is not written over that device leaf"
     old = jaxpr.invars[j]
     if old in jaxpr.outvars or not scan_only(old, own):
-      return f"leaf {j}'s old value is read outside the layer loops"
+      return (f"{leaves[j].path}'s old value is read outside the layer loops (for example "
+              "cast or scaled before the scan)")
     at = [p for p, spec in enumerate(cc.operands) if spec.kind == "value" and spec.var is old]
     if at:
       targets.append(at[0])

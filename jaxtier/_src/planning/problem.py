@@ -259,7 +259,9 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       # The call's executor (a call of host_stream leaves has one too: the cut's choice).
       fixed = Executor(cc.executor).placement
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
-    got = loops.of(cc) if loops is not None and _shard_fraction(cc, leaves) == 1.0 else ""
+    # (A streamed leaf's gradient goes to pinned_host whole: its update is not layered.)
+    got = (loops.of(cc) if loops is not None and _shard_fraction(cc, leaves) == 1.0
+           and not any(placement.get(i) == Placement.HOST_STREAM for i in seeds) else "")
     num_layers = 0 if isinstance(got, str) else int(jaxpr.eqns[got[0]].params["length"])
     # The calls run one after the other: their costs add. A layered update is one call per
     # layer, writing device and host results in place alike.
