@@ -202,6 +202,21 @@ def test_layer_calls_write_their_windows_and_join_hands_the_buffers_back(executo
   assert m.sharding.memory_kind == "pinned_host"
 
 
+def test_join_refuses_a_buffer_no_layer_call_wrote():
+  # A copy between the layer calls and the join (here explicit) would lose their writes: the
+  # join says so instead of handing the copy back.
+  layers, n = 2, 8
+  m, p, g = jnp.zeros((layers, n)), jnp.ones((layers, n)), jnp.ones((layers, n))
+
+  def step(m, p, g):
+    token = hu.host_update_layer(_LAYER_PROGRAM, [m, g[0], p, np.float32(1)], [0, 2],
+                                 offset=0, count=n, executor="host_cpu")
+    copy = m + 1.0  # not the buffer the call wrote
+    return hu.join([copy], after=[token, g])[0], hu.join([p], after=[token, g])[0]
+  with pytest.raises(Exception, match="jaxtier_host_update_join.*a buffer the layer calls wrote"):
+    jax.block_until_ready(jax.jit(step, donate_argnums=(0, 1))(m, p, g))
+
+
 def test_layer_call_refuses_bad_operands():
   m = jnp.zeros((4, 8))
   with pytest.raises(ValueError, match="distinct vector operands"):

@@ -25,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
@@ -807,7 +808,8 @@ ffi::Error HostUpdateCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
   return ffi::Error::Success();
 }
 
-// The layer call runs at once on the CPU backend (XLA:CPU runs it in program order).
+// The layer call runs at once on the CPU backend, when XLA:CPU's thunk executor reaches it (by
+// its operands: the lowering orders it with order-only operands and tokens).
 ffi::Error HostUpdateLayerCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
                                   ffi::Dictionary attrs) {
   host_update::LayerAttrs a;
@@ -829,6 +831,28 @@ ffi::Error HostUpdateJoinCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets ret
 }  // namespace
 
 namespace host_update {
+
+namespace {
+std::mutex g_layer_targets_mu;
+std::unordered_multiset<const void*>& LayerTargets() {
+  static auto* targets = new std::unordered_multiset<const void*>();
+  return *targets;
+}
+}  // namespace
+
+void RecordLayerTargets(const void* const* bases, int count) {
+  std::lock_guard<std::mutex> lock(g_layer_targets_mu);
+  for (int r = 0; r < count; ++r) LayerTargets().insert(bases[r]);
+}
+
+bool TakeLayerTarget(const void* base) {
+  std::lock_guard<std::mutex> lock(g_layer_targets_mu);
+  auto& targets = LayerTargets();
+  if (targets.find(base) == targets.end()) return false;
+  // One join per written buffer: every record of it is taken.
+  targets.erase(base);
+  return true;
+}
 
 void BuildCpuPlan(const HostUpdateParams& p, CpuPlan* plan) {
   *plan = CpuPlan();

@@ -18,6 +18,8 @@
 // streams; XLA's stream waits on an event of each jaxtier stream at the end. Streams, events and
 // the pinned staging buffer are per-instance state (created by the instantiate stage, filled per
 // device on first use, grown only when a call needs more staging, freed with the executable).
+// The layer calls (`jaxtier_host_update_layer_ffi`, below) instead share one set per device and
+// do not make XLA's stream wait: the join does.
 // Neither path is marked kCmdBufferCompatible (own streams, host functions, event waits).
 // No nanobind here: module.cc registers the symbols.
 
@@ -147,9 +149,27 @@ constexpr int64_t kStagingGranularityBytes = int64_t{2} << 20;
 
 int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
-// Streams, events and pinned staging of one device, owned by one instance's state. One call
-// enqueues at a time (mu). Work of consecutive calls never overlaps: a call's streams wait for
-// XLA's stream to reach the call, and XLA's stream waits for the previous call's streams.
+// The staging bytes per slot: JAXTIER_HOST_CPU_CHUNK_BYTES if set (at least `min_bytes`), else
+// kDefaultChunkBytes.
+ffi::Error ChunkBytesFromEnv(const char* op, int64_t min_bytes, int64_t* out) {
+  *out = kDefaultChunkBytes;
+  const char* env = std::getenv("JAXTIER_HOST_CPU_CHUNK_BYTES");
+  if (env == nullptr || !*env) return ffi::Error::Success();
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  if (end == env || *end != '\0' || v < min_bytes) {
+    return Invalid(op, "value", "environment variable JAXTIER_HOST_CPU_CHUNK_BYTES",
+                   "an integer number of bytes >= " + std::to_string(min_bytes), env);
+  }
+  *out = v;
+  return ffi::Error::Success();
+}
+
+// Streams, events and pinned staging of one device: owned by one instance's state (a fused
+// call, whose consecutive calls never overlap: a call's streams wait for XLA's stream to reach
+// the call, and XLA's stream waits for the previous call's streams), or shared by the layer
+// calls of the process (which pipeline on the streams, `EnqueueCpuRange`). One call enqueues
+// at a time (mu).
 struct DeviceResources {
   explicit DeviceResources(int device) : device(device) {}
   ~DeviceResources();
@@ -475,7 +495,8 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
     }
   }
   if (slot_bytes > 0 || scalar_bytes > 0) {
-    JT_RETURN_IF_ERROR(dev->EnsureStaging(scalar_bytes + kNumStreams * region));
+    JT_RETURN_IF_ERROR(
+        dev->EnsureStaging(scalar_bytes + (deferred ? kNumStreams : num_streams) * region));
   }
   for (int s = 0; s < num_streams; ++s) {
     call->slot_base[s] = dev->staging + scalar_bytes + s * region;
@@ -514,13 +535,19 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   JT_RETURN_IF_ERROR(LaunchHostFn(dev->streams[0], BuildPlanHostFn, call, call));
   JT_CUDA_CHECK(kOpName, cudaEventRecord(dev->ready, dev->streams[0]), "the CPU plan is built");
 
+  // Operands the program reads (a target it only writes, as a bf16 param made from its master,
+  // is not copied down).
+  bool loaded[host_update::kMaxOperands] = {};
+  for (int k = 0; k < params.num_instructions; ++k) {
+    if (params.instructions[k].op == host_update::kLoad) loaded[params.instructions[k].a] = true;
+  }
   for (int64_t c = 0; c < num_chunks; ++c) {
     CpuChunk* chunk_desc = &call->chunks[c];
     const cudaStream_t stream = dev->streams[chunk_desc->slot];
     char* slot = call->slot_base[chunk_desc->slot];
     const int64_t len = chunk_desc->hi - chunk_desc->lo;
     for (int i = 0; i < num_operands; ++i) {
-      if (call->operand_offset[i] < 0) continue;
+      if (call->operand_offset[i] < 0 || !loaded[i]) continue;
       const int64_t es = StorageBytes(params.operand_type[i]);
       JT_CUDA_CHECK(kOpName,
                     cudaMemcpyAsync(slot + call->operand_offset[i],
@@ -569,15 +596,9 @@ ffi::ErrorOr<std::unique_ptr<HostUpdateState>> HostUpdateCudaInstantiateImpl(
   }
   auto state = std::make_unique<HostUpdateState>();
   state->executor = a.executor;
-  if (const char* env = std::getenv("JAXTIER_HOST_CPU_CHUNK_BYTES"); env != nullptr && *env) {
-    char* end = nullptr;
-    const long long v = std::strtoll(env, &end, 10);
-    if (end == env || *end != '\0' || v < kMinChunkBytes) {
-      return ffi::Unexpected<ffi::Error>(Invalid(
-          kOpName, "value", "environment variable JAXTIER_HOST_CPU_CHUNK_BYTES",
-          "an integer number of bytes >= " + std::to_string(kMinChunkBytes), env));
-    }
-    state->chunk_bytes = v;
+  if (ffi::Error e = ChunkBytesFromEnv(kOpName, kMinChunkBytes, &state->chunk_bytes);
+      e.failure()) {
+    return ffi::Unexpected<ffi::Error>(std::move(e));
   }
   return ffi::ErrorOr<std::unique_ptr<HostUpdateState>>(std::move(state));
 }
@@ -616,19 +637,9 @@ ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
 // every layer call of the process; never freed (layer calls of any executable may use them).
 // ------------------------------------------------------------------------------------------------
 
-int64_t LayerChunkBytes() {
-  static const int64_t bytes = [] {
-    const char* env = std::getenv("JAXTIER_HOST_CPU_CHUNK_BYTES");
-    if (env == nullptr || !*env) return kDefaultChunkBytes;
-    char* end = nullptr;
-    const long long v = std::strtoll(env, &end, 10);
-    // At least 1 MiB: a chunk of 4096 elements of every buffer then fits the fixed region.
-    return (end == env || *end != '\0' || v < kMinChunkBytes)
-               ? kDefaultChunkBytes
-               : std::max<int64_t>(static_cast<int64_t>(v), int64_t{1} << 20);
-  }();
-  return bytes;
-}
+// At least 1 MiB for layer calls: a chunk of 4096 elements of every buffer then fits the fixed
+// region each stream stages through.
+constexpr int64_t kMinLayerChunkBytes = int64_t{1} << 20;
 
 std::mutex g_shared_mu;
 DeviceResources* g_shared[kMaxDevices] = {};
@@ -676,7 +687,9 @@ ffi::Error HostUpdateLayerCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
                   "the end of the kernel part");
   }
   if (k == params.n) return ffi::Error::Success();
-  return EnqueueCpuRange(stream, LayerChunkBytes(), dev, params, aliases, k, params.n,
+  int64_t chunk_bytes = 0;
+  JT_RETURN_IF_ERROR(ChunkBytesFromEnv(kLayerOpName, kMinLayerChunkBytes, &chunk_bytes));
+  return EnqueueCpuRange(stream, chunk_bytes, dev, params, aliases, k, params.n,
                          /*deferred=*/true);
 }
 

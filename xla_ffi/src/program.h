@@ -716,9 +716,9 @@ inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
 //   operand element counts: 1 (a broadcast scalar), count (read as is), or at least
 //     offset + count (stacked: read from element offset on)
 //
-// On a GPU the CPU and split executors return at once: their work runs on streams shared by
-// every layer call of the process (one call after another), and a join makes XLA's stream wait
-// for all of it. The join's operands pass through to its results (aliased, in place), then
+// On a GPU every executor returns at once: the CPU part runs on streams shared by every layer
+// call of the process, the kernel part (host_dha's whole, the split's share) on a
+// lowest-priority stream beside XLA's compute, and a join makes XLA's stream wait for both. The join's operands pass through to its results (aliased, in place), then
 // order-only operands follow (attribute num_arrays: how many pass through).
 
 inline constexpr const char kLayerOpName[] = "jaxtier_host_update_layer";
@@ -775,8 +775,14 @@ inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, Layer
   return xla::ffi::Error::Success();
 }
 
+// The buffers layer calls write, for the join's check that it hands back those very buffers
+// (a copy XLA put in between would lose the writes): host_update.cc, one set per process.
+void RecordLayerTargets(const void* const* bases, int count);
+bool TakeLayerTarget(const void* base);
+
 // Validates a layer call and fills `params` (n = count; pointers at the window) and `aliases`
-// (per result, its target: the staged buffers of the CPU executor are shared with it).
+// (per result, its target: the staged buffers of the CPU executor are shared with it); records
+// the targets' buffers (`RecordLayerTargets`).
 inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
                                           xla::ffi::RemainingRets rets, const LayerAttrs& a,
                                           HostUpdateParams* params, int32_t* aliases) {
@@ -830,6 +836,7 @@ inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
     }
   }
   bool targeted[kMaxOperands] = {};
+  const void* bases[kMaxResults] = {};
   for (int64_t r = 0; r < num_results; ++r) {
     const int32_t t = a.targets[r];
     const std::string where = "result " + std::to_string(r) + " (attribute targets)";
@@ -842,11 +849,16 @@ inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
                      "operand " + std::to_string(t) + (targeted[t] ? " again" : ", a scalar"));
     }
     targeted[t] = true;
+    std::optional<ffi::AnyBuffer> buf;
+    JT_RETURN_IF_ERROR(GetArg(kLayerOpName, args, t, "input " + std::to_string(t), &buf));
+    bases[r] = buf->untyped_data();
     params->result_type[r] = params->operand_type[t];
     params->results[r] = const_cast<void*>(params->operands[t]);
     aliases[r] = t;
   }
-  return PrepareProgram(a.base.program, a.base.consts, a.base.num_regs, params);
+  JT_RETURN_IF_ERROR(PrepareProgram(a.base.program, a.base.consts, a.base.num_regs, params));
+  RecordLayerTargets(bases, static_cast<int>(num_results));
+  return xla::ffi::Error::Success();
 }
 
 // Validates a join: the first `num_arrays` operands pass through to the results, in place.
@@ -865,6 +877,12 @@ inline xla::ffi::Error PrepareJoin(xla::ffi::RemainingArgs args, xla::ffi::Remai
       return Invalid(kJoinOpName, "alias", "result " + std::to_string(r),
                      "the buffer of input " + std::to_string(r) + " (aliased, donated)",
                      "a different buffer");
+    }
+    if (in->size_bytes() > 0 && !TakeLayerTarget(in->untyped_data())) {
+      return Invalid(kJoinOpName, "input", "input " + std::to_string(r),
+                     "a buffer the layer calls wrote (the program copied it in between, and "
+                     "their writes would be lost)",
+                     "another buffer");
     }
   }
   return ffi::Error::Success();
