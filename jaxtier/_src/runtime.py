@@ -327,15 +327,10 @@ class OffloadedStep:
     t0 = time.perf_counter()
     split = self._programs.split
     dev, host = self._programs.leaf_groups(moved)
-    # 1. Forward, backward, streaming: host leaves are read, not donated (a failure here
-    #    leaves them intact).
-    # 2. The fused host updates, in place on the donated host leaves and masters. Dispatched
-    #    only once the compute program has succeeded: an update fed by a failed program would
-    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step;
-    #    a plan without host updates does not wait (dispatch stays asynchronous).
-    #    Leaves stacked over layers are updated inside it, layer by layer
-    #    (`split.overlap`): those host leaves and masters are donated to it.
-    # 2. The fused host updates, in place on the donated host leaves and masters. Dispatched
+    # 1. Forward, backward, streaming, and the updates of leaves stacked over layers, layer by
+    #    layer (`split.overlap`): those host leaves and masters are donated to it; the other
+    #    host leaves are read, not donated (a failure here leaves them intact).
+    # 2. The other fused host updates, in place on the donated host leaves and masters. Dispatched
     #    only once the compute program has succeeded: an update fed by a failed program would
     #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step;
     #    a plan without serial host updates does not wait (dispatch stays asynchronous).

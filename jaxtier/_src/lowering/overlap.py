@@ -23,8 +23,8 @@ Which components qualify (`schedule`; otherwise they stay serial, with the reaso
   serial, so that the layered ones compute what the serial step does (the unrolled backward
   scan, compiled apart from the rolled one, may round a gradient differently in the last bit);
 - each result is a state leaf's new value (or its master), returned by the step only as that
-  leaf; a device leaf written in place is read elsewhere only by scans as their `xs` (so every
-  read of layer t's slice is an input of iteration t, which the call follows);
+  leaf; a device leaf written in place is read elsewhere only as `xs` by the layer loop and by
+  loops it depends on (so every read of layer t's slice comes before iteration t's call);
 - the leaf is not sharded over a mesh.
 
 The writes are unseen by XLA: each call names iteration t's outputs as order-only operands
@@ -108,7 +108,7 @@ class OverlapSchedule:
     for k in range(num_eqns):
       if k in moved:
         continue
-      out.extend(sorted(hoist.get(k, ())))
+      out.extend(e for e in sorted(hoist.get(k, ())) if e not in out)
       out.append(k)
     return out
 
@@ -149,15 +149,20 @@ def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence
     if isinstance(v, jc.Var):
       out_count[v] = out_count.get(v, 0) + 1
 
-  def scan_only(var: Any, own: set[int]) -> bool:  # read only as scan xs, or by the component
-    for k in uses.get(var, []):
-      if k in own:
+  def scan_only(var: Any, own: set[int], k: int) -> bool:
+    """Read only by the component, by layer loop k as `xs`, and by loops as `xs` that k
+    depends on (the forward scan): every such read comes before k's iterations' calls."""
+    for j in uses.get(var, []):
+      if j in own:
         continue
-      eqn = jaxpr.eqns[k]
+      eqn = jaxpr.eqns[j]
       if eqn.primitive.name != "scan":
         return False
       xs = set(range(sum(jc.scan_counts(eqn)), len(eqn.invars)))
       if any(x is var and p not in xs for p, x in enumerate(eqn.invars)):
+        return False
+      if j != k and not (j < k and any(isinstance(x, jc.Var) and x in loops.tainted(j)
+                                       for x in jaxpr.eqns[k].invars)):
         return False
     return True
 
@@ -228,7 +233,7 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
   count = int(np.prod(cc.results[0].shape)) // length
   own = set(cc.component.eqns)
   for spec in cc.operands:
-    if spec.kind == "host" and not scan_only(jaxpr.invars[spec.index], own):
+    if spec.kind == "host" and not scan_only(jaxpr.invars[spec.index], own, k):
       return f"host leaf {leaves[spec.index].path} is read outside its update"
   targets: list[int] = []
   extra: list[int] = []
@@ -251,7 +256,7 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
         or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
       return f"the new value of {leaves[j].path} is not written over that device leaf"
     old = jaxpr.invars[j]
-    if old in jaxpr.outvars or not scan_only(old, own):
+    if old in jaxpr.outvars or not scan_only(old, own, k):
       return (f"{leaves[j].path}'s old value is read outside the layer loops (for example "
               "cast or scaled before the scan)")
     at = [p for p, spec in enumerate(cc.operands) if spec.kind == "value" and spec.var is old]

@@ -129,7 +129,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   layered_masters = list(ov.masters)
   # The layered host leaves' new values, returned last (after the scratch buffers) in the
   # order the leaves are donated, so that JAX pairs each with its own buffer.
-  layered_outs = [j for j in layered_host]
+  layered_outs = list(layered_host)
   by_update = {j for cc in compiled for r in cc.results for j in r.outputs}
   host_set = set(host)
   invar_pos = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -254,7 +254,6 @@ class _LayerCalls:
                jaxpr: Any, state: list[Any], masters: dict[int, Any]):
     self.compiled, self.ov, self.jaxpr = compiled, ov, jaxpr
     self.state, self.masters = state, masters
-    self.state_vars = set(jaxpr.invars[:len(state)])
     self.tokens: list[Any] = []
     self.read_values: list[Any] = []  # device values the calls read, alive until the join
 
@@ -274,9 +273,10 @@ class _LayerCalls:
     return ("leaf", self.jaxpr.invars.index(spec.var))
 
   def issue(self, k: int, read: Any, layer: int, outs: list[Any]) -> None:
-    after = [x for x in outs if hasattr(x, "aval") or isinstance(x, jax.Array)]
+    after = streaming.arrays_of(outs)
     for u in self.ov.by_scan(k):
       cc = self.compiled[u.component]
+      targets = set(u.targets)
       operands = []
       for pos, spec in enumerate(cc.operands):
         if pos in u.grads:
@@ -291,10 +291,10 @@ class _LayerCalls:
           x = read(spec.var)
         if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
           x = jnp.asarray(x).astype(jnp.float32)
-        if spec.kind == "const" or (spec.kind == "value" and spec.var not in self.state_vars):
-          # A computed value (the gradient slice, a scalar): the GPU call reads it after XLA's
-          # stream has moved on, so it stays alive until the join. Not a state leaf: a join
-          # writes those in place, and one named as another join's operand would be copied.
+        if pos not in targets and spec.kind in ("value", "const"):
+          # The GPU call reads it after XLA's stream has moved on (the gradient slice, a
+          # scalar, a device leaf it only reads): alive until the join. Not a written buffer:
+          # named as another join's operand, XLA would copy it.
           self.read_values.append(x)
         operands.append(x)
       operands += [self.state[j] for j in u.extra]

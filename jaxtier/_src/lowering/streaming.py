@@ -202,7 +202,7 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
   prev_outs: list[Any] = list(carry)
   pending: list[Any] = []  # last iteration's sent slices (alive until their copies land)
   for t, layer in enumerate(order):
-    cur = stream.wait(bufs, after=_arrays(prev_outs)) if host else []
+    cur = stream.wait(bufs, after=arrays_of(prev_outs)) if host else []
     if t + 1 < length and host:
       bufs, cur = stream.fetch(host, order[t + 1], after=cur)
     fetched = dict(zip(streamed, cur))
@@ -230,7 +230,7 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
         # The compute stream waits for last layer's sends (keeping their values alive until
         # then) after this layer's compute, before this layer's sends reuse the buffers.
         for s in idx:
-          scratch[s], = stream.wait([scratch[s]], after=pending + _arrays(outs),
+          scratch[s], = stream.wait([scratch[s]], after=pending + arrays_of(outs),
                                     direction="d2h")
       for s, y in sends:
         scratch[s], = stream.send([scratch[s]], [y], layer)
@@ -245,7 +245,8 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
   return results
 
 
-def _arrays(values: Sequence[Any]) -> list[Any]:
+def arrays_of(values: Sequence[Any]) -> list[Any]:
+  """The arrays (or tracers) among `values`: what order-only operands may name."""
   return [v for v in values if isinstance(v, jax.Array) or hasattr(v, "aval")]
 
 

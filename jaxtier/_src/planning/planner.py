@@ -250,8 +250,8 @@ def _layered_executor(problem_for: Callable[[dict], Any], placement: dict[int, s
   """Picks the executor of the updates run layer by layer inside the backward pass (on a GPU):
   host_cpu or host_split, whichever the prediction (`cost_model.predict`: hidden under the
   backward pass, the split's kernel slowing the compute it shares the GPU with) makes faster,
-  the same for all of them. host_dha's kernel would run on the compute stream. Leaves the user
-  placed keep their executor. Returns the new cut (`recut()`), or None if nothing changed."""
+  the same for all of them (host_dha's kernel would share the GPU with the compute for the
+  whole update). Leaves the user placed keep their executor. Returns the new cut (`recut()`), or None if nothing changed."""
   problem = problem_for(placement)
   layered = [u for u, item in enumerate(problem.updates)
              if item.num_layers and item.fixed is None

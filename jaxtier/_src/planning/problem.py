@@ -79,8 +79,9 @@ class UpdateItem:
   num_layers: int = 0
 
   def best(self) -> tuple[str, cost_model.Cost]:
-    """(executor, cost) of the fastest allowed host executor; for a layered update, of those
-    that leave XLA's stream free (host_cpu, host_split: host_dha's kernel runs on it)."""
+    """(executor, cost) of the fastest allowed host executor; for a layered update, host_cpu
+    or host_split (host_dha's kernel would take the GPU's SMs beside the compute for the
+    whole update; `planner._layered_executor` then picks between the two)."""
     if self.fixed and self.fixed != Placement.DEVICE:
       return self.fixed, self.costs[self.fixed]
     names = [e for e in self.costs if not self.num_layers or e != Placement.HOST_DHA]

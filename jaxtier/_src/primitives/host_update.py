@@ -237,9 +237,10 @@ def host_update_layer(program: Program, operands: Sequence[jax.Array], targets: 
     offset: first element of the window in the stacked operands (a static int).
     count: elements in the window.
     after: order-only operands: the call runs after their producers; not read.
-    executor: 'host_cpu', 'split' or 'host_dha', as for `host_update`. On a GPU the CPU part
-      (and the split's kernel part, on a low-priority stream) runs on jaxtier's streams without
-      holding XLA's stream; host_dha's kernel runs on XLA's stream.
+    executor: 'host_cpu', 'split' or 'host_dha', as for `host_update`. On a GPU none holds
+      XLA's stream: the CPU part runs on jaxtier's streams, the kernel part (host_dha's whole,
+      the split's share) on a lowest-priority stream beside XLA's compute, whose SMs it
+      shares.
     dha_fraction: the kernel's share for 'split', in [0, 1].
 
   Returns:
