@@ -315,8 +315,6 @@ def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
     reps: timed runs per body.
     max_input_bytes: a body whose inputs take more bytes than this is not timed (its zeros
       would be allocated on the device): it is left to the analytic count, the others timed.
-      (At 1 GiB the 1b decoder's backward body at batch 32 x 1024 went untimed, and with it
-      every scan of the step.)
 
   Returns:
     The timed scans, or None when the step has none, or timing failed (any exception: an

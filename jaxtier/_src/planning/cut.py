@@ -77,8 +77,9 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
           executor_leaves.discard(i)
           placement[i] = Placement.HOST_XLA
           if params:
+            by = "by the user's policy " if i in user_placed else ""
             reasons[i] = (
-                f"a parameter placed {reasons_placement(reasons[i])}is "
+                f"a parameter placed {by}is "
                 f"{inv.leaves[i].why}, so no fused host update can serve it: it lives in "
                 "pinned_host and XLA copies it in and its new value out (host_xla). A stack of "
                 "layers read by a layer loop can be placed 'host_stream' instead")
@@ -103,11 +104,6 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
         masters |= comp_masters
     if not demoted:
       return compiled, masters
-
-
-def reasons_placement(reason: str) -> str:
-  """'by the user's policy ' where `reason` says the user placed the leaf, else ''."""
-  return "by the user's policy " if "user's policy" in reason else ""
 
 
 def _masters_for(jaxpr: Any, comp: jaxpr_graph.Component, inv: Inventory) -> set[int]:

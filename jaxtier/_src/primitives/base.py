@@ -78,6 +78,12 @@ def ffi_disabled() -> bool:
   return os.environ.get("JAXTIER_DISABLE_FFI", "0") not in ("", "0", "false", "False")
 
 
+def scope_name(target: str) -> str:
+  """The name a call of `target` carries in traces: `jaxtier.host_update_layer` for
+  `jaxtier_host_update_layer_ffi`."""
+  return "jaxtier." + target.removeprefix("jaxtier_").removesuffix("_ffi")
+
+
 def ffi_call(target: str, results: Any, *, aliases: "dict[int, int] | None" = None,
              has_side_effect: bool = False, vmap_method: "str | None" = None,
              scope: "str | None" = None) -> Any:
@@ -102,7 +108,7 @@ def ffi_call(target: str, results: Any, *, aliases: "dict[int, int] | None" = No
   kwargs = {} if vmap_method is None else {"vmap_method": vmap_method}
   call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases or {},
                           has_side_effect=has_side_effect, **kwargs)
-  name = scope or "jaxtier." + target.removeprefix("jaxtier_").removesuffix("_ffi")
+  name = scope or scope_name(target)
 
   def named(*operands: Any, **attributes: Any) -> Any:
     with jax.named_scope(name):

@@ -193,7 +193,7 @@ def send(host_leaves: Sequence[jax.Array], values: Sequence[jax.Array], index: i
 def _call(target: str, results: list[Any], aliases: dict[int, int], operands: list[Any],
           **attributes: Any) -> Sequence[jax.Array]:
   # Traces name each fetch and send with its layer: `jaxtier.stream_fetch[3]`.
-  scope = "jaxtier." + target.removeprefix("jaxtier_").removesuffix("_ffi")
+  scope = ffi.scope_name(target)
   if "index" in attributes:
     scope += f"[{int(attributes['index'])}]"
   call = ffi.ffi_call(target, results, aliases=aliases, has_side_effect=True, scope=scope)
