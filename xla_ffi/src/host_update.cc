@@ -815,8 +815,7 @@ ffi::Error HostUpdateLayerCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets re
   host_update::LayerAttrs a;
   HostUpdateParams params;
   int32_t aliases[host_update::kMaxResults];
-  JT_RETURN_IF_ERROR(host_update::DecodeLayerAttrs(attrs, &a));
-  JT_RETURN_IF_ERROR(host_update::PrepareLayerUpdate(args, rets, a, &params, aliases));
+  JT_RETURN_IF_ERROR(host_update::DecodeAndPrepareLayer(args, rets, attrs, &a, &params, aliases));
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
   auto plan = std::make_unique<CpuPlan>();
   BuildPlan(params, plan.get());

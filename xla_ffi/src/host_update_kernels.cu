@@ -664,8 +664,7 @@ ffi::Error HostUpdateLayerCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
   host_update::LayerAttrs a;
   HostUpdateParams params;
   int32_t aliases[host_update::kMaxResults];
-  JT_RETURN_IF_ERROR(host_update::DecodeLayerAttrs(attrs, &a));
-  JT_RETURN_IF_ERROR(host_update::PrepareLayerUpdate(args, rets, a, &params, aliases));
+  JT_RETURN_IF_ERROR(host_update::DecodeAndPrepareLayer(args, rets, attrs, &a, &params, aliases));
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
   int64_t k = params.n;  // the kernel's share: [0, k)
   if (a.base.executor == host_update::kExecutorHostCpu) k = 0;

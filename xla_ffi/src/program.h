@@ -718,8 +718,9 @@ inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
 //
 // On a GPU every executor returns at once: the CPU part runs on streams shared by every layer
 // call of the process, the kernel part (host_dha's whole, the split's share) on a
-// lowest-priority stream beside XLA's compute, and a join makes XLA's stream wait for both. The join's operands pass through to its results (aliased, in place), then
-// order-only operands follow (attribute num_arrays: how many pass through).
+// lowest-priority stream beside XLA's compute, and a join makes XLA's stream wait for both.
+// The join's operands pass through to its results (aliased, in place), then order-only
+// operands follow (as many pass through as the join has results).
 
 inline constexpr const char kLayerOpName[] = "jaxtier_host_update_layer";
 inline constexpr const char kJoinOpName[] = "jaxtier_host_update_join";
@@ -861,7 +862,17 @@ inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
   return xla::ffi::Error::Success();
 }
 
-// Validates a join: the first `num_arrays` operands pass through to the results, in place.
+// Both layer handlers' prologue: decode the attributes, then validate the call.
+inline xla::ffi::Error DecodeAndPrepareLayer(xla::ffi::RemainingArgs args,
+                                             xla::ffi::RemainingRets rets,
+                                             const xla::ffi::Dictionary& attrs, LayerAttrs* a,
+                                             HostUpdateParams* params, int32_t* aliases) {
+  JT_RETURN_IF_ERROR(DecodeLayerAttrs(attrs, a));
+  return PrepareLayerUpdate(args, rets, *a, params, aliases);
+}
+
+// Validates a join: its operands pass through to its results, in place, then order-only ones
+// follow.
 inline xla::ffi::Error PrepareJoin(xla::ffi::RemainingArgs args, xla::ffi::RemainingRets rets) {
   namespace ffi = xla::ffi;
   if (rets.size() > args.size()) {
