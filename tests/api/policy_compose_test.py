@@ -15,44 +15,20 @@ import optax
 import pytest
 from flax import nnx
 
+import _stacks
 import jaxtier
 
 LAYERS, WIDTH = 3, 16
 
 
-class Block(nnx.Module):
-
-  def __init__(self, rngs):
-    self.w = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-
-  def __call__(self, x):
-    return jnp.tanh(self.w(x))
-
-
-class Model(nnx.Module):
-
-  def __init__(self, rngs):
-    self.w_in = nnx.Linear(8, WIDTH, rngs=rngs)
-
-    @nnx.split_rngs(splits=LAYERS)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return Block(rngs)
-    self.layers = make(rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def run(h, block):
-      return block(h)
-    return jnp.mean(run(self.w_in(x), self.layers) ** 2)
-
-
 def _setup():
-  graphdef, params = nnx.split(Model(nnx.Rngs(0)))
+  graphdef, params = nnx.split(_stacks.Stack(nnx.Rngs(0), layers=LAYERS, width=WIDTH,
+                                             inputs=8, name="layers"))
   tx = optax.adamw(1e-2)
 
   def step(state, x):
-    value, g = jax.value_and_grad(lambda p: nnx.merge(graphdef, p)(x))(state["params"])
+    value, g = jax.value_and_grad(
+        lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2))(state["params"])
     u, o = tx.update(g, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": value}
   return step, {"params": params, "opt": tx.init(params)}

@@ -14,36 +14,11 @@ import optax
 import pytest
 from flax import nnx
 
+import _stacks
 import jaxtier
 from jaxtier._src.primitives.base import ffi_disabled
 
 LAYERS, WIDTH = 3, 16
-
-
-class Block(nnx.Module):
-
-  def __init__(self, rngs):
-    self.w = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-
-  def __call__(self, x):
-    return jnp.tanh(self.w(x))
-
-
-class Stack(nnx.Module):
-
-  def __init__(self, rngs):
-    @nnx.split_rngs(splits=LAYERS)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return Block(rngs)
-    self.blocks = make(rngs)
-    self.head = nnx.Linear(WIDTH, 1, rngs=rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def run(h, block):
-      return block(h)
-    return self.head(run(x, self.blocks))
 
 
 def _scopes_in_trace(step, state, batch, tmp_path):
@@ -92,7 +67,7 @@ def _step(graphdef, tx):
                                         "host_update")),
 ])
 def test_trace_names_every_jaxtier_call(policy, want, tmp_path):
-  graphdef, params = nnx.split(Stack(nnx.Rngs(0)))
+  graphdef, params = nnx.split(_stacks.Stack(nnx.Rngs(0), layers=LAYERS, width=WIDTH, head=1))
   tx = optax.adam(1e-2)
   x = jnp.ones((4, WIDTH))
   step = jaxtier.offload(_step(graphdef, tx), policy=policy)

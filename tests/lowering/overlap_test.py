@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+import _stacks
 import jaxtier
 from jaxtier._src.lowering import hlo as hlo_lib
 from jaxtier._src.primitives import host_update as hu
@@ -23,30 +24,8 @@ LAYERS, WIDTH = 4, 16
 ON_HOST = "optimizer_state_on_host"
 
 
-class Block(nnx.Module):
-
-  def __init__(self, rngs):
-    self.w = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-
-  def __call__(self, x):
-    return jnp.tanh(self.w(x.astype(self.w.kernel.get_value().dtype)).astype(jnp.float32))
-
-
-class Stack(nnx.Module):
-
-  def __init__(self, rngs):
-    @nnx.split_rngs(splits=LAYERS)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return Block(rngs)
-    self.blocks = make(rngs)
-    self.head = nnx.Linear(WIDTH, 2, rngs=rngs)
-
-  def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-    def run(h, block):
-      return block(h)
-    return self.head(run(x, self.blocks))
+def Stack(rngs):  # pylint: disable=invalid-name
+  return _stacks.Stack(rngs, layers=LAYERS, width=WIDTH, head=2)
 
 
 def _model(dtype=jnp.float32):
@@ -211,15 +190,12 @@ def test_a_failed_layered_step_names_the_leaves_it_left():
     return (jax.pure_callback(fail_in_backward, jax.ShapeDtypeStruct(g.shape, g.dtype), g),)
   probe.defvjp(probe_fwd, probe_bwd)
 
-  class Probed(Stack):
+  class Probed(_stacks.Stack):
 
-    def __call__(self, x):
-      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-      def run(h, block):
-        return block(probe(h))
-      return self.head(run(x, self.blocks))
+    def body(self, h, block):
+      return block(probe(h))
 
-  graphdef = nnx.split(Probed(nnx.Rngs(0)))[0]
+  graphdef = nnx.split(Probed(nnx.Rngs(0), layers=LAYERS, width=WIDTH, head=2))[0]
   step = jaxtier.offload(_step(graphdef, tx), policy=ON_HOST)
   state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
   assert step._programs.split.overlap.updates

@@ -1,0 +1,50 @@
+"""A small model the tests share: a stack of tanh layers read by `nnx.scan`, as the example
+decoder's layers are (its params and optimizer state stacked `[layers, ...]`)."""
+
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Block(nnx.Module):
+  """One layer: tanh(x W + b), computed in the param dtype, returned in fp32."""
+
+  def __init__(self, width: int, rngs: nnx.Rngs):
+    self.w = nnx.Linear(width, width, rngs=rngs)
+
+  def __call__(self, x):
+    return jnp.tanh(self.w(x.astype(self.w.kernel.get_value().dtype)).astype(jnp.float32))
+
+
+class Stack(nnx.Module):
+  """[w_in (inputs -> width)] -> `layers` Blocks under nnx.scan -> [head (width -> head)].
+
+  The stacked layers live under the attribute `name` (their leaf paths say it); `body` is one
+  iteration of the scan (a subclass may wrap it).
+  """
+
+  def __init__(self, rngs: nnx.Rngs, *, layers: int, width: int, head: int = 0,
+               inputs: int = 0, name: str = "blocks"):
+    self.name = name
+    if inputs:
+      self.w_in = nnx.Linear(inputs, width, rngs=rngs)
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(width, rngs)
+    setattr(self, name, make(rngs))
+    if head:
+      self.head = nnx.Linear(width, head, rngs=rngs)
+
+  def body(self, h, block):
+    return block(h)
+
+  def __call__(self, x):
+    if hasattr(self, "w_in"):
+      x = self.w_in(x)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(h, block):
+      return self.body(h, block)
+    h = run(x, getattr(self, self.name))
+    return self.head(h) if hasattr(self, "head") else h
