@@ -151,7 +151,9 @@ def test_compute_program_reads_host_leaves_in_place():
   state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
   compiled = step.lower(state, _batch(0)).compile()
   hlo = compiled.as_text()
+  # Neither the layer calls nor the joins get a host leaf through a copy or a slice.
   assert hlo_lib.hlo_violations(hlo, target=hu.LAYER_TARGET) == []
+  assert hlo_lib.hlo_violations(hlo, target=hu.JOIN_TARGET) == []
   # One call per layer per stacked leaf (kernel, bias).
   assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 2 * LAYERS
   # One join per written buffer: the stacked kernel's and bias's mu and nu (pinned_host), and
