@@ -1,16 +1,17 @@
 """Command line: `python -m jaxtier <command> [--flags]`.
 
 Commands:
-  train   train the example Flax NNX decoder on real text (flags: see `--helpfull`;
+  train   train the example Flax NNX decoder on real text (flags below;
           `--offload=auto` places state through `jaxtier.offload`). A plan that misses the
           `--device_budget` / `--host_budget` given is an error (exit 1) before the first
           step, unless `--allow_over_budget`.
   plan    print the plan `jaxtier.offload` would make for an example config, without
-          allocating it: per leaf its placement and why, the predicted step time, critical
-          path and peak HBM (`--config`, `--batch_size`, `--seq_len`, `--device_budget`,
-          `--host_budget`, `--offload` (the policy), `--remat_policy`, `--json`,
-          `--platform`, `--plot=plan.png`, `--verbose`, `--nostream`). Exit status 1 when the plan is refused
-          or over a budget (with `--json` too: its fields `fits` and `refused` say which).
+          allocating it: per leaf its placement (and with `--verbose` why), the predicted
+          step time, critical path and peak HBM (`--config`, `--batch_size`, `--seq_len`,
+          `--device_budget`, `--host_budget`, `--offload` (the policy), `--remat_policy`,
+          `--clip`, `--[no]overlap_update`, `--json`, `--platform`, `--plot=plan.png`,
+          `--nostream`). Exit status 1 when the plan is refused or over a budget (with
+          `--json` too: its fields `fits` and `refused` say which).
   calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
           the profile as JSON in the user's cache directory (`--json` prints it).
@@ -29,6 +30,8 @@ try:  # the example trainer defines the flags of train and plan (its model's con
   from jaxtier.examples import train as train_lib
 except ImportError:  # flax / optax / tqdm: the `examples` extra; calibrate runs without it
   train_lib = None
+else:  # --help lists the trainer's flags (train and plan both read them), not --helpfull only
+  flags.adopt_module_key_flags(train_lib)
 
 COMMANDS = ("train", "plan", "calibrate")
 _JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
@@ -294,4 +297,9 @@ if __name__ == "__main__":
   _why = _missing_examples_extra(sys.argv)
   if _why:
     sys.exit(_why)
+  if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
+    # absl prints the usage and exits 1; asking for help is no error.
+    print(__doc__)
+    print(flags.FLAGS.main_module_help())
+    sys.exit(0)
   sys.exit(app.run(main))

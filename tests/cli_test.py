@@ -332,3 +332,10 @@ def test_plan_names_the_pinned_limit_in_force_over_a_larger_host_budget(tmp_path
   assert "of 64.00 GiB pinnable" in header and "117.35" not in header.split("pinnable")[0]
   pinned = next(l for l in out.splitlines() if l.startswith("pinned host:"))
   assert "of 64.00 GiB pinnable" in pinned and "host_budget 117.35 GiB" in pinned, pinned
+
+
+def test_help_exits_0_and_lists_the_trainers_flags(tmp_path):
+  out = _cli(tmp_path, "--help")
+  assert out.returncode == 0, out.stderr[-2000:]
+  for flag in ("--[no]overlap_update", "--[no]clip", "--[no]verbose", "--[no]stream", "--config"):
+    assert flag in out.stdout, flag

@@ -244,7 +244,8 @@ def run(
     state = step.init(init_state, example_args=(first_batch,))
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
-    print(step.plan)
+    print(step.plan.format(reasons=False))
+    print("(each leaf's reason: print(step.plan), or python -m jaxtier plan --verbose)")
     over = None if allow_over_budget else over_budget(step.plan, offload)
     if over:
       raise OverBudgetError(over)
