@@ -347,19 +347,23 @@ def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...
   """What the plan's notes say of the per-layer host updates (`lowering/overlap.py`)."""
   if not plan.components:
     return ()
+  def named(paths: list[str]) -> str:
+    paths = sorted(paths)
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
   notes = []
   if ov.updates:
-    leaves = sorted({plan.leaves[i].path for i in ov.host_leaves})
+    leaves = [plan.leaves[i].path for i in ov.host_leaves]
     notes.append(f"{len(ov.updates)} of {len(plan.components)} host updates run layer by layer "
-                 "inside the backward pass, overlapped with it ("
-                 + ", ".join(leaves[:3]) + (f" and {len(leaves) - 3} more" if len(leaves) > 3
-                                            else "") + ")")
-  reasons: dict[str, int] = {}
-  for why in ov.serial.values():
-    reasons[why] = reasons.get(why, 0) + 1
-  for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
-    notes.append(f"{count} host update{'s run' if count > 1 else ' runs'} after the backward "
-                 f"pass: {why}")
+                 f"inside the backward pass, overlapped with it (their {len(leaves)} host "
+                 f"leaves: {named(leaves)})")
+  by_reason: dict[str, list[int]] = {}
+  for c, why in ov.serial.items():
+    by_reason.setdefault(why, []).append(c)
+  for why, comps in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+    seeds = [plan.leaves[i].path for c in comps for i in plan.components[c].component.seeds]
+    notes.append(f"{len(comps)} host update{'s run' if len(comps) > 1 else ' runs'} after the "
+                 f"backward pass ({named(seeds)}): {why}")
   return tuple(notes)
 
 

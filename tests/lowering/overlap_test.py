@@ -251,4 +251,4 @@ def test_jaxtier_plan_says_and_costs_the_schedule_the_lowering_runs(case):
   else:
     assert not layered and "layered host update (exposed)" not in phases, (plan.notes, phases)
     assert {"clip": "global-norm clip", "off": "overlap_update is off",
-            "stream": "streamed leaf's"}[case] in serial, plan.notes
+            "stream": "the layer loop streams leaves"}[case] in serial, plan.notes

@@ -228,7 +228,8 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
     return got
   k, grads = got
   if any(cc.operands[p].var in stream.sent_vars for p in grads):
-    return "the gradient is a streamed leaf's (sent to pinned_host whole)"
+    return ("the layer loop streams leaves, and it sends the gradient to pinned_host whole, "
+            "layer by layer")
   length = int(jaxpr.eqns[k].params["length"])
   count = int(np.prod(cc.results[0].shape)) // length
   own = set(cc.component.eqns)

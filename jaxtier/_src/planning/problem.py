@@ -183,6 +183,12 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
                           elements=elements)
 
 
+def _streams(scan: Any, jaxpr: Any, placement: Mapping[int, str]) -> bool:
+  """Whether the top-level `scan` reads a `host_stream` state leaf."""
+  streamed = {jaxpr.invars[i] for i, p in placement.items() if p == Placement.HOST_STREAM}
+  return any(isinstance(v, jc.Var) and v in streamed for v in scan.invars)
+
+
 def fresh_result_bytes(cc: Any, leaves: Sequence[Any]) -> int:
   """Device bytes, per device, of `cc`'s results that get a buffer of their own (a device
   result its call cannot write over a device operand)."""
@@ -260,9 +266,11 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       # The call's executor (a call of host_stream leaves has one too: the cut's choice).
       fixed = Executor(cc.executor).placement
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
-    # (A streamed leaf's gradient goes to pinned_host whole: its update is not layered.)
-    got = (loops.of(cc) if loops is not None and _shard_fraction(cc, leaves) == 1.0
-           and not any(placement.get(i) == Placement.HOST_STREAM for i in seeds) else "")
+    got = loops.of(cc) if loops is not None and _shard_fraction(cc, leaves) == 1.0 else ""
+    if not isinstance(got, str) and _streams(jaxpr.eqns[got[0]], jaxpr, placement):
+      # A layer loop that streams leaves sends the gradients only host updates read to
+      # pinned_host whole (`lowering/streaming.py`): their updates are not layered.
+      got = ""
     num_layers = 0 if isinstance(got, str) else int(jaxpr.eqns[got[0]].params["length"])
     # The calls run one after the other: their costs add. A layered update is one call per
     # layer, writing device and host results in place alike.
