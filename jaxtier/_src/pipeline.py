@@ -28,7 +28,6 @@ from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import programs as programs_lib
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.lowering import overlap as overlap_lib
-from jaxtier._src.lowering import streaming
 from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
@@ -248,12 +247,8 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       stream_blocked=blocked, overlap_update=options.overlap_update)
   _warn_unfit(result)  # not compiled: the prediction is all there is
   # Which updates the lowering runs layer by layer (its schedule alone: nothing is lowered).
-  jaxpr = inv.closed_jaxpr.jaxpr
-  stream = streaming.schedule(
-      jaxpr, [l.index for l in result.leaves if l.placement == Placement.HOST_STREAM],
-      {k for cc in result.components for k in cc.component.eqns})
-  notes = _overlap_notes(result, overlap_lib.schedule(
-      jaxpr, result.components, result.leaves, stream, None, options.overlap_update))
+  _, ov = overlap_lib.schedules(inv.closed_jaxpr.jaxpr, result, None, options.overlap_update)
+  notes = _overlap_notes(result, ov)
   if notes:
     result = dataclasses.replace(result, notes=result.notes + notes)
   if platform != here:

@@ -44,7 +44,7 @@ from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis.program_compiler import CompiledComponent
 from jaxtier._src.lowering import streaming
 from jaxtier._src.primitives.base import ffi_disabled
-from jaxtier._src.vocab import MemoryKind
+from jaxtier._src.vocab import MemoryKind, Placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,8 @@ class LayeredUpdate:
       value of their leaf (a bf16 param made from its master).
     hoist: equations after the scan that compute its other operands (the learning rate, the
       step count: they depend on nothing the scan makes), run before the scan instead.
+    buffers: per result, the buffer its target is: ('leaf', state leaf index) or
+      ('master', the param leaf index of an fp32 master).
   """
 
   component: int
@@ -74,6 +76,7 @@ class LayeredUpdate:
   targets: tuple[int, ...]
   extra: tuple[int, ...] = ()
   hoist: tuple[int, ...] = ()
+  buffers: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,17 @@ class OverlapSchedule:
 
 
 EMPTY = OverlapSchedule()
+
+
+def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
+              enabled: bool = True
+              ) -> tuple[streaming.StreamSchedule, OverlapSchedule]:
+  """The streaming schedule of `plan`'s host_stream leaves (`streaming.schedule`) and, given
+  it, the per-layer host updates (`schedule`): what the lowering of `plan` runs."""
+  stream = streaming.schedule(
+      jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM],
+      {k for cc in plan.components for k in cc.component.eqns})
+  return stream, schedule(jaxpr, plan.components, plan.leaves, stream, shardings, enabled)
 
 
 def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence[Any],
@@ -199,18 +213,13 @@ def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence
       updates.append(got)
   host, masters, device = set(), set(), set()
   for u in updates:
-    cc = compiled[u.component]
-    for t in u.targets:
-      if t >= len(cc.operands):
-        device.add(u.extra[t - len(cc.operands)])
-        continue
-      spec = cc.operands[t]
-      if spec.kind == "host":
-        host.add(spec.index)
-      elif spec.kind == "master":
-        masters.add(spec.index)
+    for kind, i in u.buffers:
+      if kind == "master":
+        masters.add(i)
+      elif leaves[i].memory_kind == MemoryKind.PINNED_HOST:
+        host.add(i)
       else:
-        device.add(jaxpr.invars.index(spec.var))
+        device.add(i)
   return OverlapSchedule(tuple(updates), tuple(sorted(host)), tuple(sorted(masters)),
                          tuple(sorted(device)), serial)
 
@@ -268,4 +277,12 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
       extra.append(j)
   if len(set(targets)) != len(targets):
     return "two results write one buffer"
-  return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra))
+  buffers = []
+  for t in targets:
+    spec = cc.operands[t] if t < len(cc.operands) else None
+    buffers.append(("leaf", extra[t - len(cc.operands)]) if spec is None
+                   else ("master", spec.index) if spec.kind == "master"
+                   else ("leaf", spec.index) if spec.kind == "host"
+                   else ("leaf", jaxpr.invars.index(spec.var)))
+  return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
+                       buffers=tuple(buffers))

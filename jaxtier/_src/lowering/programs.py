@@ -163,7 +163,7 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
                     layered_master_sh),
       out_shardings=(out_sh(split.compute_outs[:split.num_first]), [None] * split.num_feeds,
                      out_sh(split.compute_outs[split.num_first:]), scratch_sh,
-                     out_sh(split.layered_outs), layered_master_sh))
+                     out_sh(split.layered_host), layered_master_sh))
 
   # A metric the update program returns (an updated leaf, or an elementwise function of one,
   # computed by a host update) comes out of the custom call in pinned_host: the step's

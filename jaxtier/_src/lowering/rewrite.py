@@ -68,7 +68,6 @@ class SplitStep:
   overlap: overlap_lib.OverlapSchedule = overlap_lib.EMPTY  # the per-layer host updates
   layered_host: list[int] = dataclasses.field(default_factory=list)  # donated to `compute`
   layered_masters: list[int] = dataclasses.field(default_factory=list)  # param leaves
-  layered_outs: list[int] = dataclasses.field(default_factory=list)  # outvars, as returned
   update_masters: list[int] = dataclasses.field(default_factory=list)  # `update`'s masters
 
   @property
@@ -88,7 +87,7 @@ class SplitStep:
     out: list[Any] = [None] * num_outvars
     for j, x in zip(self.compute_outs, compute_outs):
       out[j] = x
-    for j, x in zip(self.layered_outs, layered_outs):
+    for j, x in zip(self.layered_host, layered_outs):  # each leaf's new value is outvar j
       out[j] = x
     for j, x in zip(self.update_outs, update_outs):
       out[j] = x
@@ -112,11 +111,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   `master_indices(serial components)`, scratch buffers like `SplitStep.stream.scratch`.
   """
   every = plan.components
-  stream = streaming.schedule(
-      closed_jaxpr.jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM],
-      {k for cc in every for k in cc.component.eqns})
   jaxpr, consts = closed_jaxpr.jaxpr, list(closed_jaxpr.consts)
-  ov = overlap_lib.schedule(jaxpr, every, plan.leaves, stream, shardings, overlap_update)
+  stream, ov = overlap_lib.schedules(jaxpr, plan, shardings, overlap_update)
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}
@@ -127,9 +123,9 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   device = [l.index for l in plan.leaves if l.memory_kind != "pinned_host"]
   masters = master_indices(compiled)
   layered_masters = list(ov.masters)
-  # The layered host leaves' new values, returned last (after the scratch buffers) in the
-  # order the leaves are donated, so that JAX pairs each with its own buffer.
-  layered_outs = list(layered_host)
+  # The layered host leaves' new values (outvar j for leaf j) are returned last, after the
+  # scratch buffers, in the order the leaves are donated, so that JAX pairs each with its own
+  # buffer.
   by_update = {j for cc in compiled for r in cc.results for j in r.outputs}
   host_set = set(host)
   invar_pos = {v: i for i, v in enumerate(jaxpr.invars)}
@@ -140,7 +136,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # shape in order, and (jax 0.10) not always by memory kind. A device leaf whose new value
   # `update` makes (a bf16 param from its master) then pairs with a feed (its gradient).
   compute_outs = [j for j in range(len(jaxpr.outvars)) if j not in by_update
-                  and j not in passthrough and j not in layered_outs]
+                  and j not in passthrough and j not in layered_host]
   rank = {i: r for r, i in enumerate(device)}
   compute_outs.sort(key=lambda j: (0, rank[j]) if j in rank else (1, j))
   num_first = sum(1 for j in compute_outs if j in rank)
@@ -206,7 +202,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     feeds = [read(v) for v in feed_vars]
     outs = [read(jaxpr.outvars[j]) for j in compute_outs]
     return (outs[:num_first], feeds, outs[num_first:], scratch,
-            [read(jaxpr.outvars[j]) for j in layered_outs],
+            [read(jaxpr.outvars[j]) for j in layered_host],
             [new_masters[i] for i in layered_masters])
 
   def update(updated_leaves, read_leaves, master_leaves, feeds, donated, scratch):
@@ -215,22 +211,11 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     feed_of = dict(zip(kept_vars, feeds)) | dict(zip(donated_vars, donated))
     outs: dict[int, Any] = {}
     new_masters: dict[int, Any] = {}
+    def value_of(v):  # a gradient sent to a scratch buffer is read there
+      return scratch[stream.sent_vars[v]] if v in stream.sent_vars else feed_of[v]
+
     for cc, cc_calls in zip(compiled, calls):
-      operands = []
-      for spec in cc.operands:
-        if spec.kind == "host":
-          x = host_of[spec.index]
-        elif spec.kind == "master":
-          x = master_of[spec.index]
-        elif spec.kind == "const":
-          x = jnp.asarray(spec.value)
-        elif spec.var in stream.sent_vars:
-          x = scratch[stream.sent_vars[spec.var]]
-        else:
-          x = feed_of[spec.var]
-        if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
-          x = jnp.asarray(x).astype(jnp.float32)
-        operands.append(x)
+      operands = [_operand(spec, host_of, master_of, value_of) for spec in cc.operands]
       for r, val in zip(cc.results, _call(cc, cc_calls, operands, shardings)):
         for j in r.outputs:
           outs[j] = val
@@ -243,7 +228,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
                    update_outs=update_outs, passthrough=passthrough, num_feeds=len(feed_vars),
                    num_first=num_first, stream=stream, donated_feeds=donated_feeds,
                    overlap=ov, layered_host=layered_host, layered_masters=layered_masters,
-                   layered_outs=layered_outs, update_masters=masters)
+                   update_masters=masters)
 
 
 class _LayerCalls:
@@ -261,36 +246,17 @@ class _LayerCalls:
     kind, i = key
     return self.masters[i] if kind == "master" else self.state[i]
 
-  def _key(self, cc: CompiledComponent, u: overlap_lib.LayeredUpdate, t: int
-           ) -> tuple[str, int]:
-    if t >= len(cc.operands):
-      return ("leaf", u.extra[t - len(cc.operands)])
-    spec = cc.operands[t]
-    if spec.kind == "master":
-      return ("master", spec.index)
-    if spec.kind == "host":
-      return ("leaf", spec.index)
-    return ("leaf", self.jaxpr.invars.index(spec.var))
-
   def issue(self, k: int, read: Any, layer: int, outs: list[Any]) -> None:
     after = streaming.arrays_of(outs)
     for u in self.ov.by_scan(k):
       cc = self.compiled[u.component]
       targets = set(u.targets)
+      # This layer's gradient slices in place of the stacked gradients.
+      slices = {cc.operands[pos].var: outs[j] for pos, j in u.grads.items()}
       operands = []
       for pos, spec in enumerate(cc.operands):
-        if pos in u.grads:
-          x = outs[u.grads[pos]]
-        elif spec.kind == "host":
-          x = self.state[spec.index]
-        elif spec.kind == "master":
-          x = self.masters[spec.index]
-        elif spec.kind == "const":
-          x = jnp.asarray(spec.value)
-        else:
-          x = read(spec.var)
-        if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
-          x = jnp.asarray(x).astype(jnp.float32)
+        x = _operand(spec, self.state, self.masters,
+                     lambda v: slices[v] if v in slices else read(v))
         if pos not in targets and spec.kind in ("value", "const"):
           # The GPU call reads it after XLA's stream has moved on (the gradient slice, a
           # scalar, a device leaf it only reads): alive until the join. Not a written buffer:
@@ -307,8 +273,7 @@ class _LayerCalls:
     """Joins the calls; sets the layered results' outvars in `env`; returns the new masters."""
     if not self.ov.updates:
       return {}
-    keys = sorted({self._key(self.compiled[u.component], u, t)
-                   for u in self.ov.updates for t in u.targets})
+    keys = sorted({key for u in self.ov.updates for key in u.buffers})
     # One join per buffer: XLA's host-offload passes follow a pinned_host parameter through
     # every result of a call that aliases it (`streaming.run_scan`'s note), so one join of
     # every buffer would cost them a path per buffer per buffer.
@@ -317,13 +282,31 @@ class _LayerCalls:
     new_masters: dict[int, Any] = {}
     for u in self.ov.updates:
       cc = self.compiled[u.component]
-      for r, t in zip(cc.results, u.targets):
-        value = joined[self._key(cc, u, t)]
+      for r, key in zip(cc.results, u.buffers):
+        value = joined[key]
         for j in r.outputs:
           env[self.jaxpr.outvars[j]] = value
         if r.master >= 0:
           new_masters[r.master] = value
     return new_masters
+
+
+def _operand(spec: program_compiler.OperandSpec, host: Any, masters: Any,
+             value: Callable[[Any], Any]) -> Any:
+  """The array a host-update call takes for operand `spec`: a host leaf (`host[index]`), a
+  master (`masters[index]`), a constant, or a value (`value(var)`); in a dtype the op
+  program reads (others, as booleans, converted to float32)."""
+  if spec.kind == "host":
+    x = host[spec.index]
+  elif spec.kind == "master":
+    x = masters[spec.index]
+  elif spec.kind == "const":
+    x = jnp.asarray(spec.value)
+  else:
+    x = value(spec.var)
+  if jnp.dtype(x.dtype) not in hu.SUPPORTED_DTYPES:
+    x = jnp.asarray(x).astype(jnp.float32)
+  return x
 
 
 def _donations(compiled: Sequence[CompiledComponent],
