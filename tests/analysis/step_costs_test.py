@@ -78,3 +78,30 @@ def test_a_scan_body_too_large_to_time_leaves_the_others_timed():
   timed = step_costs_lib.time_scan_bodies(closed, reps=1, max_input_bytes=sizes[0])
   assert (timed.count, timed.iterations) == (1, 4)
   assert step_costs_lib.time_scan_bodies(closed, reps=1, max_input_bytes=sizes[0] - 1) is None
+
+
+class _FakeTimes(dict):
+  """A stand-in for the timed bodies' cache: the n-th body asked for took n seconds (the
+  forward loop 1, its transpose 2, ...), so that shares are exact and the order shows."""
+
+  def __contains__(self, key):
+    if not dict.__contains__(self, key):
+      dict.__setitem__(self, key, float(len(self) + 1))
+    return True
+
+
+def test_the_backward_share_is_the_transposed_scans_time_over_all(monkeypatch):
+  def f(w, x):
+    body = jax.checkpoint(lambda h, wl: (jnp.tanh(h @ wl), None))
+    h, _ = jax.lax.scan(body, x, w)
+    return jnp.sum(h)
+  w = jnp.ones((4, 32, 32), jnp.float32)
+  x = jnp.ones((64, 32), jnp.float32)
+  monkeypatch.setattr(step_costs_lib, "_TIMED_BODIES", _FakeTimes())
+  timed = step_costs_lib.time_scan_bodies(jax.make_jaxpr(jax.grad(f))(w, x), reps=1)
+  # Forward 1 s x 4 iterations, its transpose 2 s x 4: the second of the pair is the backward.
+  assert timed.count == 2 and timed.secs == pytest.approx(12.0)
+  assert timed.backward_share == pytest.approx(8.0 / 12.0)
+  # One scan alone (no backward pass to pair it with): no share measured.
+  closed = jax.make_jaxpr(lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w)[0])(w, x)
+  assert step_costs_lib.time_scan_bodies(closed, reps=1).backward_share is None

@@ -17,7 +17,7 @@ from jaxtier._src.hardware import profile
 
 
 def test_profile_rates_and_validation():
-  assert P.cpu_update_gbps() == pytest.approx(32.0)  # 1e9 params/s x 32 B/param
+  assert P.cpu_update_gbps() == pytest.approx(30.0)  # 1e9 params/s x 30 B/param
   assert profile.split_fraction(P) == pytest.approx(0.75)
   with pytest.raises(ValueError, match="expected dha_read_gbps > 0"):
     profile.HardwareProfile(dha_read_gbps=-1.0)

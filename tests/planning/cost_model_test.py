@@ -35,16 +35,17 @@ def test_update_cost_formulas():
   moments = dataclasses.replace(w2, host_read_bytes=8 * n, host_write_bytes=8 * n)
   assert n / cost_model.update_cost("host_dha", moments, d).secs == pytest.approx(3.34e9, rel=0.01)
   cpu = cost_model.update_cost("host_cpu", t, P)
-  # M = R + W + 2 (D_in + D_out) = 3.5 GB at 32 GB/s; links: 0.5 GB / 40, 0.25 GB / 50.
-  assert cpu.secs == pytest.approx(3.5 / 32) and cpu.bound == "host_cpu"
+  # M = R + W + 1.5 (D_in + D_out) = 3.125 GB at 30 GB/s (1e9 params/s x 30 B); links:
+  # 0.5 GB / 40, 0.25 GB / 50.
+  assert cpu.secs == pytest.approx(3.125 / 30) and cpu.bound == "host_cpu"
   assert (cpu.h2d_bytes, cpu.d2h_bytes) == (GB // 4, GB // 2)
   split = cost_model.update_cost("host_split", t, P, dha_fraction=0.8)
-  dram = (0.8 * 2.0 + 0.2 * 3.5) / 100  # both executors' host DRAM traffic
-  assert split.secs == pytest.approx(max(0.8 * 2 / 60, 0.2 * 3.5 / 32, dram))
+  dram = (0.8 * 2.0 + 0.2 * 3.125) / 100  # both executors' host DRAM traffic
+  assert split.secs == pytest.approx(max(0.8 * 2 / 60, 0.2 * 3.125 / 30, dram))
   assert split.bound == "dha" and split.secs < min(dha.secs, cpu.secs)
   # On the CPU backend pinned_host is host memory: every byte once, at the CPU rate.
   on_cpu = cost_model.update_cost("host_dha", t, P, platform="cpu")
-  assert on_cpu.secs == pytest.approx(2.75 / 32) and on_cpu.h2d_bytes == 0
+  assert on_cpu.secs == pytest.approx(2.75 / 30) and on_cpu.h2d_bytes == 0
   with pytest.raises(ValueError, match="expected executor"):
     cost_model.update_cost("host_gpu", t, P)
 
@@ -108,3 +109,20 @@ def test_layered_updates_hide_under_the_backward_pass():
   # The serial schedule adds the whole update.
   serial = cost_model.predict(**{**common, "updates": [cpu(0.3)]})
   assert serial.step_secs == pytest.approx(0.9)
+
+
+def test_layered_updates_hide_under_the_measured_backward_share():
+  # U = 0.5 s over 10 layers beside 0.6 s of layer stages: the update outlasts a backward pass
+  # of b seconds by U + b / L - b (at least its last layer, U / L = 0.05 s): b = 2/3 of the
+  # stages by default (0.4 s), or the share measured from the timed scans.
+  upd = cost_model.Cost(secs=0.5, cpu_secs=0.5, bound="host_cpu")
+  layers = cost_model.Cost(secs=0.6, bound="compute")
+  def exposed(**kw):
+    pred = cost_model.predict(layers=layers, layer_compute_secs=0.6, other_compute_secs=0.0,
+                              updates=(), xla_copies=(), peak_hbm_bytes=0, pinned_bytes=0,
+                              profile=P, overlapped=[(upd, 10)], **kw)
+    return pred.step_secs - 0.6
+  assert exposed() == pytest.approx(0.5 + 0.04 - 0.4)
+  assert exposed(backward_share=0.75) == pytest.approx(0.5 + 0.045 - 0.45)
+  assert exposed(backward_share=0.5) == pytest.approx(0.5 + 0.03 - 0.3)
+  assert exposed(backward_share=1.0) == pytest.approx(0.05)

@@ -46,12 +46,12 @@ def test_solver_tight_budget_moves_optimizer_state_then_streams():
   sol = solver.solve(_problem(6 * 10**9))  # one stack's moments must go
   assert sol.fits and sorted(sol.updates.values()) == ["device", "host_cpu"]
   assert sol.prediction.peak_hbm_bytes == 6 * 10**9
-  assert sol.prediction.step_secs == pytest.approx(1.0 + 0.125)
+  assert sol.prediction.step_secs == pytest.approx(1.0 + 4 / 30)  # 4 GB moved at 30 GB/s
   assert sol.prediction.critical_path == "compute"
   sol = solver.solve(_problem(4 * 10**9))  # all moments go; params still fit
   assert sol.fits and set(sol.updates.values()) == {"host_cpu"}
-  assert sol.prediction.step_secs == pytest.approx(1.25)
-  assert sol.prediction.critical_path == "compute"  # 1 s of compute, then 0.25 s of updates
+  assert sol.prediction.step_secs == pytest.approx(1.0 + 8 / 30)
+  assert sol.prediction.critical_path == "compute"  # 1 s of compute, then 0.27 s of updates
   assert dict((s[0], s[2]) for s in sol.prediction.segments)["host update"] == "host_cpu"
   assert sol.prediction.pinned_bytes == 4 * 10**9
   # Tighter: nothing fits without streaming; with it, one stack is streamed: its 1 GB of
@@ -66,7 +66,7 @@ def test_solver_tight_budget_moves_optimizer_state_then_streams():
   assert sol.prediction.pinned_bytes == 7 * 10**9
   assert sol.prediction.resource_secs["link_h2d"] == pytest.approx(2 * 10**9 / (50 * GB))
   # Streaming costs only the first layer's fetch (0.1 GB at 50 GB/s) on top of the updates.
-  assert sol.prediction.step_secs == pytest.approx(1.25 + 0.1 / 50)
+  assert sol.prediction.step_secs == pytest.approx(1.0 + 8 / 30 + 0.1 / 50)
 
 
 def test_solver_credits_the_update_temporaries_of_host_updates():

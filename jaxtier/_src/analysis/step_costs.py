@@ -86,6 +86,9 @@ class TimedScans:
     secs: measured seconds per step of those scans (body time x length, summed).
     flops, elementwise_bytes: their analytic counts (`jaxpr_costs`), which `secs` replaces.
     count: how many scans; iterations: their lengths summed.
+    backward_share: the backward pass's share of `secs`, when the timed scans pair up as a
+      differentiated step's are (an even count, the first half the forward loops in the order
+      traced, the second their transposes): their seconds over all; None otherwise.
   """
 
   secs: float
@@ -93,6 +96,7 @@ class TimedScans:
   elementwise_bytes: float
   count: int
   iterations: int
+  backward_share: "float | None" = None
 
 
 def compute_secs(flops: float, elementwise_bytes: float, profile: HardwareProfile) -> float:
@@ -345,6 +349,7 @@ def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
       return None
     total = flops = ew = 0.0
     iterations = timed = 0
+    per_scan = []
     for eqn in scans:
       body, length = eqn.params["jaxpr"], int(eqn.params["length"])
       avals = [v.aval for v in jc.open_jaxpr(body)[0].invars]
@@ -363,12 +368,16 @@ def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
         del args
         _TIMED_BODIES[key] = float(np.median(times))
       total += _TIMED_BODIES[key] * length
+      per_scan.append(_TIMED_BODIES[key] * length)
       f, b = jaxpr_costs(body, float(length))
       flops, ew, iterations, timed = flops + f, ew + b, iterations + length, timed + 1
     if not timed:
       return None
+    share = None
+    if timed == len(scans) and timed % 2 == 0 and total > 0:
+      share = sum(per_scan[timed // 2:]) / total
     return TimedScans(secs=total, flops=flops, elementwise_bytes=ew, count=timed,
-                      iterations=iterations)
+                      iterations=iterations, backward_share=share)
   except Exception:  # pylint: disable=broad-except  (an estimate: never fail the plan)
     return None
 

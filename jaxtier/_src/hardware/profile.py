@@ -21,8 +21,9 @@ DHA_LINK_BYTES_PER_PARAM = 24
 
 
 #   CPU executor, host DRAM: master, m, v read and written (24), the staged gradient read and the
-#   staged param written (2 + 2), and the copy engines' writes / reads of those stagings (2 + 2).
-CPU_DRAM_BYTES_PER_PARAM = 32
+#   staged param written (2 + 2), and the copy engines' writes / reads of those stagings counted
+#   at half (1 + 1: `cost_model.STAGING_DRAM_FACTOR`).
+CPU_DRAM_BYTES_PER_PARAM = 30
 
 
 

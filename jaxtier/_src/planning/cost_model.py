@@ -100,6 +100,15 @@ class UpdateTraffic:
   elements: int = 0
 
 
+# Host-DRAM bytes per byte staged for the CPU executor: the CPU's read (or write) of the staging
+# buffer, plus half a byte for the copy engine's side of it. Fitted to the H200's W3 runs (1b,
+# fp32 params on the device, AdamW moments on the host: 40 staged-or-host bytes per param,
+# `benchmarks/results/w3/`): the layered host_cpu update took about 410 ms (batch 8: 460.6 ms a
+# step over 169 ms of compute, 3/4 of it backward), where a factor of 2 predicts 471 ms and
+# 1.5 predicts 427 ms; the serial split's update took 330-355 ms, predicted 320 (2: 357 ms).
+STAGING_DRAM_FACTOR = 1.5
+
+
 def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile, *,
                 platform: str = "gpu", dha_fraction: "float | None" = None) -> Cost:
   """Seconds and bytes of one fused host-update call, run after the backward pass.
@@ -114,7 +123,7 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     (R + W) / dha_rw). Link: R host->device, W device->host.
   - `host_cpu`: the gradients (device_in, D_in) go down and the new params (device_out, D_out)
     up through pinned staging buffers, pipelined with the CPU's pass; the CPU streams
-      M = R + W + 2 * (D_in + D_out) bytes of host DRAM
+      M = R + W + STAGING_DRAM_FACTOR * (D_in + D_out) bytes of host DRAM
     (the host operands, plus each staging buffer written by a copy engine and read by the CPU,
     or the reverse) at `profile.cpu_update_gbps()`:
       secs = max(M / cpu_rate, D_in / link_d2h, D_out / link_h2d).
@@ -150,7 +159,7 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     return Cost(secs=secs, h2d_bytes=r, d2h_bytes=w, dha_secs=secs, bound="dha")
 
   def cpu() -> Cost:
-    m = r + w + 2 * (d_in + d_out)
+    m = r + w + STAGING_DRAM_FACTOR * (d_in + d_out)
     parts = {"host_cpu": m / cpu_rate, "link_d2h": d_in / bytes_per_sec(profile.link_d2h_gbps),
              "link_h2d": d_out / bytes_per_sec(profile.link_h2d_gbps)}
     bound = max(parts, key=parts.get)
@@ -164,7 +173,7 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
   if executor == Placement.HOST_SPLIT:
     f = split_fraction(profile) if dha_fraction is None else float(dha_fraction)
     a, b = dha(), cpu()
-    dram = (f * (r + w) + (1 - f) * (r + w + 2 *
+    dram = (f * (r + w) + (1 - f) * (r + w + STAGING_DRAM_FACTOR *
                                      (d_in + d_out))) / bytes_per_sec(profile.host_dram_gbps)
     parts = {"dha": f * a.secs, b.bound: (1 - f) * b.secs, "host_dram": dram}
     bound = max(parts, key=parts.get)
@@ -360,7 +369,8 @@ class Prediction:
             "pinned_bytes": self.pinned_bytes}
 
 
-# The backward pass's share of the layer stages' time (two matmuls per forward one).
+# The backward pass's share of the layer stages' time when it is not measured (two matmuls per
+# forward one; a layer rematerialised in the backward pass makes it about 3/4).
 BACKWARD_SHARE = 2.0 / 3.0
 # Seconds of compute lost per second of a layered split update's DHA kernel running beside it:
 # H200, W3 1b batch 32 (`w3_1b_b32.json`): host_split 716.5 ms per step, host_cpu 620.1, for
@@ -371,7 +381,8 @@ DHA_CONTENTION = 0.54
 def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: float,
             updates: Iterable[Cost], xla_copies: Iterable[Cost], peak_hbm_bytes: int,
             pinned_bytes: int, profile: HardwareProfile,
-            overlapped: Iterable[tuple[Cost, int]] = ()) -> Prediction:
+            overlapped: Iterable[tuple[Cost, int]] = (),
+            backward_share: float = BACKWARD_SHARE) -> Prediction:
   """Step time as the sum of the step's serial phases, each bounded by its slowest resource.
 
     step = t_layers + t_other + t_exposed + sum(t_update) + sum(t_xla)
@@ -380,7 +391,8 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
   - t_other: compute outside the layer stages (embedding, head, loss), seconds;
   - t_exposed: what the updates run layer by layer inside the backward pass (`overlapped`:
     (cost, L) each) add: they start once the first layer's gradient exists and run one after
-    another, so with b the backward's share of t_layers (BACKWARD_SHARE) and U their total,
+    another, so with b the backward's share of t_layers (`backward_share`: measured from the
+    timed scan bodies where the planner has them, else BACKWARD_SHARE) and U their total,
     max(U / L, U + b / L - b), the last layer's update at least, plus
     DHA_CONTENTION * min(D, b) for the DHA kernel's busy seconds D (a split's kernel runs
     beside the compute on the GPU's SMs and HBM, and slows it);
@@ -396,7 +408,7 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
   if overlapped:
     total = sum(c.secs for c, _ in overlapped)
     num_layers = max(n for _, n in overlapped)
-    backward = BACKWARD_SHARE * layers.secs
+    backward = backward_share * layers.secs
     kernel = sum(c.dha_secs for c, _ in overlapped)
     exposed = (max(total / num_layers, total + backward / num_layers - backward)
                + DHA_CONTENTION * min(kernel, backward))

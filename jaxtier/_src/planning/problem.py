@@ -108,6 +108,8 @@ class Problem:
       host (`step_costs.StepCosts.update_credit`; 0: none assumed). At most the transient bytes
       beyond the gradients are freed in all.
     other_compute_secs: compute outside the parameters' stages, seconds.
+    backward_share: the backward pass's share of the layer stages' time: the timed scans'
+      (`step_costs.TimedScans.backward_share`), else `cost_model.BACKWARD_SHARE`.
     layer_flops_secs: seconds of compute the parameters' stages hold (sum of their
       compute_secs; the activation policy's extra FLOPs scale them).
     activations: the model's activation options (None: keep the traced policy).
@@ -124,6 +126,7 @@ class Problem:
   fixed_buffer_bytes: int = 0
   update_credit: float = 0.0
   other_compute_secs: float
+  backward_share: float = cost_model.BACKWARD_SHARE
   activations: "cost_model.ActivationModel | None" = None
   device_budget: "int | None" = None
   host_budget: "int | None" = None
@@ -371,6 +374,17 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                  fixed_pinned_bytes=fixed_pinned, fixed_costs=tuple(fixed_costs),
                  transient_bytes=transient, fixed_buffer_bytes=fixed_buffers,
                  update_credit=float(step_costs.update_credit),
-                 other_compute_secs=0.0 if elements else total, activations=activations,
+                 other_compute_secs=0.0 if elements else total,
+                 backward_share=_backward_share(step_costs), activations=activations,
                  device_budget=device_budget, host_budget=host_budget, profile=profile,
                  platform=platform)
+
+
+def _backward_share(step_costs: step_costs_lib.StepCosts) -> float:
+  """The backward pass's share of the layer loops' time: measured where the timed scans give it
+  (a body rematerialised in the backward pass makes it about 3/4), else the two-matmuls-per-
+  forward-one rule (`cost_model.BACKWARD_SHARE`)."""
+  timed = step_costs.timed
+  if timed is not None and timed.backward_share is not None:
+    return timed.backward_share
+  return cost_model.BACKWARD_SHARE

@@ -214,7 +214,7 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
                 if updates[u].num_layers]
   pred = cost_model.predict(layers=layers, layer_compute_secs=total_layer * scale,
                     other_compute_secs=other_compute, updates=update_costs,
-                    overlapped=overlapped,
+                    overlapped=overlapped, backward_share=problem.backward_share,
                     xla_copies=problem.fixed_costs, peak_hbm_bytes=peak, pinned_bytes=pinned,
                     profile=prof)
   fits = (budget is None or peak <= budget) and (
