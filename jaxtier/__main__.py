@@ -9,8 +9,9 @@ Commands:
           allocating it: per leaf its placement (and with `--verbose` why), the predicted
           step time, critical path and peak HBM (`--config`, `--batch_size`, `--seq_len`,
           `--device_budget`, `--host_budget`, `--offload` (the policy), `--remat_policy`,
-          `--clip`, `--[no]overlap_update`, `--json`, `--platform`, `--plot=plan.png`,
-          `--nostream`). Exit status 1 when the plan is refused or over a budget (with
+          `--clip`, `--[no]overlap_update`, `--tokenizer`, `--vocab_size`, `--json`, `--platform`,
+          `--plot=plan.png`, `--nostream`; the vocabulary flags set the model's vocab_size,
+          no tokenizer is trained). Exit status 1 when the plan is refused or over a budget (with
           `--json` too: its fields `fits` and `refused` say which).
   calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
@@ -62,7 +63,10 @@ def plan_main() -> None:
     if problem:  # say so before planning, not in a traceback after the plan is printed
       print(f"error: --plot={_PLOT.value}: {problem}", file=sys.stderr)
       sys.exit(1)
-  config = llama.CONFIGS[flags.FLAGS.config]
+  from jaxtier.examples import tokenizer  # pylint: disable=g-import-not-at-top
+  # As `train` sizes it (the vocabulary asked for, whatever the corpus gives: tokenizer.py).
+  config = tokenizer.model_config(llama.CONFIGS[flags.FLAGS.config], flags.FLAGS.tokenizer,
+                                  flags.FLAGS.vocab_size)
   if flags.FLAGS.remat_policy:
     config = dataclasses.replace(config, remat_policy=None if flags.FLAGS.remat_policy == "none"
                                  else flags.FLAGS.remat_policy)
@@ -110,8 +114,9 @@ def plan_main() -> None:
              "(docs/design.md)" if prof.is_default else f"the stored hardware profile, {prof.source}")
     print(f"note: no GPU here; planning for a GPU with {which}; pinnable host memory from that "
           "profile")
-  print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params, batch {batch} x "
-        f"seq {seq_len}, remat_policy {config.remat_policy}")
+  vocab = (f" (bpe, vocab {config.vocab_size:,})" if flags.FLAGS.tokenizer == "bpe" else "")
+  print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params{vocab}, batch "
+        f"{batch} x seq {seq_len}, remat_policy {config.remat_policy}")
   print(plan.format(reasons=_VERBOSE.value))
   if not _VERBOSE.value:
     print("(--verbose: each leaf's reason)")
@@ -187,11 +192,13 @@ def main(argv: list[str]) -> None:
     except train_lib.OverBudgetError as e:
       print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
       sys.exit(1)
-    except (jaxtier.PlanError, OSError, ValueError) as e:
+    except (jaxtier.PlanError, OSError, ValueError, train_lib.tokenizer_lib.TokenizersMissingError
+            ) as e:
       if isinstance(e, jaxtier.AdmissionError):
         _rerun_with(e.settings)  # nothing is allocated yet; returns where it may not
-      # A refused plan, a missing data file, bad data or a bad setting: the message says what
-      # and how to fix it; a traceback through the trainer would only hide it.
+      # A refused plan, a missing data file, bad data, a bad setting or --tokenizer=bpe without
+      # its package: the message says what and how to fix it; a traceback through the trainer
+      # would only hide it.
       print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
       if isinstance(e, jaxtier.AdmissionError):
         # Over the host's (or --host_budget's) pinned memory: moving more state to the host

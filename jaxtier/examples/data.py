@@ -2,6 +2,8 @@
 
 Tokens are bytes (ids 0..255) of UTF-8 text files, or the ids of a raw
 little-endian uint16 token file (``*.bin`` / ``*.u16``) for larger vocabularies.
+``corpus_files`` and ``load_texts`` give the same corpus as text, for a trained
+tokenizer (``tokenizer.py``: the trainer's ``--tokenizer=bpe``).
 
 Example:
   >>> from jaxtier.examples import data
@@ -23,8 +25,10 @@ import numpy as np
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
     "batches",
+    "corpus_files",
     "default_corpus_files",
     "load_corpus",
+    "load_texts",
     "load_tokens",
 ]
 
@@ -73,7 +77,7 @@ def _read_token_file(path) -> np.ndarray:
   return np.frombuffer(raw, dtype="<u2").astype(np.uint16)
 
 
-def _check_text(path, raw: bytes) -> None:
+def _check_text(path, raw: bytes, caller: str = "load_tokens") -> None:
   """Raises ValueError where `raw` (the bytes of `path`) is not UTF-8 text."""
   nul = raw.find(b"\0")
   try:
@@ -82,10 +86,12 @@ def _check_text(path, raw: bytes) -> None:
   except UnicodeDecodeError as e:
     bad = e.start if nul < 0 else min(nul, e.start)
   if bad >= 0:
+    alternative = (f", or one uint16 token file whose name ends in "
+                   f"{' or '.join(_TOKEN_FILE_SUFFIXES)}" if caller == "load_tokens" else
+                   " (a tokenizer trains on text)")
     raise ValueError(
-        f"load_tokens: {str(path)!r} is not UTF-8 text (byte {bad} of {len(raw)} is "
-        f"{raw[bad]:#04x}); --data takes UTF-8 text files, or one uint16 token file whose "
-        f"name ends in {' or '.join(_TOKEN_FILE_SUFFIXES)}.")
+        f"{caller}: {str(path)!r} is not UTF-8 text (byte {bad} of {len(raw)} is "
+        f"{raw[bad]:#04x}); --data takes UTF-8 text files{alternative}.")
 
 
 def load_tokens(
@@ -175,11 +181,79 @@ def load_corpus(data: str | None = None, *, vocab_size: int = 256) -> np.ndarray
   Raises:
     ValueError: as ``load_tokens`` (a file given that is not text included).
   """
+  paths, max_bytes = corpus_files(data)
+  return load_tokens(paths, max_bytes=max_bytes, vocab_size=vocab_size,
+                     require_text=bool(data))
+
+
+def corpus_files(data: str | None = None) -> tuple[list[str | pathlib.Path], int | None]:
+  """The files that the trainer's ``--data`` flag names, and the cap on bytes read.
+
+  Args:
+    data: as ``load_corpus``.
+
+  Returns:
+    ``(paths, max_bytes)``: for ``None`` or ``""`` the standard library's files
+    and ``DEFAULT_CORPUS_MAX_BYTES``, else the comma-separated paths given (as
+    strings) and ``None`` (no cap).
+
+  Raises:
+    ValueError: as ``default_corpus_files``.
+  """
   if not data:
-    return load_tokens(default_corpus_files(), max_bytes=DEFAULT_CORPUS_MAX_BYTES,
-                       vocab_size=vocab_size)
-  paths = [p.strip() for p in data.split(",") if p.strip()]
-  return load_tokens(paths, vocab_size=vocab_size, require_text=True)
+    return default_corpus_files(), DEFAULT_CORPUS_MAX_BYTES
+  return [p.strip() for p in data.split(",") if p.strip()], None
+
+
+def load_texts(
+    paths: Sequence[str | os.PathLike],
+    *,
+    max_bytes: int | None = None,
+    require_text: bool = False,
+) -> list[str]:
+  """Reads text files as strings: the corpus ``load_tokens`` reads, as text.
+
+  The same bytes as ``load_tokens`` are read (the same ``max_bytes`` cut); a file
+  that is not UTF-8 (allowed only without ``require_text``: the standard
+  library holds two) is decoded with U+FFFD for its bad bytes, as is a UTF-8
+  character cut by ``max_bytes``.
+
+  Args:
+    paths: text files to read, in order.
+    max_bytes: stop once this many bytes have been read; ``None``: no limit.
+    require_text: refuse a file that is not UTF-8 text.
+
+  Returns:
+    One string per file read (files past ``max_bytes`` are not read).
+
+  Raises:
+    ValueError: if ``paths`` is empty, one is a token file (``*.bin`` /
+      ``*.u16``: already token ids), a file is not text (``require_text``), or
+      no text was read.
+  """
+  paths = list(paths)
+  if not paths:
+    raise ValueError("load_texts: expected at least one path, got none.")
+  texts = []
+  total_bytes = 0
+  for path in paths:
+    if max_bytes is not None and total_bytes >= max_bytes:
+      break
+    if _is_token_file(path):
+      raise ValueError(
+          f"load_texts: {str(path)!r} is a uint16 token file (already token ids); a "
+          f"tokenizer trains on text: pass UTF-8 text files (or use --tokenizer=byte).")
+    raw = pathlib.Path(path).read_bytes()
+    if require_text:
+      _check_text(path, raw, "load_texts")
+    if max_bytes is not None:
+      raw = raw[:max_bytes - total_bytes]
+    total_bytes += len(raw)
+    texts.append(raw.decode("utf-8", errors="replace"))
+  if not total_bytes:
+    raise ValueError(
+        f"load_texts: expected a non-empty corpus, got 0 bytes from {len(paths)} file(s).")
+  return texts
 
 
 def batches(

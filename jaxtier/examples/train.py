@@ -1,4 +1,8 @@
-r"""Trains the Llama-style decoder on byte-level text, with or without jaxtier offload.
+r"""Trains the Llama-style decoder on real text, with or without jaxtier offload.
+
+Tokens are bytes (``--tokenizer=byte``, the default) or the ids of a byte-level BPE tokenizer
+trained once on the same corpus and cached (``--tokenizer=bpe --vocab_size=32768``, 65536 or
+131072: ``tokenizer.py``); the model's ``vocab_size`` follows.
 
 The train step is a plain functional ``train_step(state, batch) -> (state, metrics)``
 over ``nnx.split((model, optimizer))``; with ``--offload=auto`` it is wrapped,
@@ -7,6 +11,7 @@ unchanged, by ``jaxtier.offload``; with ``--offload=none`` by ``jax.jit``.
 Usage::
 
   python -m jaxtier train --config=tiny --offload=none
+  python -m jaxtier train --config=small --tokenizer=bpe --vocab_size=32768
   python -m jaxtier train --config=1b --device_budget=80GB
 """
 
@@ -28,6 +33,7 @@ import jaxtier
 
 from . import data as data_lib
 from . import llama
+from . import tokenizer as tokenizer_lib
 from .budgets import OFFLOAD_MODES, OverBudgetError, over_budget, stream_layers_policy
 from .train_state import (OptimizerConfig, lookup_config, make_train_state, placement_table,
                           state_initializer)
@@ -134,6 +140,8 @@ def run(
     progress: bool = True,
     allow_over_budget: bool = True,
     overlap_update: bool = True,
+    tokenizer: str = "byte",
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
   """Trains ``steps`` steps and reports the losses and the speed.
 
@@ -151,8 +159,8 @@ def run(
       from pinned_host; the rest auto) or ``"optimizer_state_on_host"`` (``jaxtier.offload``
       with that policy: every optimizer-state leaf in pinned_host, updated there).
     data: ``None``/``""`` for the standard-library corpus, a ``--data`` string
-      (comma-separated text files or one uint16 token file), or a 1-D array of
-      token ids.
+      (comma-separated text files or one uint16 token file; text files only with
+      ``tokenizer="bpe"``), or a 1-D array of token ids (used as they are).
     seed: seed of the weights and of the batch order.
     learning_rate: peak learning rate; ``None``: the config's default.
     warmup_steps: warmup of the schedule; ``None``: 5% of ``steps``.
@@ -171,6 +179,11 @@ def run(
       (`over_budget`); if True, only the plan's notes and jaxtier's warnings say so.
     overlap_update: update the layers' leaves inside the backward pass
       (`jaxtier.offload(overlap_update=...)`).
+    tokenizer: ``"byte"`` (bytes are tokens; the config's ``vocab_size`` is kept) or
+      ``"bpe"`` (a byte-level BPE tokenizer trained on ``data``'s text and cached:
+      `tokenizer.load_corpus`; the config's ``vocab_size`` becomes ``vocab_size``).
+    vocab_size: with ``"bpe"``, 32768 (``None``), 65536 or 131072; with ``"byte"``,
+      ``None`` or 256.
 
   Returns:
     A dict with ``losses`` (one float per step), ``step_times`` (seconds per
@@ -178,21 +191,24 @@ def run(
     given the window's mean; entry 0 is the first step alone, compile
     included), ``tokens_per_sec`` (mean over all steps but the first),
     ``first_loss``, ``last_loss``, ``compile_secs``, ``total_secs``,
-    ``num_params``, ``state_bytes``, ``plan`` (``str(step.plan)`` or
+    ``num_params``, ``vocab_size``, ``state_bytes``, ``plan`` (``str(step.plan)`` or
     ``None``) and ``plan_bytes`` (state bytes per memory kind, fp32 masters
     included: ``{"device": ..., "pinned_host": ...}``) and ``memory`` (bytes: the peak device
     memory JAX's allocator saw, where the backend reports it, and the pinned_host bytes live
     after the run, beside the plan's predicted and compiled figures; None where unknown).
 
   Raises:
-    ValueError: for an unknown config or offload mode, bad sizes, or bad data.
+    ValueError: for an unknown config or offload mode, bad sizes, bad data, or a vocabulary
+      size the tokenizer does not allow.
     OverBudgetError: the plan misses a budget given (only with ``allow_over_budget=False``).
+    tokenizer.TokenizersMissingError: ``"bpe"`` without the ``tokenizers`` package.
   """
   if offload not in OFFLOAD_MODES:
     raise ValueError(f"run: expected offload in {OFFLOAD_MODES}, got {offload!r}.")
   defaults = RUN_DEFAULTS.get(config_name, _FALLBACK_DEFAULTS)
   if config is None:
     config = lookup_config(config_name)
+  config = tokenizer_lib.model_config(config, tokenizer, vocab_size)
   if remat_policy is not None:
     config = dataclasses.replace(
         config, remat_policy=None if remat_policy == "none" else remat_policy)
@@ -213,6 +229,8 @@ def run(
       raise ValueError(
           f"run: expected token ids < vocab_size={config.vocab_size}, got "
           f"{int(tokens.max())}.")
+  elif tokenizer == "bpe":
+    _, tokens = tokenizer_lib.load_corpus(data, config.vocab_size, progress=progress)
   else:
     tokens = data_lib.load_corpus(data, vocab_size=config.vocab_size)
   batch_iter = data_lib.batches(tokens, batch_size, seq_len, seed)
@@ -229,7 +247,8 @@ def run(
   num_params = llama.param_count(config)
   state_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                     for x in jax.tree.leaves(shapes))
-  print(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens of "
+  vocab = f" (bpe, vocab {config.vocab_size:,})" if tokenizer == "bpe" else ""
+  print(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens{vocab} of "
         f"data, batch {batch_size} x seq {seq_len}, {steps} steps, "
         f"offload={offload}")
 
@@ -327,6 +346,7 @@ def run(
       "compile_secs": compile_secs,
       "total_secs": total_secs,
       "num_params": num_params,
+      "vocab_size": config.vocab_size,
       "state_bytes": state_bytes,
       "plan_bytes": plan_bytes,
       "plan": plan,
@@ -371,6 +391,15 @@ _OFFLOAD = flags.DEFINE_enum("offload", "auto", list(OFFLOAD_MODES),
 _DATA = flags.DEFINE_string("data", "", "Comma-separated text files, or one "
                             "uint16 token file (*.bin, *.u16); default: the "
                             "Python standard library's .py files.")
+_TOKENIZER = flags.DEFINE_enum(
+    "tokenizer", "byte", list(tokenizer_lib.TOKENIZERS), "byte: each byte of the text is a "
+    "token (vocab 256); bpe: a byte-level BPE tokenizer (the tokenizers package) trained once "
+    "on the --data text (default: the standard library's .py files) and cached under "
+    "$XDG_CACHE_HOME/jaxtier/tokenizers; the model's vocab_size follows. train and plan.")
+_VOCAB_SIZE = flags.DEFINE_integer(
+    "vocab_size", None, "With --tokenizer=bpe: "
+    f"{', '.join(map(str, tokenizer_lib.BPE_VOCAB_SIZES))} (default "
+    f"{tokenizer_lib.DEFAULT_BPE_VOCAB_SIZE}); with byte: unset (256).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and batch order.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", None,
                                     "Peak learning rate; default per config.")
@@ -425,7 +454,8 @@ def main(argv: Sequence[str]) -> None:
       warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
       device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
       remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value,
-      overlap_update=_OVERLAP_UPDATE.value)
+      overlap_update=_OVERLAP_UPDATE.value, tokenizer=_TOKENIZER.value,
+      vocab_size=_VOCAB_SIZE.value)
   if _JSON_OUT.value:
     import json  # pylint: disable=g-import-not-at-top
     with open(_JSON_OUT.value, "w") as f:
