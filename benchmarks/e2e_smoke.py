@@ -44,9 +44,10 @@ _STACK_EVERY = flags.DEFINE_integer(
     "(faulthandler), to show where a slow variant spends its time.")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["fp32:none", "fp32:auto", "bf16:none", "bf16:auto"],
-    "dtype:offload[:serial][:host_cpu] variants; offload in none/auto/stream (stream: the "
-    "layers' params host_stream); ':serial' runs every host update after the backward pass "
-    "(--nooverlap_update); ':host_cpu' puts every moment on the host_cpu executor.")
+    "dtype:offload[:serial][:host_cpu|:host_split] variants; offload in none/auto/stream "
+    "(stream: the layers' params host_stream); ':serial' runs every host update after the "
+    "backward pass (--nooverlap_update); ':host_cpu' / ':host_split' put every moment on that "
+    "executor (the split at the profile's DHA share).")
 
 
 def child(variant: str) -> None:
@@ -64,11 +65,13 @@ def child(variant: str) -> None:
   # 'auto' here names the run with AdamW moments in pinned_host: since the cost-model planner,
   # policy 'auto' keeps a state that fits on the device, so ask for the rule by name.
   offload = "optimizer_state_on_host" if offload == "auto" else offload
-  if "host_cpu" in rest:
-    # Every moment on the host CPU executor (a policy dict: the trainer's flags name modes).
+  fixed = [e for e in ("host_cpu", "host_split") if e in rest]
+  if fixed:
+    # Every moment on one executor (a policy dict: the trainer's flags name modes); a split
+    # placed so keeps the profile's DHA share (the planner's own choice weighs others).
     offload_step = train._offload_step  # pylint: disable=protected-access
     train._offload_step = lambda step, **kw: offload_step(  # pylint: disable=protected-access
-        step, **{**kw, "policy": {r"opt_state.*\]\['(mu|nu)'\]": "host_cpu"}})
+        step, **{**kw, "policy": {r"opt_state.*\]\['(mu|nu)'\]": fixed[0]}})
   config = llama.CONFIGS[_CONFIG.value]
   if dtype == "bf16":
     config = dataclasses.replace(config, param_dtype=jnp.bfloat16)

@@ -17,7 +17,9 @@ from flax import nnx
 
 import _stacks
 import jaxtier
+from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import hlo as hlo_lib
+from jaxtier._src.planning import planner
 from jaxtier._src.primitives import host_update as hu
 
 LAYERS, WIDTH = 4, 16
@@ -229,6 +231,19 @@ def test_gpu_plan_picks_the_layered_executor_by_the_overlap(batch, want):
   assert all("layer by layer inside the backward pass" in l.reason for l in layered)
   head = [l for l in plan.leaves if "head" in l.path and l.role == "optimizer_state"]
   assert all(l.placement == "host_dha" for l in head)
+  if want == "host_split":
+    # The planner weighs the kernel's share too: the update outlasts the backward pass, so the
+    # kernel takes more than the profile's balance (0.50) and runs on the idle GPU after it.
+    splits = [c for c in plan.components if c.executor == "split"]
+    assert splits and {c.dha_fraction for c in splits} <= set(planner.LAYERED_FRACTIONS)
+    assert all("the DHA kernel's share 0." in l.reason for l in layered)
+    # A split the user placed keeps the profile's share, and is predicted slower.
+    fixed = jaxtier.plan(_step(graphdef, tx), {"params": params, "opt": tx.init(params)},
+                         (x, y), policy={r"opt.*blocks": "host_split"}, platform="gpu")
+    shares = [c.dha_fraction for c in fixed.components if c.executor == "split"]
+    assert shares and shares == pytest.approx(
+        [profile.split_fraction(profile.DEFAULT_PROFILE)] * len(shares))
+    assert plan.predicted_step_secs < fixed.predicted_step_secs
 
 
 @pytest.mark.parametrize("case", ["layered", "clip", "off", "stream"])

@@ -130,7 +130,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   verdicts: list[str] = []
   violations: list[BudgetViolation] = []
 
-  def problem_for(placed):
+  def problem_for(placed, layered_dha_fraction=None):
     return problem_lib.build_problem(
         leaves=inv.leaves, jaxpr=jaxpr, compiled=compiled, master_nbytes={
             i: inv.leaves[i].nbytes * 4 // jnp.dtype(inv.leaves[i].dtype).itemsize
@@ -138,7 +138,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
         step_costs=costs, streamable=frozenset(streamable) - user_fixed,
         dha_readable=frozenset(dha_readable) - user_fixed if platform == "gpu" else frozenset(),
         activations=activations, device_budget=solver_budget, host_budget=host_limit,
-        profile=hardware, platform=platform, overlap_update=overlap_update)
+        profile=hardware, platform=platform, overlap_update=overlap_update,
+        layered_dha_fraction=layered_dha_fraction)
 
   act_policy = None
   if solve:
@@ -153,13 +154,21 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       verdicts.append(verdict)
       violations.extend(missed)
     act_policy = sol.activation_policy
+  layered_fraction = None
   if platform == "gpu":
-    compiled, masters = _layered_executor(
+    recut, layered_fraction = _layered_executor(
         problem_for, placement, reasons, act_policy,
         lambda: cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
-                            user_fixed)) or (compiled, masters)
+                            user_fixed)) or (None, None)
+    compiled, masters = recut or (compiled, masters)
   # The prediction of the plan as it stands (every placement fixed).
-  final = problem_for(placement)
+  final = problem_for(placement, layered_fraction)
+  if layered_fraction is not None:
+    # The layered split calls the planner placed run at the share it chose.
+    compiled = [dataclasses.replace(cc, dha_fraction=layered_fraction)
+                if item.num_layers and item.fixed is None
+                and Executor(cc.executor).placement == Placement.HOST_SPLIT else cc
+                for item, cc in zip(final.updates, compiled)]
   # A call's placement: its leaves' executor (a call of only host_stream leaves: the cut's).
   final_updates = {
       u:
@@ -244,14 +253,18 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   return plan
 
 
-def _layered_executor(problem_for: Callable[[dict], Any], placement: dict[int, str],
+def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str],
                       reasons: dict[int, str], act_policy: "str | None",
                       recut: Callable[[], Any]) -> Any:
   """Picks the executor of the updates run layer by layer inside the backward pass (on a GPU):
-  host_cpu or host_split, whichever the prediction (`cost_model.predict`: hidden under the
-  backward pass, the split's kernel slowing the compute it shares the GPU with) makes faster,
-  the same for all of them (host_dha's kernel would share the GPU with the compute for the
-  whole update). Leaves the user placed keep their executor. Returns the new cut (`recut()`), or None if nothing changed."""
+  host_cpu, or host_split with the DHA kernel's share of the elements in `LAYERED_FRACTIONS`,
+  whichever the prediction (`cost_model.predict`: hidden under the backward pass, the split's
+  kernel slowing the compute it shares the GPU with) makes fastest, the same for all of them.
+  A larger share pays where the update outlasts the backward pass: the kernel then runs on an
+  idle GPU (host_dha alone would share the GPU with the compute for the whole update). Leaves
+  the user placed keep their executor and share. Returns (the new cut, `recut()`'s (compiled,
+  masters), or None if no placement changed; the share, or None for host_cpu), or None if no
+  update runs layer by layer."""
   problem = problem_for(placement)
   layered = [u for u, item in enumerate(problem.updates)
              if item.num_layers and item.fixed is None
@@ -265,20 +278,31 @@ def _layered_executor(problem_for: Callable[[dict], Any], placement: dict[int, s
             for u, item in enumerate(problem.updates) if u not in layered
             and any(placement[i] in HOST_PLACEMENTS for i in item.seeds)}
 
-  def step_secs(executor: str) -> float:
+  def step_secs(choice: tuple[str, "float | None"]) -> float:
+    executor, fraction = choice
     updates = dict(others) | {u: executor for u in layered}
-    return solver.evaluate_fixed(problem, params, updates, act_policy).prediction.step_secs
-  best = min((Placement.HOST_CPU, Placement.HOST_SPLIT), key=step_secs)
+    candidate = problem if fraction is None else problem_for(placement, fraction)
+    return solver.evaluate_fixed(candidate, params, updates, act_policy).prediction.step_secs
+  default = profile.split_fraction(problem.profile)
+  choices = [(Placement.HOST_CPU, None)] + [
+      (Placement.HOST_SPLIT, f) for f in sorted({round(default, 2), *LAYERED_FRACTIONS})]
+  best, fraction = min(choices, key=step_secs)
   changed = False
   for u in layered:
     for i in problem.updates[u].seeds:
       if placement[i] != best:
         placement[i] = best
         changed = True
-      note = f"; updated layer by layer inside the backward pass, by {best}"
+      share = f" (the DHA kernel's share {fraction:.2f})" if fraction is not None else ""
+      note = f"; updated layer by layer inside the backward pass, by {best}{share}"
       if note not in reasons[i]:
         reasons[i] += note
-  return recut() if changed else None
+  return (recut() if changed else None), fraction
+
+
+# The DHA kernel's shares of a layered split update's elements the planner weighs (besides the
+# profile's `split_fraction`, which balances the two executors when both run alone).
+LAYERED_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 
 
 def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventory,

@@ -235,7 +235,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                   activations: "cost_model.ActivationModel | None" = None,
                   device_budget: "int | None", host_budget: "int | None",
                   profile: HardwareProfile, platform: str,
-                  overlap_update: bool = True) -> Problem:
+                  overlap_update: bool = True,
+                  layered_dha_fraction: "float | None" = None) -> Problem:
   """The solver's `Problem` for a traced step, from the planner's first cut.
 
   Args:
@@ -255,6 +256,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     profile, platform: the rates and 'gpu' / 'cpu'.
     overlap_update: updates of leaves stacked over a layer loop run layer by layer inside the
       backward pass (`OffloadOptions.overlap_update`).
+    layered_dha_fraction: the DHA kernel's share of a layered host_split update's elements
+      (None: the profile's `split_fraction`); the other updates' splits keep the profile's.
   """
   executors = host_executors(platform)
   loops = layer_stacks.LayerLoops(jaxpr) if overlap_update else None
@@ -280,7 +283,9 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     calls = (None,) if num_layers else calls
     costs = {e: functools.reduce(operator.add, [
         cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call), profile,
-                               platform=platform) for call in calls]) for e in names}
+                               platform=platform,
+                               dha_fraction=layered_dha_fraction if num_layers else None)
+        for call in calls]) for e in names}
     updates.append(UpdateItem(
         seeds=seeds, label=leaves[seeds[0]].path, device_nbytes=sum(leaves[i].nbytes
                                                                    for i in seeds),
