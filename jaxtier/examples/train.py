@@ -35,8 +35,8 @@ from . import data as data_lib
 from . import llama
 from . import tokenizer as tokenizer_lib
 from .budgets import OFFLOAD_MODES, OverBudgetError, over_budget, stream_layers_policy
-from .train_state import (OptimizerConfig, lookup_config, make_train_state, placement_table,
-                          state_initializer)
+from .train_state import (OptimizerConfig, lookup_config, make_optimizer, make_train_state,
+                          placement_table, state_initializer)
 
 __all__ = [
     "OptimizerConfig",

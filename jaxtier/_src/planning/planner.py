@@ -94,7 +94,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   host_exec = Placement.HOST_DHA if platform == "gpu" else Placement.HOST_CPU
   hardware = hardware or profile.DEFAULT_PROFILE
   req = requested(inv, policy, host_exec, stream_blocked)
-  jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
+  jaxpr = inv.closed_jaxpr.jaxpr
   # host_stream leaves are read by the layer loops through the streaming calls and updated
   # in place by a fused host update, like the executor placements.
   streamed = {i for i, r in req.items() if r.placement == Placement.HOST_STREAM}
