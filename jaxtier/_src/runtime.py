@@ -55,6 +55,8 @@ class OffloadedStep:
     self._calls, self._step_times = 0, []
     self._masters: list[jax.Array] = []
     self._master_sources: tuple[Any, ...] = ()
+    # {param leaf index: (master, the param it was the master of)} of the plan before this one.
+    self._carried_masters: dict[int, tuple[jax.Array, Any]] = {}
     self.last_state: Any = None
     self.last_metrics: Any = None
     self._scratch: list[jax.Array] = []
@@ -74,10 +76,17 @@ class OffloadedStep:
                   "and re-planning, as jax.jit re-traces", changes)
     planned = pipeline.plan_step(self._fn, self._options, state, args, changes=changes,
                                  abstract=abstract)
+    # The fp32 masters are state the caller does not hold: a new plan (new input shapes) keeps
+    # them for the params it still keeps masters for (`_refresh_masters`), else the next step
+    # would re-derive them from the rounded bf16 params.
+    carried = ({} if self._programs is None else
+               {i: (m, src) for i, m, src in zip(self._programs.master_indices, self._masters,
+                                                 self._master_sources)})
     self._planned, self.plan = planned, planned.plan
     self._programs = planned.programs
     self._calls, self._step_times = 0, []
     self._masters, self._master_sources, self._scratch = [], (), []
+    self._carried_masters = carried
 
   def _check_arg_memory_kinds(self, args: Sequence[Any]) -> None:
     """Raises ValueError naming an argument (not the state) whose memory kind is not the one
@@ -266,11 +275,16 @@ class OffloadedStep:
     if len(self._master_sources) == len(sources) and all(
         a is b for a, b in zip(self._master_sources, sources)):
       return
+    carried, self._carried_masters = self._carried_masters, {}
     if self._master_sources:
       log.warning("jaxtier: the state's bf16/f16 params are not the ones the last step returned; "
                   "re-deriving their fp32 master copies from them")
-    self._masters = [jax.device_put(jnp.asarray(original[i], jnp.float32), sh)
-                     for i, sh in zip(idx, self._programs.master_shardings)]
+
+    def master(i, sh):
+      if i in carried and original[i] is carried[i][1]:  # planned again: the same param
+        return jax.device_put(carried[i][0], sh)
+      return jax.device_put(jnp.asarray(original[i], jnp.float32), sh)
+    self._masters = [master(i, sh) for i, sh in zip(idx, self._programs.master_shardings)]
     self._master_sources = sources
 
   # -- running -----------------------------------------------------------------------------

@@ -604,3 +604,35 @@ def test_leaves_falling_back_to_host_xla_for_one_reason_are_warned_once(caplog):
   assert {p for p, v in placed.items() if v == "host_xla"} == {
       p for p in placed if p.startswith("['params']")}
   assert {v for p, v in placed.items() if p.startswith("['opt']")} == {"host_cpu"}
+
+
+def test_fp32_masters_survive_a_new_batch_shape():
+  # A last, smaller batch re-plans the step (as jax.jit re-traces); the fp32 masters live in the
+  # step, not in the caller's state, and carry over to the new plan for the params the caller
+  # passes back, rather than being re-derived from the rounded bf16 params.
+  tx = optax.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32)
+  step = jaxtier.offload(_step_fn(tx), policy=ON_HOST)
+  state = step.place(_mlp_state(tx, jnp.bfloat16), _batch())
+  for i in range(3):
+    state, _ = step(state, _batch(i))
+
+  def masters():
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    got = dict(zip(step._programs.master_indices, step._masters))  # pylint: disable=protected-access
+    return {k: np.asarray(got[paths.index(f"['params']['{k}']")]) for k in ("w1", "w2", "b")}
+  before = masters()
+  rounded = {k: np.asarray(state["params"][k], np.float32) for k in before}
+  assert any(not np.array_equal(before[k], rounded[k]) for k in before)  # fp32 bits of their own
+  x, y = _batch(3)
+  small = (x[:16], y[:16])
+  state = step.place(state, small)  # re-planned for 16 rows: the same masters
+  after = masters()
+  for k in before:
+    np.testing.assert_array_equal(after[k], before[k])
+  state, metrics = step(state, small)
+  assert np.isfinite(float(metrics["loss"]))
+  # A state the step did not return gets masters derived from its params, as before.
+  fresh = _mlp_state(tx, jnp.bfloat16, seed=1)
+  state = step.place(fresh, _batch())
+  for k, m in masters().items():
+    np.testing.assert_array_equal(m, np.asarray(fresh["params"][k], np.float32))
