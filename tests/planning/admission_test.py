@@ -11,7 +11,9 @@ import jaxtier
 
 def test_infeasible_budget_names_the_largest_leaves():
   with pytest.raises(jaxtier.PlanError) as err:
-    jaxtier.plan(STEP, mlp_state(), toy_batch(), device_budget=10_000)
+    # The serial schedule: on a GPU the layered updates' executor is the planner's own choice
+    # (tests/lowering/overlap_test.py), and this is the rule-based plan's.
+    jaxtier.plan(STEP, mlp_state(), toy_batch(), device_budget=10_000, overlap_update=False)
   msg = str(err.value)
   assert "over the device budget of 9.77 KiB (10000 bytes)" in msg
   assert "['params']['w1'] 256.00 KiB" in msg
@@ -72,6 +74,8 @@ def test_admission_counts_the_compiled_steps_pinned_bytes_beyond_the_state(monke
 def test_a_gpu_refusal_by_xlas_pinned_pool_names_the_value_that_fits(monkeypatch):
   # 13b for an absent H200: 94.55 GiB pinned over XLA's default 64 GiB pool. The fix names the
   # setting and the value that would hold the plan.
+  if jax.default_backend() == "gpu":
+    pytest.skip("planned for an absent H200; on a GPU machine the pool and host are this one's")
   from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   _, state, step = train.make_train_state("13b", 1e-3, abstract=True)
@@ -89,6 +93,8 @@ def test_a_refusal_by_the_pinned_pool_of_this_hosts_gpu_carries_the_setting_that
   # As admission sees it on a GPU machine (the pinnable limit measured on this host, HERE),
   # with 120 GiB available: the refusal names the pool size that fits and carries it as a
   # setting for the CLI to apply before JAX starts. Planned for an absent GPU, it does not.
+  if jax.default_backend() == "gpu":
+    pytest.skip("planned for an absent H200; on a GPU machine the pool and host are this one's")
   from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
   from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
   from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
@@ -142,6 +148,8 @@ def test_a_peak_over_what_jaxs_allocator_holds_is_refused_with_the_fraction_that
 def test_a_plan_over_the_ram_of_the_cpu_backend_is_refused_before_allocating(monkeypatch):
   # On the CPU backend device and pinned_host memory are this host's RAM: a plan needing more
   # than is available was a warning, then a raw RESOURCE_EXHAUSTED in the first step.
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend's check")
   import optax  # pylint: disable=g-import-not-at-top
   from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
   tx = optax.adam(1e-3)
