@@ -20,6 +20,7 @@ def _cli(tmp_path, *args, timeout=120):
                         text=True, env=env, cwd=tmp_path, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_plan_json_refused_exits_1_with_verdict(tmp_path):
   # The 8b state's device bytes alone are over 10 GiB: the plan is refused. The text form
   # prints REFUSED and exits 1; the JSON form exits 1 too and says so in fields.
@@ -66,6 +67,7 @@ def test_plan_for_an_absent_gpu_says_where_the_pinnable_limit_comes_from(tmp_pat
           "64.00 GiB") in out.stdout
 
 
+@pytest.mark.slow
 def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tmp_path):
   # The compiled step comes out over 7 MiB; the re-plans run against smaller internal
   # budgets (2-4 MiB), which nothing fits. The solver's verdict against those is not the
@@ -142,6 +144,7 @@ def _train(tmp_path, *args):
               f"--data={text}", *args)
 
 
+@pytest.mark.slow
 def test_train_over_the_budget_given_is_an_error_before_training(tmp_path):
   # 2 MiB holds the streamed decoder's device state but not its step's peak.
   out = _train(tmp_path, "--offload=stream", "--device_budget=2MiB")
@@ -161,6 +164,7 @@ def test_train_over_the_budget_given_is_an_error_before_training(tmp_path):
   assert "parameters (host_stream, placed by the policy) in pinned_host" in said
 
 
+@pytest.mark.slow
 def test_train_over_budget_runs_with_allow_over_budget_and_within_budget(tmp_path):
   out = _train(tmp_path, "--offload=auto", "--device_budget=2MiB", "--allow_over_budget")
   assert out.returncode == 0, out.stderr[-2000:]
@@ -178,6 +182,7 @@ def _plan_on_this_backend(tmp_path, *args):
                         text=True, env=env, cwd=tmp_path, timeout=600)
 
 
+@pytest.mark.slow
 def test_plan_cli_gpu_on_cpu_says_default_profile_and_plots(tmp_path):
   png = tmp_path / "plan.png"
   # 'small' keeps its activations (about 5 GB here): under 2 GB the plan rematerialises.
@@ -274,6 +279,7 @@ def test_a_data_file_that_is_not_text_is_refused(tmp_path):
   assert "uint16 token file whose name ends in .bin or .u16" in out.stderr
 
 
+@pytest.mark.slow
 def test_train_prints_no_info_log_lines_unless_asked(tmp_path):
   # absl printed jaxtier's INFO lines (`I1201 ... jaxtier: peak device memory ...`) into the
   # trainer's output; --verbosity=0 asks for them.

@@ -3,19 +3,92 @@
 `JAXTIER_REQUIRE_GPU=1` (set by the H200 benchmark scripts) turns a GPU skip into a failure.
 The planner's hardware profile cache (`jaxtier calibrate` writes it under XDG_CACHE_HOME) is a
 fresh empty directory for the test session, so that a profile calibrated on this machine does
-not change what the tests plan: every test sees the defaults unless it writes its own.
+not change what the tests plan: every test sees the defaults unless it writes its own. JAX's
+compilation cache is a fresh directory for the session too (below).
 """
 
+import atexit
+import importlib.metadata
+import importlib.util
 import os
+import shutil
 import tempfile
 
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxtier-tests-cache-")
+# JAX's persistent compilation cache, fresh for the session as the profile cache is: a program
+# compiled once (the example decoder's step, built and planned by many tests and by the CLI's
+# and benchmarks' subprocesses, which inherit these variables) is loaded, not compiled again.
+# The key is the program and its compile options, so a hit is the same executable; programs
+# with host callbacks are never cached (JAX's rule). The pytest-xdist workers (below) share the
+# session's directory where JAX can lock it (a size limit turns its file lock on; it needs the
+# filelock package), so that no process reads an entry another is still writing; else each
+# worker has its own.
+_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+_LOCKED = importlib.util.find_spec("filelock") is not None
+if not (_WORKER and _LOCKED and os.path.isdir(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))):
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxtier-tests-jit-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+if _LOCKED:
+  os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+# Not the small programs (most of them single ops run eagerly): loading one costs what
+# compiling it does.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+# Plans print as wide as the terminal (160 columns where there is none, as in CI): the tests
+# that read a printed plan, here and in the CLI's subprocesses, see that width whatever the
+# terminal (or pytest-xdist, which sets COLUMNS=80) says. A test that checks the wrapping sets
+# its own COLUMNS.
+os.environ["COLUMNS"] = "160"
 
 import jax
 import optax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The cache settings above, also where something imported JAX before this file set them.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+if _LOCKED:
+  jax.config.update("jax_compilation_cache_max_size",
+                    int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+
+
+XDIST_WORKERS = 2
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """Runs the tests on XDIST_WORKERS pytest-xdist workers (`-n 2 --dist worksteal`) where
+  pytest-xdist is installed, the machine has the cores and JAX can only use the CPU, unless
+  the command line says how (`-n 0` or `-p no:xdist`: in this process) or asks for what
+  workers do not give (`-s`, `--pdb`) or names single tests (`file::test`). Most of the suite's
+  time is single-threaded (XLA's compiles, the subprocesses' imports): on 2 cores this takes
+  about a quarter off. Each worker imports this file, so it has its own caches above, and its
+  tests run one at a time.
+
+  Not `addopts = "-n 2"`: pytest fails on that where pytest-xdist is missing, and a GPU
+  machine would start two processes on one GPU, each preallocating most of its memory.
+  """
+  if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+      or config.getoption("numprocesses", None) is not None
+      or config.getoption("dist", "no") != "no" or config.getoption("usepdb", False)
+      or config.getoption("capture", "fd") == "no"
+      or (config.args and all("::" in a for a in config.args))
+      or len(os.sched_getaffinity(0)) < XDIST_WORKERS or not _cpu_only()):
+    return
+  config.option.numprocesses = XDIST_WORKERS
+  config.option.dist = "worksteal"  # balances by stealing; keeps a module's tests together
+
+
+def _cpu_only() -> bool:
+  """Whether JAX here can use no accelerator (told JAX_PLATFORMS=cpu, or no PJRT plugin such as
+  jax-cuda12-plugin installed), known without starting a backend."""
+  if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+    return True
+  return not (importlib.metadata.entry_points(group="jax_plugins")
+              or importlib.util.find_spec("jax_plugins") or importlib.util.find_spec("libtpu"))
 
 
 def has_gpu() -> bool:

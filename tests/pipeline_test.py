@@ -23,6 +23,7 @@ def test_gpu_plan_without_a_gpu_uses_the_default_profile():
   assert ex and ex <= {"host_dha", "host_cpu", "host_split"}
 
 
+@pytest.mark.slow
 def test_offload_refines_its_plan_with_the_compiled_peak_and_keeps_it_within_budget(
     monkeypatch, caplog):
   # The pre-compile peak of a plan with optimizer state on the host is above its compiled
@@ -114,6 +115,7 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
                                 None, costs, state)
 
 
+@pytest.mark.slow
 def test_does_not_fit_is_said_only_of_a_plan_whose_compiled_step_is_over(caplog):
   # The streamed tiny decoder under a budget its first prediction is over but its compiled
   # step is under: the plan fits, and nothing warned DOES NOT FIT on the way (it did, before
@@ -142,6 +144,7 @@ def test_does_not_fit_is_said_only_of_a_plan_whose_compiled_step_is_over(caplog)
   assert [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_auto_streams_where_only_the_streamed_compiled_step_fits(caplog):
   # The tiny decoder under a budget between the compiled peaks of its streamed step and of
   # its best unstreamed one (optimizer state on the host): the solver's prediction finds no

@@ -162,6 +162,9 @@ def _run_cluster(out_dir) -> list[dict]:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=2",
              PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+  # Not the session's compilation cache (conftest.py): the two workers run at once, and one
+  # could read an entry the other is still writing.
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
   port = _free_port()
   procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(port), str(out_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

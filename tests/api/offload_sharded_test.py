@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 # Both subprocess scripts start alike: 8 CPU devices, an MLP trained with AdamW.
 PRELUDE = textwrap.dedent("""
     import json, os
@@ -131,6 +133,7 @@ PLAN_SCRIPT = PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_planner_budgets_per_device_on_dp_fsdp_tp_meshes(tmp_path):
   # Bytes per device are per shard; a per-device budget below the all-device peak moves the
   # biggest moments (per shard) to pinned_host, keeping their sharding spec; training matches.

@@ -32,6 +32,7 @@ def dp8(tmp_path_factory):
   return _bench(tmp_path_factory.mktemp("dp8"))
 
 
+@pytest.mark.slow
 def test_fetch_on_eight_devices(dp8):
   r, stdout = dp8
   assert r["env"]["NCCL_NVLS_ENABLE"] == "0" and r["num_devices"] == 8 and "error" not in r
@@ -56,6 +57,7 @@ def test_fetch_on_eight_devices(dp8):
   assert "scaling efficiency" in stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_e2e_data_parallel_on_eight_devices_and_one(dp8):
   e = dp8[0]["e2e"]
   assert e["n"]["num_devices"] == 8 and e["one"]["num_devices"] == 1
@@ -67,6 +69,7 @@ def test_e2e_data_parallel_on_eight_devices_and_one(dp8):
   assert e["scaling_efficiency"] > 0
 
 
+@pytest.mark.slow
 def test_zero1_shards_host_state_and_trains_like_dp(dp8, tmp_path):
   r, _ = _bench(tmp_path, "--e2e_sharding=zero1", "--skip_fetch")
   e, dp = r["e2e"], dp8[0]["e2e"]

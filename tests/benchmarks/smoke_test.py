@@ -27,7 +27,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(CASES))
+# The two slowest (tens of seconds on a 2-core CPU: several subprocesses each) are marked slow.
+SLOW = ("planner_bench.py", "e2e_smoke.py")
+
+
+@pytest.mark.parametrize("script", [
+    pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in sorted(CASES)])
 def test_benchmark_runs_at_toy_sizes(script, tmp_path):
   args, result = CASES[script]
   out = (str(tmp_path / result) if script == "diagnostics/streaming_primitives_check.py"

@@ -31,8 +31,15 @@ def _run(corpus, **kwargs):
   return train.run(**kwargs)
 
 
-def test_run_loss_falls(corpus):
-  result = _run(corpus)
+@pytest.fixture(scope="module")
+def device_run(corpus):
+  """`_run`'s defaults on the device (jax.jit): 20 steps. The streamed run's reference too (its
+  losses do not depend on log_every: test_run_is_deterministic)."""
+  return _run(corpus)
+
+
+def test_run_loss_falls(device_run):
+  result = device_run
   losses = result["losses"]
   assert len(losses) == 20 and len(result["step_times"]) == 20
   assert all(math.isfinite(x) for x in losses)
@@ -40,6 +47,7 @@ def test_run_loss_falls(corpus):
   assert result["tokens_per_sec"] > 0
 
 
+@pytest.mark.slow
 def test_run_is_deterministic(corpus):
   a = _run(corpus, steps=5, clip=True, log_every=2)
   b = _run(corpus, steps=5, clip=True, log_every=5)
@@ -48,6 +56,7 @@ def test_run_is_deterministic(corpus):
   assert c["losses"] != a["losses"]
 
 
+@pytest.mark.slow
 def test_decoder_offloaded_equals_device_50_steps(corpus):
   # Same seed, 50 steps, fp32: the loss traces are equal within 1e-5 relative.
   ref = _run(corpus, steps=50, offload="none", log_every=50)
@@ -59,10 +68,12 @@ def test_decoder_offloaded_equals_device_50_steps(corpus):
   assert executor in got["plan"] and "optimizer_state" in got["plan"]
 
 
-def test_decoder_streamed_params_equal_device(corpus):
+@pytest.mark.slow
+def test_decoder_streamed_params_equal_device(corpus, device_run):
   # The layer stack's params placed host_stream (fetched layer by layer in the forward and the
-  # backward scans, gradients sent to pinned_host): the loss trace equals the device run's.
-  ref = _run(corpus, steps=20, offload="none", log_every=20)
+  # backward scans, gradients sent to pinned_host): the loss trace equals the device run's
+  # (the same 20 steps, offload="none").
+  ref = device_run
   got = _run(corpus, steps=20, offload="stream", log_every=20, clip=False)
   np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
   assert "host_stream" in got["plan"] and "['layers']" in got["plan"]
