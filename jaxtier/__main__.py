@@ -189,6 +189,11 @@ def main(argv: list[str]) -> None:
   if argv[1] == "train":
     try:
       train_lib.main(argv[:1])
+    except KeyboardInterrupt:
+      # Ctrl-C ends the command; nothing is saved (the trainer keeps no checkpoint), so a
+      # traceback through the training loop would say nothing more.
+      print("\ninterrupted: training stopped (Ctrl-C); nothing was saved", file=sys.stderr)
+      sys.exit(130)
     except train_lib.OverBudgetError as e:
       print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
       sys.exit(1)
