@@ -278,7 +278,7 @@ if os.environ["DROPPED"]:
 p("programs: python3 benchmarks/sanitizer_programs.py --family=F (XLA_FLAGS "
   "--xla_gpu_autotune_level=0, XLA_PYTHON_CLIENT_ALLOCATOR=platform, "
   "XLA_PYTHON_CLIENT_PREALLOCATE=false, JAXTIER_HOST_CPU_CHUNK_BYTES=1 MiB, "
-  "JAXTIER_CPU_THREADS=4, JAXTIER_TIME_SCANS=0)")
+  "JAXTIER_DHA_SCATTER_CHUNK_BYTES=8 KiB, JAXTIER_CPU_THREADS=4, JAXTIER_TIME_SCANS=0)")
 if os.environ["ALLOCS"]:
   p("  allocator fallback (the program failed with the platform allocator): "
     + os.environ["ALLOCS"])

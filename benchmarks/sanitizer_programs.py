@@ -14,7 +14,11 @@ Families (`--family`):
   f32 and bf16, stacked pinned_host w) over every M tile of the kernel (M = 5 .. 600, the last
   in two 512-row chunks), w rows that allow 16-byte loads and rows that do not, with the
   split reduction (partial sums + DhaReduceKernel, as sized for this GPU) and without it
-  (a second program traced as if no GPU were seen).
+  (a second program traced as if no GPU were seen); `jaxtier_dha_scatter_add_ffi` into donated
+  pinned_host buffers (f32 and bf16, rows of either dtype, ids of rank 1 and 2 with repeats and
+  out-of-range ids, no ids at all, rows larger than a staging slot) staged in 2 to 78 chunks
+  (JAXTIER_DHA_SCATTER_CHUNK_BYTES=8 KiB), each round writing the previous round's buffers in
+  place; bitwise against numpy.
 - `stream` (stream_kernels.cu): `jaxtier_stream_fetch_ffi` (two leaves at once, double
   buffered, with `after` pass-throughs), `jaxtier_stream_wait_ffi` (h2d and d2h) and
   `jaxtier_stream_send_ffi` (two donated pinned_host leaves, every layer) in one jitted
@@ -37,7 +41,8 @@ Environment set here before JAX starts (each only if not already set): XLA_FLAGS
 --xla_gpu_autotune_level=0; XLA_PYTHON_CLIENT_PREALLOCATE=false;
 XLA_PYTHON_CLIENT_ALLOCATOR=platform (each device buffer its own cudaMalloc, so that memcheck
 sees its bounds instead of one pool); JAXTIER_CPU_THREADS=4; JAXTIER_HOST_CPU_CHUNK_BYTES=1 MiB;
-JAXTIER_TIME_SCANS=0 (offload's planner runs no timing programs).
+JAXTIER_DHA_SCATTER_CHUNK_BYTES=8 KiB; JAXTIER_TIME_SCANS=0 (offload's planner runs no timing
+programs).
 
 Prints one `CHECK ... ok|FAILED` line per check, a `COVERAGE` line (the jaxtier custom calls in
 the compiled programs and how many times they ran) and one final line
@@ -84,6 +89,8 @@ def set_environment(platform: str) -> None:
   os.environ.setdefault("JAXTIER_CPU_THREADS", "4")
   # 1 MiB (the layer calls' minimum): the host_cpu staging runs in several chunks here.
   os.environ.setdefault("JAXTIER_HOST_CPU_CHUNK_BYTES", str(1 << 20))
+  # 8 KiB staging slots: the dha scatter-adds run in several chunks here.
+  os.environ.setdefault("JAXTIER_DHA_SCATTER_CHUNK_BYTES", str(8 << 10))
   os.environ.setdefault("JAXTIER_TIME_SCANS", "0")  # offload: the planner times no scan bodies
   if platform:
     os.environ["JAX_PLATFORMS"] = platform
@@ -178,6 +185,14 @@ GATHERS = (("bfloat16", 300, 64, (5, 41)), ("float32", 300, 33, (205,)),
 W_SHAPES = {"a": (2, 160, 72), "b": (2, 97, 130)}
 # (w, M): every M tile of DispatchTile (<= 8, 16, 32, 64, 128, 256, then 512-row chunks).
 MATMULS = tuple(("a", m) for m in (5, 12, 33, 100, 200, 600)) + (("b", 33), ("b", 600))
+# (buffer dtype, rows dtype, V, D, ids shape). With 8 KiB slots (7,936 bytes of ids and rows):
+# 30 ids a chunk -> 7 chunks; 113 -> 2; 15 -> 34; 3 -> 13; 220 -> 78 (more ids than one slot
+# holds many times over); a bf16 row of 10,000 bytes, larger than a slot (which grows to one id
+# and one row: 9 chunks); no ids (the buffer is only zeroed).
+SCATTERS = (("float32", "float32", 300, 64, (5, 41)), ("float32", "bfloat16", 300, 33, (205,)),
+            ("bfloat16", "float32", 1000, 130, (3, 170)),
+            ("bfloat16", "bfloat16", 64, 1040, (37,)), ("float32", "float32", 50, 8, (17_000,)),
+            ("float32", "bfloat16", 16, 5000, (9,)), ("bfloat16", "float32", 20, 4, (0,)))
 
 
 def run_dha(ctx):
@@ -185,7 +200,7 @@ def run_dha(ctx):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
-  from jaxtier.experimental import dha  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.primitives import dha  # pylint: disable=g-import-not-at-top
 
   device = jax.devices()[0]
   mesh = Mesh([device], ("d",))
@@ -294,6 +309,62 @@ def run_dha(ctx):
       outs = jax.block_until_ready(compiled(dev_tables, put(ids, dev), put(xs, dev), dev_ws))
       ctx.ran(found)
       ctx.check(f"dha {name} round {r}", lambda: check_round(outs, ids, xs, f"{name} r{r}"))
+
+  run_dha_scatter_add(ctx, dha, host, dev, cast)
+
+
+def run_dha_scatter_add(ctx, dha, host, dev, cast):
+  """scatter_add into donated pinned_host buffers, each round into the previous round's."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def program(buffers, ids, rows):
+    return [dha.scatter_add(b, i, r) for b, i, r in zip(buffers, ids, rows)]
+
+  k = len(SCATTERS)
+  jitted = jax.jit(program, donate_argnums=0, in_shardings=([host] * k, [dev] * k, [dev] * k),
+                   out_shardings=[host] * k)
+
+  def inputs(seed):
+    r = np.random.default_rng(200 + seed)
+    ids, rows = [], []
+    for _, rdt, v, d, shape in SCATTERS:
+      i = r.integers(-8, v + 8, size=shape).astype(np.int32)  # some out of range
+      flat = i.reshape(-1)
+      flat[::5] = 1  # row 1 in most chunks: its fp32 sum runs across them
+      flat[:6] = [-1, v, v - 1, 0, 1, 1][:flat.size]
+      ids.append(i)
+      rows.append(cast(r.normal(size=shape + (d,)), rdt))
+    return ids, rows
+
+  def want(v, d, bdt, i, rows):
+    i = i.reshape(-1)
+    valid = (i >= 0) & (i < v)
+    acc = np.zeros((v, d), np.float32)
+    np.add.at(acc, i[valid], np.asarray(rows, np.float32).reshape(-1, d)[valid])
+    return cast(acc, bdt)
+
+  buffers = [jax.device_put(jnp.full((v, d), 7.0, bdt), host) for bdt, _, v, d, _ in SCATTERS]
+  compiled = found = None
+  for r in range(ctx.rounds):
+    ids, rows = inputs(r)
+    args = (buffers, [jax.device_put(i, dev) for i in ids], [jax.device_put(x, dev) for x in rows])
+    if compiled is None:
+      compiled, found = ctx.compiled(jitted, *args)
+    pointers = [b.unsafe_buffer_pointer() for b in buffers]
+    buffers = jax.block_until_ready(compiled(*args))
+    ctx.ran(found)
+
+    def check(outs=buffers, ids=ids, rows=rows, pointers=pointers, r=r):
+      for (bdt, rdt, v, d, shape), out, i, x, p in zip(SCATTERS, outs, ids, rows, pointers):
+        what = f"r{r} scatter_add {bdt} [{v}, {d}] rows {rdt} ids {shape}"
+        if out.sharding.memory_kind != "pinned_host" or out.unsafe_buffer_pointer() != p:
+          raise AssertionError(f"{what}: not written in place in pinned_host "
+                               f"({out.sharding.memory_kind})")
+        _bits_equal(_read(out), want(v, d, bdt, i, x), what)
+      return f"{k} scatter-adds in place, bitwise equal to numpy"
+    ctx.check(f"dha scatter_add round {r}", check)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ def registrations() -> dict[str, dict[str, Any]]:
     first. Targets: ``"jaxtier_host_update_ffi"``, ``"jaxtier_stream_fetch_ffi"``,
     ``"jaxtier_host_update_layer_ffi"``, ``"jaxtier_host_update_join_ffi"``,
     ``"jaxtier_stream_wait_ffi"``, ``"jaxtier_stream_send_ffi"``, ``"jaxtier_dha_gather_ffi"``,
-    ``"jaxtier_dha_matmul_ffi"`` (the layer, join, gather and matmul targets are plain capsules on both platforms).
+    ``"jaxtier_dha_matmul_ffi"``, ``"jaxtier_dha_scatter_add_ffi"`` (the layer, join, gather and
+    matmul targets are plain capsules on both platforms; scatter_add is stateful on "CUDA").
     """
 
 def state_types() -> dict[str, dict[str, dict[str, Any]]]:
@@ -22,7 +23,7 @@ def state_types() -> dict[str, dict[str, dict[str, Any]]]:
     ``jax.ffi.register_ffi_type(name, registration, platform=...)``, which must run before
     ``registrations()`` are registered (XLA checks the state type when it registers a handler).
     ``{}`` in a build without CUDA; else ``{"CUDA": {"jaxtier_host_update_state": ...,
-    "jaxtier_stream_state": ...}}``.
+    "jaxtier_stream_state": ..., "jaxtier_dha_scatter_add_state": ...}}``.
     """
 
 def has_cuda() -> bool:

@@ -26,20 +26,49 @@
 // writes y directly. (XLA's FFI ScratchAllocator is not used: on jax 0.11.2 / CUDA it failed
 // every allocation, even of 100 KB.)
 //
-// Neither handler is marked kCmdBufferCompatible: their behaviour under XLA's command-buffer
-// (CUDA graph) capture with pinned_host operands has not been verified.
+// scatter_add (jaxtier_dha_scatter_add_ffi): buffer = 0, buffer[ids[n]] += rows[n], written in
+// place into a donated pinned_host buffer by the host CPUs, never by the GPU: zeroing a 2 GB
+// buffer over PCIe would alone take ~40 ms of the link, and host memory writes at host DRAM
+// speed. No kernel runs. The handler only enqueues, on two streams of its own:
+//   copy stream  ids[lo, hi) and rows[lo, hi) of chunk c to pinned staging slot c % 2 (copy
+//                engine, cudaMemcpyAsync), after the host has finished with chunk c - 2 there;
+//   host stream  host functions (cudaLaunchHostFunc, no CUDA call inside), on jaxtier's CPU
+//                thread pool: zero an f32 buffer (ScatterAddBegin, dha.cc, while the first two
+//                chunks are copied), then per chunk, once its copy is done, add it into the
+//                buffer or a bf16 buffer's fp32 sums (ScatterAddChunk), then write a bf16
+//                buffer once, whole: sums rounded, zeros elsewhere (ScatterAddEnd).
+// Ordering: both streams wait for an event recorded on XLA's stream at the call (the ids and
+// rows are written, earlier readers of the buffer are done); XLA's stream waits for an event
+// recorded on the host stream after the last host function, so all later work on it sees the
+// finished buffer, and the next call (whose streams wait for XLA's stream) never finds staging
+// or scratch in use. Pinned staging: two slots of at most JAXTIER_DHA_SCATTER_CHUNK_BYTES
+// (default 16 MiB, so 32 MiB; a slot grows to one id and one row when a row is larger, and is
+// smaller when all the ids and rows of a call fit in less), per call site (FFI state, made by
+// the instantiate stage) and device, allocated on first use, grown only, freed with the
+// executable. A bf16 buffer's fp32 sums (dha.h, ScatterAddScratch) live beside it.
+//
+// No handler here is marked kCmdBufferCompatible: the behaviour of gather and matmul under
+// XLA's command-buffer (CUDA graph) capture with pinned_host operands has not been verified,
+// and scatter_add uses its own streams, event waits and host functions.
 // No nanobind here: module.cc registers the symbols.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dha.h"
 #include "ffi_helpers.h"
 #include "handlers.h"
+#include "program.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -464,7 +493,319 @@ ffi::Error DhaMatmulCudaImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
                      : DispatchTile<uint16_t, false>(stream, s, xp, wl, yp, pp, splits);
 }
 
+// ------------------------------------------------------------------------------------------------
+// scatter_add: host CPUs zero and fill the host buffer, fed by copy-engine copies to staging
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kScatterSlots = 2;
+constexpr int64_t kDefaultScatterChunkBytes = int64_t{16} << 20;
+constexpr int64_t kMinScatterChunkBytes = int64_t{4} << 10;
+constexpr int64_t kScatterAlignBytes = 256;
+
+int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// One device's streams, events, pinned staging and bf16 scratch, for one call site. One call
+// enqueues at a time (mu); the host functions of one call at a time use staging and scratch
+// (stream order: a call's streams wait for XLA's stream, which waits for the previous call).
+struct ScatterDevice {
+  explicit ScatterDevice(int device) : device(device) {}
+  ~ScatterDevice();
+  ScatterDevice(const ScatterDevice&) = delete;
+  ScatterDevice& operator=(const ScatterDevice&) = delete;
+
+  // Creates the streams and events (on the current device, which must be `device`).
+  ffi::Error Init();
+  // Waits until no host function or copy of an earlier call can still use staging or scratch.
+  ffi::Error Quiesce(const char* why);
+  // Makes the pinned staging at least `bytes` long (growing waits for the streams first).
+  ffi::Error EnsureStaging(int64_t bytes);
+
+  const int device;
+  std::mutex mu;
+  cudaStream_t copy_stream = nullptr;
+  cudaStream_t host_stream = nullptr;
+  cudaEvent_t start = nullptr;  // on XLA's stream, at the call
+  cudaEvent_t done = nullptr;   // on the host stream, after the last host function
+  cudaEvent_t copied[kScatterSlots] = {};    // on the copy stream: a slot's chunk is staged
+  cudaEvent_t consumed[kScatterSlots] = {};  // on the host stream: a slot's chunk is added
+  char* staging = nullptr;  // pinned host memory, kScatterSlots slots
+  int64_t staging_bytes = 0;
+  dha::ScatterAddScratch scratch;  // bf16 buffers: the fp32 sums
+};
+
+ffi::Error ScatterDevice::Init() {
+  for (cudaStream_t* s : {&copy_stream, &host_stream}) {
+    JT_CUDA_CHECK(dha::kScatterAddName, cudaStreamCreateWithFlags(s, cudaStreamNonBlocking),
+                  "a stream of the scatter-add");
+  }
+  for (cudaEvent_t* e : {&start, &done, &copied[0], &copied[1], &consumed[0], &consumed[1]}) {
+    JT_CUDA_CHECK(dha::kScatterAddName, cudaEventCreateWithFlags(e, cudaEventDisableTiming),
+                  "an event of the scatter-add");
+  }
+  static_assert(kScatterSlots == 2, "Init lists the slots' events");
+  return ffi::Error::Success();
+}
+
+ffi::Error ScatterDevice::Quiesce(const char* why) {
+  for (cudaStream_t s : {copy_stream, host_stream}) {
+    JT_CUDA_CHECK(dha::kScatterAddName, cudaStreamSynchronize(s), why);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ScatterDevice::EnsureStaging(int64_t bytes) {
+  if (staging_bytes >= bytes) return ffi::Error::Success();
+  JT_RETURN_IF_ERROR(Quiesce("before growing the pinned staging"));
+  if (staging != nullptr) {
+    JT_CUDA_CHECK(dha::kScatterAddName, cudaFreeHost(staging), "the pinned staging");
+    staging = nullptr;
+    staging_bytes = 0;
+  }
+  void* p = nullptr;
+  JT_CUDA_CHECK(dha::kScatterAddName,
+                cudaHostAlloc(&p, static_cast<size_t>(bytes), cudaHostAllocPortable),
+                std::to_string(bytes) + " bytes of pinned staging");
+  staging = static_cast<char*>(p);
+  staging_bytes = bytes;
+  return ffi::Error::Success();
+}
+
+ScatterDevice::~ScatterDevice() {
+  // CUDA errors are ignored here (void): nothing can report them (this runs when XLA frees the
+  // executable, through the state type's deleter, possibly at process exit).
+  int previous = -1;
+  const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device &&
+                        cudaSetDevice(device) == cudaSuccess;
+  for (cudaStream_t s : {copy_stream, host_stream}) {
+    if (s != nullptr) (void)cudaStreamSynchronize(s);
+  }
+  if (staging != nullptr) (void)cudaFreeHost(staging);
+  for (cudaEvent_t e : {start, done, copied[0], copied[1], consumed[0], consumed[1]}) {
+    if (e != nullptr) (void)cudaEventDestroy(e);
+  }
+  for (cudaStream_t s : {copy_stream, host_stream}) {
+    if (s != nullptr) (void)cudaStreamDestroy(s);
+  }
+  if (switched) (void)cudaSetDevice(previous);
+  (void)cudaGetLastError();  // leave no error of ours behind for a later check on this thread
+}
+
+// Per-instance state (one per scatter_add call site of an executable), made by the instantiate
+// stage; its devices' resources are made on first use.
+struct ScatterAddState {
+  static ffi::TypeId id;
+
+  int64_t chunk_bytes = kDefaultScatterChunkBytes;  // staging bytes per slot
+
+  ffi::Error Resources(int device, ScatterDevice** out) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (device < 0) {
+      return Internal(dha::kScatterAddName, "invalid current device " + std::to_string(device));
+    }
+    if (devices.size() <= static_cast<size_t>(device)) devices.resize(device + 1);
+    if (devices[device] == nullptr) {
+      auto r = std::make_unique<ScatterDevice>(device);
+      JT_RETURN_IF_ERROR(r->Init());
+      devices[device] = std::move(r);
+    }
+    *out = devices[device].get();
+    return ffi::Error::Success();
+  }
+
+  std::mutex mu;
+  std::vector<std::unique_ptr<ScatterDevice>> devices;  // by device ordinal
+};
+
+ffi::TypeId ScatterAddState::id = {};  // assigned by XLA when the type is registered
+
+void DeleteScatterAddState(void* state) { delete static_cast<ScatterAddState*>(state); }
+
+// One call, as its host functions see it: heap-allocated, reference-counted by the handler and
+// by each host function enqueued, deleted by the last to finish.
+struct ScatterCall;
+
+struct ScatterChunk {
+  ScatterCall* call;
+  int slot;
+  int64_t count;  // ids in the chunk
+};
+
+struct ScatterCall {
+  dha::ScatterAddShape shape;
+  void* buffer = nullptr;  // host memory
+  dha::ScatterAddScratch* scratch = nullptr;
+  char* slot_base[kScatterSlots] = {};
+  int64_t rows_offset = 0;  // bytes into a slot where the rows start (the ids at 0)
+  std::vector<ScatterChunk> chunks;
+  std::atomic<int> refs{1};  // the handler's
+};
+
+void Release(ScatterCall* call) {
+  if (call->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete call;
+}
+
+// Host functions: no CUDA calls in here (cudaLaunchHostFunc's contract). They block while the
+// CPU thread pool works.
+void CUDART_CB ScatterBeginHostFn(void* arg) {
+  ScatterCall* call = static_cast<ScatterCall*>(arg);
+  dha::ScatterAddBegin(call->shape, call->buffer, call->scratch);
+  Release(call);
+}
+
+void CUDART_CB ScatterChunkHostFn(void* arg) {
+  const ScatterChunk* chunk = static_cast<const ScatterChunk*>(arg);
+  ScatterCall* call = chunk->call;
+  {
+    host_update::ScopedIeeeFloatingPoint ieee;  // the CPU handler's bits
+    const char* slot = call->slot_base[chunk->slot];
+    dha::ScatterAddChunk(call->shape, call->buffer, reinterpret_cast<const int32_t*>(slot),
+                         slot + call->rows_offset, chunk->count, call->scratch);
+  }
+  Release(call);
+}
+
+void CUDART_CB ScatterEndHostFn(void* arg) {
+  ScatterCall* call = static_cast<ScatterCall*>(arg);
+  {
+    host_update::ScopedIeeeFloatingPoint ieee;
+    dha::ScatterAddEnd(call->shape, call->buffer, call->scratch);
+  }
+  Release(call);
+}
+
+// Enqueues fn(arg), a host function that releases a reference to `call` when it has run.
+ffi::Error LaunchScatterHostFn(cudaStream_t stream, cudaHostFn_t fn, void* arg,
+                               ScatterCall* call) {
+  call->refs.fetch_add(1, std::memory_order_relaxed);  // before: fn may run at once
+  if (const cudaError_t e = cudaLaunchHostFunc(stream, fn, arg); e != cudaSuccess) {
+    call->refs.fetch_sub(1, std::memory_order_relaxed);  // fn never runs; the handler holds one
+    return CudaError(dha::kScatterAddName, "cudaLaunchHostFunc", "a host function",
+                     __FILE__, __LINE__, e);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::unique_ptr<ScatterAddState>> DhaScatterAddCudaInstantiateImpl() {
+  auto state = std::make_unique<ScatterAddState>();
+  if (const char* env = std::getenv("JAXTIER_DHA_SCATTER_CHUNK_BYTES"); env && *env) {
+    char* end = nullptr;
+    const long long v = std::strtoll(env, &end, 10);
+    if (end == env || *end != '\0' || v < kMinScatterChunkBytes) {
+      return ffi::Unexpected<ffi::Error>(
+          Invalid(dha::kScatterAddName, "value",
+                  "environment variable JAXTIER_DHA_SCATTER_CHUNK_BYTES",
+                  "an integer number of bytes >= " + std::to_string(kMinScatterChunkBytes), env));
+    }
+    state->chunk_bytes = v;
+  }
+  return ffi::ErrorOr<std::unique_ptr<ScatterAddState>>(std::move(state));
+}
+
+ffi::Error DhaScatterAddCudaImpl(cudaStream_t xla_stream, ScatterAddState* state,
+                                 ffi::AnyBuffer buffer, ffi::Buffer<ffi::S32> ids,
+                                 ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> out) {
+  const char* op = dha::kScatterAddName;
+  dha::ScatterAddShape s;
+  JT_RETURN_IF_ERROR(dha::CheckScatterAdd(buffer, ids, rows, *out, &s));
+  if (s.buffer_bytes() == 0) return ffi::Error::Success();
+  // The host CPUs write the buffer: it must be host memory (pinned_host), not device memory.
+  cudaPointerAttributes attr;
+  JT_CUDA_CHECK(op, cudaPointerGetAttributes(&attr, buffer.untyped_data()), "input 0 (buffer)");
+  if (attr.type == cudaMemoryTypeDevice) {
+    return Invalid(op, "memory", "input 0 (buffer)",
+                   "host memory (memory kind pinned_host: the host CPUs zero and write it)",
+                   "device memory");
+  }
+  int device = 0;
+  JT_CUDA_CHECK(op, cudaGetDevice(&device), "");
+  ScatterDevice* dev = nullptr;
+  JT_RETURN_IF_ERROR(state->Resources(device, &dev));
+  std::lock_guard<std::mutex> lock(dev->mu);
+
+  // Chunks: as many ids (4 bytes each, then their rows) as a slot of chunk_bytes holds, at
+  // least one.
+  const int64_t row_bytes = s.row_bytes();
+  const int64_t n = s.num_ids;
+  int64_t chunk_ids = std::max<int64_t>(
+      1, (state->chunk_bytes - kScatterAlignBytes) / (4 + row_bytes));
+  chunk_ids = std::min(chunk_ids, std::max<int64_t>(n, 1));
+  const int64_t rows_offset = AlignUp(chunk_ids * 4, kScatterAlignBytes);
+  const int64_t slot_bytes = AlignUp(rows_offset + chunk_ids * row_bytes, kScatterAlignBytes);
+  const int64_t num_chunks = (n + chunk_ids - 1) / chunk_ids;
+  if (num_chunks > 0) JT_RETURN_IF_ERROR(dev->EnsureStaging(kScatterSlots * slot_bytes));
+  if (!dev->scratch.Fits(s, chunk_ids)) {
+    JT_RETURN_IF_ERROR(dev->Quiesce("before growing the scatter-add's host scratch"));
+    JT_RETURN_IF_ERROR(dev->scratch.Reserve(s, chunk_ids));
+  }
+
+  auto owned = std::make_unique<ScatterCall>();
+  ScatterCall* call = owned.get();
+  call->shape = s;
+  call->buffer = out->untyped_data();
+  call->scratch = &dev->scratch;
+  call->rows_offset = rows_offset;
+  for (int k = 0; k < kScatterSlots; ++k) call->slot_base[k] = dev->staging + k * slot_bytes;
+  call->chunks.resize(static_cast<size_t>(num_chunks));
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    call->chunks[c] = ScatterChunk{call, static_cast<int>(c % kScatterSlots),
+                                   std::min(chunk_ids, n - c * chunk_ids)};
+  }
+  // From here on host functions hold references; the handler drops its own when it returns.
+  struct HandlerRef {
+    ScatterCall* call;
+    ~HandlerRef() { Release(call); }
+  } handler_ref{owned.release()};
+
+  JT_CUDA_CHECK(op, cudaEventRecord(dev->start, xla_stream), "the start of the call");
+  for (cudaStream_t st : {dev->copy_stream, dev->host_stream}) {
+    JT_CUDA_CHECK(op, cudaStreamWaitEvent(st, dev->start, 0), "a scatter-add stream on XLA's");
+  }
+  JT_RETURN_IF_ERROR(LaunchScatterHostFn(dev->host_stream, ScatterBeginHostFn, call, call));
+  const char* id_src = reinterpret_cast<const char*>(ids.typed_data());
+  const char* row_src = static_cast<const char*>(rows.untyped_data());
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    ScatterChunk* chunk = &call->chunks[c];
+    const int slot = chunk->slot;
+    char* base = call->slot_base[slot];
+    const int64_t lo = c * chunk_ids;
+    if (c >= kScatterSlots) {
+      JT_CUDA_CHECK(op, cudaStreamWaitEvent(dev->copy_stream, dev->consumed[slot], 0),
+                    "the copy stream on the host's use of a staging slot");
+    }
+    JT_CUDA_CHECK(op,
+                  cudaMemcpyAsync(base, id_src + lo * 4, static_cast<size_t>(chunk->count * 4),
+                                  cudaMemcpyDefault, dev->copy_stream),
+                  "input 1 (ids) to pinned staging");
+    if (row_bytes > 0) {
+      JT_CUDA_CHECK(op,
+                    cudaMemcpyAsync(base + rows_offset, row_src + lo * row_bytes,
+                                    static_cast<size_t>(chunk->count * row_bytes),
+                                    cudaMemcpyDefault, dev->copy_stream),
+                    "input 2 (rows) to pinned staging");
+    }
+    JT_CUDA_CHECK(op, cudaEventRecord(dev->copied[slot], dev->copy_stream), "a staged chunk");
+    JT_CUDA_CHECK(op, cudaStreamWaitEvent(dev->host_stream, dev->copied[slot], 0),
+                  "the host stream on a staged chunk");
+    JT_RETURN_IF_ERROR(LaunchScatterHostFn(dev->host_stream, ScatterChunkHostFn, chunk, call));
+    JT_CUDA_CHECK(op, cudaEventRecord(dev->consumed[slot], dev->host_stream),
+                  "an added chunk");
+  }
+  JT_RETURN_IF_ERROR(LaunchScatterHostFn(dev->host_stream, ScatterEndHostFn, call, call));
+  JT_CUDA_CHECK(op, cudaEventRecord(dev->done, dev->host_stream), "the end of the scatter-add");
+  JT_CUDA_CHECK(op, cudaStreamWaitEvent(xla_stream, dev->done, 0),
+                "XLA's stream on the scatter-add");
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_TypeId* DhaScatterAddCudaStateTypeId() { return &ScatterAddState::id; }
+
+const XLA_FFI_TypeInfo* DhaScatterAddCudaStateTypeInfo() {
+  static const XLA_FFI_TypeInfo info = {XLA_FFI_TypeInfo_STRUCT_SIZE, nullptr,
+                                        &DeleteScatterAddState};
+  return &info;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaGatherCuda, DhaGatherCudaImpl,
                               ffi::Ffi::Bind()
@@ -482,5 +823,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaMatmulCuda, DhaMatmulCudaImpl,
                                   .Ret<ffi::AnyBuffer>()          // partial sums [S, M, O] f32
                                   .Attr<int64_t>("index")         // layer of a stacked w
                                   .Attr<int32_t>("transpose"));   // 1: y = x @ w[index]^T
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaScatterAddCudaInstantiate, DhaScatterAddCudaInstantiateImpl,
+                              ffi::Ffi::BindInstantiate());
+
+// Not kCmdBufferCompatible: its own streams, event waits and host functions.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaScatterAddCuda, DhaScatterAddCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::State<ScatterAddState>>()        // state
+                                  .Arg<ffi::AnyBuffer>()          // buffer [V, D] (pinned_host)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ids [...]
+                                  .Arg<ffi::AnyBuffer>()          // rows [..., D]
+                                  .Ret<ffi::AnyBuffer>());        // the buffer (aliased)
 
 }  // namespace jaxtier

@@ -19,9 +19,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamFetchCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamWaitCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(StreamSendCpu);
 
-// Targets `jaxtier_dha_gather_ffi` and `jaxtier_dha_matmul_ffi` on platform "cpu" (dha.cc).
+// Targets `jaxtier_dha_gather_ffi`, `jaxtier_dha_matmul_ffi` and `jaxtier_dha_scatter_add_ffi`
+// on platform "cpu" (dha.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaGatherCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaMatmulCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaScatterAddCpu);
 
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
 // Target `jaxtier_host_update_ffi` on platform "CUDA" (host_update_kernels.cu): the instantiate
@@ -37,6 +39,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateJoinCuda);
 // (dha_kernels.cu): stateless, the kernels read the host operand in place.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaGatherCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaMatmulCuda);
+// Target `jaxtier_dha_scatter_add_ffi` on platform "CUDA" (dha_kernels.cu): the instantiate stage
+// (per-instance state: streams, events, pinned staging) and the execute stage. Its state type is
+// registered as "jaxtier_dha_scatter_add_state".
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaScatterAddCudaInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaScatterAddCuda);
+XLA_FFI_TypeId* DhaScatterAddCudaStateTypeId();
+const XLA_FFI_TypeInfo* DhaScatterAddCudaStateTypeInfo();
 
 // The per-instance state type of the CUDA handler, registered with XLA (as
 // "jaxtier_host_update_state", platform "CUDA") before the handler: its type id (XLA writes the

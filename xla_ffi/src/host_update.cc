@@ -876,6 +876,17 @@ void RunCpuPlan(const HostUpdateParams& p, const CpuPlan& plan, int64_t lo, int6
   });
 }
 
+int CpuThreads() { return ThreadPool::Global().num_threads(); }
+
+void ParallelFor(int64_t num_tasks, const std::function<void(int64_t)>& fn) {
+  if (num_tasks <= 0) return;
+  if (num_tasks == 1 || ThreadPool::Global().num_threads() == 1) {  // no wake-up of the pool
+    for (int64_t t = 0; t < num_tasks; ++t) fn(t);
+    return;
+  }
+  ThreadPool::Global().ParallelFor(num_tasks, fn);
+}
+
 ScopedIeeeFloatingPoint::ScopedIeeeFloatingPoint() : saved_(GetFpControl()) {
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
   SetFpControl(0x1f80);  // all exceptions masked, round to nearest, no FTZ / DAZ

@@ -4,17 +4,21 @@
 //                               "jaxtier_host_update_{layer,join}_ffi": capsule,
 //                               "jaxtier_stream_fetch_ffi": capsule, (wait, send alike),
 //                               "jaxtier_dha_gather_ffi": capsule,
-//                               "jaxtier_dha_matmul_ffi": capsule},
+//                               "jaxtier_dha_matmul_ffi": capsule,
+//                               "jaxtier_dha_scatter_add_ffi": capsule},
 //                       "CUDA": {"jaxtier_host_update_ffi": {"instantiate": capsule,
 //                                                            "execute": capsule},
 //                                "jaxtier_host_update_{layer,join}_ffi": capsule,
 //                                "jaxtier_stream_fetch_ffi": {"instantiate": ..., (alike)},
 //                                "jaxtier_dha_gather_ffi": capsule,
-//                                "jaxtier_dha_matmul_ffi": capsule}}
+//                                "jaxtier_dha_matmul_ffi": capsule,
+//                                "jaxtier_dha_scatter_add_ffi": {"instantiate": ...,
+//                                                                "execute": ...}}}
 //                      # "CUDA" only in a build with CUDA
 //   state_types() -> {"CUDA": {"jaxtier_host_update_state": {"type_id": capsule,
 //                                                              "type_info": capsule},
-//                              "jaxtier_stream_state": {...}}}
+//                              "jaxtier_stream_state": {...},
+//                              "jaxtier_dha_scatter_add_state": {...}}}
 //                      # {} without CUDA; register these (jax.ffi.register_ffi_type) BEFORE the
 //                      # handlers: XLA checks a stateful handler's type when it is registered
 //   has_cuda() -> bool
@@ -57,6 +61,7 @@ nb::dict Registrations() {
   cpu["jaxtier_stream_send_ffi"] = EncapsulateFfiHandler(StreamSendCpu);
   cpu["jaxtier_dha_gather_ffi"] = EncapsulateFfiHandler(DhaGatherCpu);
   cpu["jaxtier_dha_matmul_ffi"] = EncapsulateFfiHandler(DhaMatmulCpu);
+  cpu["jaxtier_dha_scatter_add_ffi"] = EncapsulateFfiHandler(DhaScatterAddCpu);
   registrations["cpu"] = cpu;
 #if defined(JAXTIER_WITH_CUDA) && JAXTIER_WITH_CUDA
   nb::dict host_update_cuda;  // a stateful handler: one capsule per stage
@@ -79,6 +84,10 @@ nb::dict Registrations() {
   }
   cuda["jaxtier_dha_gather_ffi"] = EncapsulateFfiHandler(DhaGatherCuda);
   cuda["jaxtier_dha_matmul_ffi"] = EncapsulateFfiHandler(DhaMatmulCuda);
+  nb::dict scatter_add_cuda;  // a stateful handler: one capsule per stage
+  scatter_add_cuda["instantiate"] = EncapsulateFfiHandler(DhaScatterAddCudaInstantiate);
+  scatter_add_cuda["execute"] = EncapsulateFfiHandler(DhaScatterAddCuda);
+  cuda["jaxtier_dha_scatter_add_ffi"] = scatter_add_cuda;
   registrations["CUDA"] = cuda;
 #endif
   return registrations;
@@ -99,6 +108,12 @@ nb::dict StateTypes() {
   stream_state["type_info"] = nb::capsule(
       const_cast<void*>(reinterpret_cast<const void*>(StreamCudaStateTypeInfo())));
   cuda["jaxtier_stream_state"] = stream_state;
+  nb::dict scatter_add_state;
+  scatter_add_state["type_id"] =
+      nb::capsule(reinterpret_cast<void*>(DhaScatterAddCudaStateTypeId()));
+  scatter_add_state["type_info"] = nb::capsule(
+      const_cast<void*>(reinterpret_cast<const void*>(DhaScatterAddCudaStateTypeInfo())));
+  cuda["jaxtier_dha_scatter_add_state"] = scatter_add_state;
   types["CUDA"] = cuda;
 #endif
   return types;

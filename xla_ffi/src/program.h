@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -945,6 +946,15 @@ void BuildCpuPlan(const HostUpdateParams& p, CpuPlan* plan);
 // range is large. Scalar operands are not read (the plan holds their values). Blocks until done.
 // Pool threads adopt the calling thread's floating-point control (FTZ/DAZ, rounding).
 void RunCpuPlan(const HostUpdateParams& p, const CpuPlan& plan, int64_t lo, int64_t hi);
+
+// jaxtier's CPU thread pool (host_update.cc), for other host-side work of the handlers (the
+// DHA scatter-add: dha.cc). CpuThreads(): its threads, the calling thread included
+// (JAXTIER_CPU_THREADS, default: all hardware threads; creates the pool). ParallelFor runs fn(t)
+// for every t in [0, num_tasks), on the pool and the calling thread, and returns when all have
+// finished; pool threads adopt the caller's floating-point control. One job at a time
+// (concurrent callers queue); fn must not call ParallelFor.
+int CpuThreads();
+void ParallelFor(int64_t num_tasks, const std::function<void(int64_t)>& fn);
 
 // Sets IEEE defaults on the calling thread for its lifetime (x86: MXCSR 0x1f80, round to nearest,
 // no flush-to-zero, no denormals-are-zero; aarch64: FPCR 0) and restores the previous state.
