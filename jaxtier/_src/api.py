@@ -104,7 +104,7 @@ def calibrate(*, save: bool = True, path: "str | None" = None,
 
 def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = None,
          host_budget: Any = None, policy: Any = "auto", platform: "str | None" = None,
-         streamable: Any = None, dha_readable: Any = frozenset(),
+         streamable: Any = None, dha_readable: Any = None,
          activations: "cost_model.ActivationModel | None" = None,
          overlap_update: bool = True) -> plan_lib.Plan:
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
@@ -116,8 +116,8 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
 
   The plan carries the cost model's predictions: `predicted_step_secs`, `critical_path`,
   `predicted_peak_hbm_bytes`, `resource_secs`. `streamable` / `dha_readable` (state leaf
-  indices) allow `host_stream` / `host_dha` placements of parameters (`streamable` None: every
-  parameter the lowering can stream, as `offload` plans); `activations` (a
+  indices) allow `host_stream` / `host_dha` placements of parameters (None: every parameter the
+  lowering can stream, and every embedding table it can read in place, as `offload` plans); `activations` (a
   `jaxtier.ActivationModel`) lets the plan choose the activation policy. `overlap_update` as
   `offload`'s: the plan's notes say which host updates run layer by layer, and why the others
   do not.

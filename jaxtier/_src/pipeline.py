@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import inventory as inv_lib
-from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis import layer_stacks, lookups
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import host as host_lib
@@ -85,6 +85,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
                pinnable_bytes=host_lib.pinnable_bytes(platform, _num_local_devices(state)),
                hardware=profile.load(platform=platform),
                streamable=set() if blocked else _streamable(inv),
+               dha_readable={} if blocked else dha_readable_tables(inv),
                resident_bytes=_resident_bytes(state), stream_blocked=blocked,
                overlap_update=options.overlap_update)
   sig = signature(state, args)
@@ -94,7 +95,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
 
   def lower(plan):
     programs = programs_lib.build(inv, plan, state, args, options.overlap_update)
-    notes = _overlap_notes(plan, programs.split.overlap)
+    notes = _overlap_notes(plan, programs.split.overlap) + programs.split.lookup.notes
     return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
                    programs, sig)
 
@@ -217,9 +218,14 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
 
 
 def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
-              *, platform: str, streamable: Any = None, dha_readable: Any = frozenset(),
+              *, platform: str, streamable: Any = None, dha_readable: Any = None,
               activations: Any = None) -> Plan:
-  """The plan `plan_step` starts from, for `platform` (which this machine may lack)."""
+  """The plan `plan_step` starts from, for `platform` (which this machine may lack).
+
+  `streamable` / `dha_readable`: the parameter leaves (indices) that may be placed
+  `host_stream` / `host_dha`; None: every one the lowering can serve so (`dha_readable`: the
+  embedding tables among them).
+  """
   inv = inv_lib.take_inventory(fn, state, args, api="jaxtier.plan")
   here = jax.default_backend()
   hardware = profile.load(platform=platform)
@@ -228,6 +234,9 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     streamable = frozenset()
   elif streamable is None:
     streamable = _streamable(inv)
+  tables = {} if blocked else dha_readable_tables(inv)
+  dha_readable = tables if dha_readable is None else {
+      i: b for i, b in tables.items() if i in set(dha_readable)}
   pinnable_what = host_lib.HERE_PINNABLE
   if platform == here:
     pinnable = host_lib.pinnable_bytes(platform, _num_local_devices(state))
@@ -491,6 +500,14 @@ def _streamable(inv: inv_lib.Inventory) -> set[int]:
   """Parameter leaves the lowering can serve `host_stream` (`layer_stacks.stream_reason`)."""
   return {l.index for l in inv.leaves if l.role == Role.PARAM
           and not layer_stacks.stream_reason(inv.closed_jaxpr.jaxpr, l.index)}
+
+
+def dha_readable_tables(inv: inv_lib.Inventory) -> dict[int, int]:
+  """{parameter leaf: bytes of the rows one step gathers} of the embedding tables the lowering
+  can serve in place (`host_dha`: `analysis/lookups.py`)."""
+  params = [l.index for l in inv.leaves if l.role == Role.PARAM and l.is_float]
+  return {i: t.rows_nbytes
+          for i, t in lookups.table_lookups(inv.closed_jaxpr.jaxpr, params).items()}
 
 
 def _num_local_devices(state: Any) -> int:

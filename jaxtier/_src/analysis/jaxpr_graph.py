@@ -107,32 +107,64 @@ def scan_xs_positions(eqn: Any) -> range:
   return range(start, len(eqn.invars))
 
 
-def streamed_read(eqn: Any, hit: list[bool], streamed_vars: "set[Any]") -> bool:
-  """True when `eqn` reads tainted values only as streamed leaves sliced by a `scan`.
+# Gather modes whose in-range rows the DHA gather reproduces (an id outside [0, V) reads a row
+# of zeros there, NaN under FILL_OR_DROP: `jnp.take` first wraps ids in [-V, 0)); `clip`
+# clamps ids to the table instead, which the kernel does not.
+ROW_GATHER_MODES = ("FILL_OR_DROP", "PROMISE_IN_BOUNDS")
 
-  Such a read is served by the streaming custom calls (each layer's slice is fetched to the
-  device ahead of use: `jaxtier/_src/lowering/streaming.py`), so what the scan computes stays on the
-  device and is not part of a host update.
+
+def mode_name(mode: Any) -> str:
+  return getattr(mode, "name", str(mode))
+
+
+def is_row_gather(eqn: Any) -> bool:
+  """Whether `eqn` is `gather(table [V, D], indices [..., 1])` of whole rows (`jnp.take(table,
+  ids, axis=0)`)."""
+  if eqn.primitive.name != "gather" or len(eqn.invars) != 2:
+    return False
+  table, idx = (v.aval for v in eqn.invars)
+  dn = eqn.params["dimension_numbers"]
+  return (len(table.shape) == 2 and len(idx.shape) >= 1 and idx.shape[-1] == 1
+          and tuple(dn.offset_dims) == (len(idx.shape) - 1,)
+          and tuple(dn.collapsed_slice_dims) == (0,) and tuple(dn.start_index_map) == (0,)
+          and not tuple(getattr(dn, "operand_batching_dims", ()))
+          and tuple(eqn.params["slice_sizes"]) == (1, table.shape[1])
+          and mode_name(eqn.params.get("mode")) in ROW_GATHER_MODES)
+
+
+def streamed_read(eqn: Any, hit: list[bool], streamed_vars: "set[Any]",
+                  gathered_vars: "set[Any]" = frozenset()) -> bool:
+  """True when `eqn` reads tainted values only as leaves a custom call serves.
+
+  Two reads are served: a streamed leaf sliced by a `scan` (each layer's slice is fetched to
+  the device ahead of use: `jaxtier/_src/lowering/streaming.py`), and a `gathered` table's rows
+  (read in place by the DHA gather: `analysis/lookups.py`). What such an equation computes
+  stays on the device and is not part of a host update.
   """
+  if (gathered_vars and is_row_gather(eqn) and hit[0] and not any(hit[1:])
+      and eqn.invars[0] in gathered_vars):
+    return True
   if eqn.primitive.name != "scan" or not streamed_vars:
     return False
   xs = scan_xs_positions(eqn)
   return all(not h or (p in xs and eqn.invars[p] in streamed_vars) for p, h in enumerate(hit))
 
 
-def taint_forward(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = ()
-                  ) -> tuple[set[int], set[Any]]:
+def taint_forward(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = (),
+                  gathered: Iterable[int] = ()) -> tuple[set[int], set[Any]]:
   """Indices of equations reachable from invars `seeds`, and the set of tainted Vars.
 
   `streamed` (a subset of `seeds`) are leaves placed `host_stream`: a `scan` that reads them
-  only as `xs` is not tainted by them (see `streamed_read`).
+  only as `xs` is not tainted by them; `gathered` (a subset too) are tables placed `host_dha`:
+  their row gathers are not tainted (see `streamed_read`).
   """
   tainted: set[Any] = {jaxpr.invars[i] for i in seeds}
   streamed_vars = {jaxpr.invars[i] for i in streamed}
+  gathered_vars = {jaxpr.invars[i] for i in gathered}
   eqns: set[int] = set()
   for k, eqn in enumerate(jaxpr.eqns):
     hit = [isinstance(v, jc.Var) and v in tainted for v in eqn.invars]
-    if any(hit) and not streamed_read(eqn, hit, streamed_vars):
+    if any(hit) and not streamed_read(eqn, hit, streamed_vars, gathered_vars):
       eqns.add(k)
       tainted.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
   return eqns, tainted
@@ -238,16 +270,17 @@ def _first_use(jaxpr: Any, follow_in: list[bool], n: int) -> tuple[str, list[boo
   return "", [isinstance(v, jc.Var) and v in follow for v in jaxpr.outvars]
 
 
-def components(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = ()
-               ) -> list[Component]:
+def components(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = (),
+               gathered: Iterable[int] = ()) -> list[Component]:
   """Splits the equations tainted by invars `seeds` into connected components.
 
   Two tainted equations are connected when one reads a tainted value the other writes, or both
   read the same host leaf. Each component is checked with `check_elementwise`. Reads of
-  `streamed` leaves by a `scan`'s xs do not taint (`taint_forward`).
+  `streamed` leaves by a `scan`'s xs, and the row gathers of `gathered` tables, do not taint
+  (`taint_forward`).
   """
   seeds = sorted(set(seeds))
-  eqn_ids, tainted = taint_forward(jaxpr, seeds, streamed)
+  eqn_ids, tainted = taint_forward(jaxpr, seeds, streamed, gathered)
   parent: dict[Any, Any] = {}
 
   def find(x):

@@ -2,7 +2,9 @@
 
 The step becomes two programs (`SplitStep`). `compute` re-binds every equation of the traced
 step that no fused host update takes (the forward, the backward, the scalar bookkeeping);
-scans over host_stream leaves are unrolled and fed layer by layer (`lowering/streaming.py`); leaves
+scans over host_stream leaves are unrolled and fed layer by layer (`lowering/streaming.py`);
+embedding tables placed host_dha are gathered in place and their gradients scatter-added into
+pinned_host buffers (`lowering/lookups.py`); leaves
 placed `host_xla` are copied to the device (XLA's memory-kind transfer) and their new values go
 back to pinned_host through the output shardings. `update` runs each elementwise component
 that updates host leaves as one `host_update` custom call, in place on the donated host
@@ -24,9 +26,11 @@ import numpy as np
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import program_compiler
 from jaxtier._src.analysis.program_compiler import CompiledComponent
+from jaxtier._src.lowering import lookups as lookups_lib
 from jaxtier._src.lowering import overlap as overlap_lib
 from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
+from jaxtier._src.primitives import dha
 from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.vocab import MemoryKind, Placement
 
@@ -69,6 +73,7 @@ class SplitStep:
   layered_host: list[int] = dataclasses.field(default_factory=list)  # donated to `compute`
   layered_masters: list[int] = dataclasses.field(default_factory=list)  # param leaves
   update_masters: list[int] = dataclasses.field(default_factory=list)  # `update`'s masters
+  lookup: lookups_lib.LookupSchedule = lookups_lib.EMPTY  # tables read in place (host_dha)
 
   @property
   def has_update(self) -> bool:
@@ -116,6 +121,10 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}
+  # Tables read in place: their gradients go to scratch buffers after the streamed ones'.
+  lookup = lookups_lib.schedule(jaxpr, plan, skip, len(stream.scratch))
+  stream = dataclasses.replace(stream, scratch=stream.scratch + lookup.scratch,
+                               sent_vars={**stream.sent_vars, **lookup.sent_vars})
   xla_host = {l.index for l in plan.leaves if l.placement == Placement.HOST_XLA}
   layered_host = list(ov.host_leaves)
   host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"
@@ -183,9 +192,16 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
 
     for k in ov.order(len(jaxpr.eqns)):
       eqn = jaxpr.eqns[k]
-      if k in skip:
+      if k in skip or k in lookup.skip:
         continue
-      if k in stream.scans or k in layered_scans:
+      if k in lookup.gathers:  # the rows of a pinned_host table, read in place
+        outs = [dha.gather(read(eqn.invars[0]), read(eqn.invars[1])[..., 0])]
+      elif k in lookup.scatters:  # its gradient rows, added into a pinned_host buffer
+        s = lookup.scatters[k]
+        scratch[s] = dha.scatter_add(scratch[s], read(eqn.invars[1])[..., 0],
+                                     read(eqn.invars[2]))
+        outs = [scratch[s]]
+      elif k in stream.scans or k in layered_scans:
         # A layer loop over host_stream leaves (unrolled, streamed) or one whose gradients
         # feed per-layer host updates (unrolled, the updates issued as it goes).
         outs = streaming.run_scan(
@@ -228,7 +244,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
                    update_outs=update_outs, passthrough=passthrough, num_feeds=len(feed_vars),
                    num_first=num_first, stream=stream, donated_feeds=donated_feeds,
                    overlap=ov, layered_host=layered_host, layered_masters=layered_masters,
-                   update_masters=masters)
+                   update_masters=masters, lookup=lookup)
 
 
 class _LayerCalls:

@@ -48,6 +48,15 @@ ACTIVATION_POLICIES = (KEEP, REMAT, OFFLOAD)
 # that gradient, which the update program reads (H200, 8b: one 7 GiB streamed leaf, 49 GiB
 # pinned_host live against 35 GiB of state).
 STREAM_PINNED_PER_BYTE = 3
+# Pinned bytes per byte of a table read in place (`host_dha`): the table and the pinned_host
+# buffer its gradient rows are scatter-added into.
+DHA_PINNED_PER_BYTE = 2
+
+def pinned_per_byte(placement: str) -> int:
+  """Pinned host bytes per byte of a parameter placed `placement` off the device."""
+  return {Placement.HOST_STREAM: STREAM_PINNED_PER_BYTE,
+          Placement.HOST_DHA: DHA_PINNED_PER_BYTE}.get(placement, 1)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Cost:

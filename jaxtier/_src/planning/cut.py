@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any
 
 from jaxtier._src import jax_compat as jc
@@ -35,7 +36,9 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
   while True:
     streamed = {i for i in executor_leaves if placement[i] == Placement.HOST_STREAM}
-    comps = jaxpr_graph.components(jaxpr, executor_leaves, streamed)
+    gathered = gathered_tables(inv, placement, executor_leaves)
+    served = streamed | gathered
+    comps = jaxpr_graph.components(jaxpr, executor_leaves, streamed, gathered)
     demoted = False
     compiled, masters = [], set()
     for comp in comps:
@@ -50,14 +53,15 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
               jaxpr, consts, comp, frozenset(comp_masters), frozenset(executor_leaves))
           # One executor per fused call: the one the user's policy asked for most (else the
           # automatic choice); ties go to the first in name order.
-          execs = [i for i in comp.seeds if placement[i] != Placement.HOST_STREAM]
+          execs = [i for i in comp.seeds if i not in served]
           chosen = [placement[i] for i in execs if i in user_placed] or [
               placement[i] for i in execs] or [host_exec]
           executor = max(sorted(set(chosen)), key=chosen.count)
           for i in comp.seeds:
-            if placement[i] == Placement.HOST_STREAM:
-              if f"updated in place by {executor}" not in reasons[i]:
-                reasons[i] += f"; updated in place by {executor}"
+            if i in served:
+              # (A re-cut names the executor it chose in place of the last one.)
+              reasons[i] = re.sub(r"; updated in place by \w+", "", reasons[i])
+              reasons[i] += f"; updated in place by {executor}"
             elif placement[i] != executor:
               reasons[i] += f"; updated with the leaves it shares a fused call with ({executor})"
               placement[i] = executor
@@ -72,7 +76,7 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
         # parameters fall back (each with its own reason); the other leaves are cut again
         # without them, so that no leaf's request changes another's placement.
         params = [i for i in comp.seeds if inv.leaves[i].role == Role.PARAM
-                  and placement[i] != Placement.HOST_STREAM]
+                  and i not in served]
         for i in params or comp.seeds:
           executor_leaves.discard(i)
           placement[i] = Placement.HOST_XLA
@@ -104,6 +108,14 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
         masters |= comp_masters
     if not demoted:
       return compiled, masters
+
+
+def gathered_tables(inv: Inventory, placement: dict[int, str],
+                    leaves: "set[int] | None" = None) -> set[int]:
+  """The parameters placed `host_dha` (among `leaves`): embedding tables whose rows the DHA
+  gather reads in place (`analysis/lookups.py`; the policy refuses other such parameters)."""
+  return {i for i, p in placement.items() if p == Placement.HOST_DHA
+          and inv.leaves[i].role == Role.PARAM and (leaves is None or i in leaves)}
 
 
 def _masters_for(jaxpr: Any, comp: jaxpr_graph.Component, inv: Inventory) -> set[int]:

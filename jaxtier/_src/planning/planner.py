@@ -28,7 +28,7 @@ from jaxtier._src.hardware.host import HERE_PINNABLE
 from jaxtier._src.planning import cost_model, solver
 from jaxtier._src.planning import problem as problem_lib
 from jaxtier._src.planning.admission import admit, default_device_budget
-from jaxtier._src.planning.cut import cut_updates
+from jaxtier._src.planning.cut import cut_updates, gathered_tables
 from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.units import format_bytes
@@ -44,7 +44,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               hardware: "profile.HardwareProfile | None" = None,
               step_costs: "step_costs_lib.StepCosts | None" = None,
               streamable: "frozenset[int] | set[int]" = frozenset(),
-              dha_readable: "frozenset[int] | set[int]" = frozenset(),
+              dha_readable: "Mapping[int, int] | None" = None,
               activations: "cost_model.ActivationModel | None" = None,
               resident_bytes: int = 0, pinnable_what: str = HERE_PINNABLE,
               stream_blocked: str = "", overlap_update: bool = True) -> Plan:
@@ -72,7 +72,9 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     step_costs: FLOPs and transient bytes of the device-only step (None: FLOPs counted over the
       jaxpr, transient bytes estimated as the gradients).
     streamable: parameter leaves the lowering can stream (`host_stream`).
-    dha_readable: parameter leaves a zero-copy read kernel can serve (`host_dha`).
+    dha_readable: {parameter leaf: bytes its zero-copy reads move per step} of the leaves a
+      DHA kernel can serve in place (`host_dha`: the embedding tables of
+      `analysis/lookups.py`, their gathered rows' bytes); the solver weighs them on a GPU.
     activations: the model's activation options (None: the traced policy, not modelled).
     resident_bytes: bytes of the state already allocated in this host's memory (the CPU
       backend's arrays), taken off what a plan without a device budget needs there.
@@ -136,7 +138,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
             i: inv.leaves[i].nbytes * 4 // jnp.dtype(inv.leaves[i].dtype).itemsize
             for i in masters}, placement=placed, user_fixed=user_fixed, param_role=Role.PARAM,
         step_costs=costs, streamable=frozenset(streamable) - user_fixed,
-        dha_readable=frozenset(dha_readable) - user_fixed if platform == "gpu" else frozenset(),
+        dha_readable=({i: b for i, b in dict(dha_readable or {}).items() if i not in user_fixed}
+                      if platform == "gpu" else {}),
         activations=activations, device_budget=solver_budget, host_budget=host_limit,
         profile=hardware, platform=platform, overlap_update=overlap_update,
         layered_dha_fraction=layered_dha_fraction)
@@ -157,22 +160,24 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   layered_fraction = None
   if platform == "gpu":
     recut, layered_fraction = _layered_executor(
-        problem_for, placement, reasons, act_policy,
+        problem_for, placement, reasons, act_policy, served_leaves(inv, placement),
         lambda: cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
                             user_fixed)) or (None, None)
     compiled, masters = recut or (compiled, masters)
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement, layered_fraction)
+  # A call's placement: its leaves' executor (a call of only host_stream leaves or tables
+  # read in place: the cut's).
+  served = served_leaves(inv, placement)
   if layered_fraction is not None:
     # The layered split calls the planner placed run at the share it chose.
     compiled = [dataclasses.replace(cc, dha_fraction=layered_fraction)
                 if item.num_layers and item.fixed is None
                 and Executor(cc.executor).placement == Placement.HOST_SPLIT else cc
                 for item, cc in zip(final.updates, compiled)]
-  # A call's placement: its leaves' executor (a call of only host_stream leaves: the cut's).
   final_updates = {
       u:
-          next((placement[i] for i in item.seeds if placement[i] != Placement.HOST_STREAM),
+          next((placement[i] for i in item.seeds if i not in served),
                Executor(cc.executor).placement)
       for u, (item, cc) in enumerate(zip(final.updates, compiled))
   }
@@ -253,8 +258,15 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   return plan
 
 
+def served_leaves(inv: Inventory, placement: Mapping[int, str]) -> set[int]:
+  """Host leaves that a custom call serves to the compute and whose update's executor is their
+  fused call's: `host_stream` stacks and the tables read in place (`host_dha` parameters)."""
+  return {i for i, p in placement.items() if p == Placement.HOST_STREAM} | gathered_tables(
+      inv, dict(placement))
+
+
 def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str],
-                      reasons: dict[int, str], act_policy: "str | None",
+                      reasons: dict[int, str], act_policy: "str | None", served: set[int],
                       recut: Callable[[], Any]) -> Any:
   """Picks the executor of the updates run layer by layer inside the backward pass (on a GPU):
   host_cpu, or host_split with the DHA kernel's share of the elements in `LAYERED_FRACTIONS`,
@@ -266,14 +278,16 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   masters), or None if no placement changed; the share, or None for host_cpu), or None if no
   update runs layer by layer."""
   problem = problem_for(placement)
+  # (A table read in place is a seed of its call too: its executor is its moments'.)
   layered = [u for u, item in enumerate(problem.updates)
              if item.num_layers and item.fixed is None
              and all(placement[i] in (Placement.HOST_DHA, Placement.HOST_CPU,
-                                      Placement.HOST_SPLIT) for i in item.seeds)]
+                                      Placement.HOST_SPLIT) for i in item.seeds
+                     if i not in served)]
   if not layered:
     return None
   params = {p.index: placement[p.index] for p in problem.params}
-  others = {u: next((placement[i] for i in item.seeds if placement[i] != Placement.HOST_STREAM),
+  others = {u: next((placement[i] for i in item.seeds if i not in served),
                     Placement.HOST_CPU)
             for u, item in enumerate(problem.updates) if u not in layered
             and any(placement[i] in HOST_PLACEMENTS for i in item.seeds)}
@@ -290,6 +304,8 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   changed = False
   for u in layered:
     for i in problem.updates[u].seeds:
+      if i in served:
+        continue
       if placement[i] != best:
         placement[i] = best
         changed = True
@@ -350,6 +366,11 @@ def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventor
       executor_leaves.add(p.index)  # its update runs where it lives, in a fused host update
       how = ("prefetched layer by layer ahead of its use" if where == Placement.HOST_STREAM else
              "read in place by the GPU (zero-copy)")
+      if where == Placement.HOST_DHA and p.dha_nbytes is not None:
+        how = (f"an embedding table whose rows the DHA gather reads in place "
+               f"({format_bytes(p.dha_nbytes)} of rows per step, not the "
+               f"{format_bytes(p.nbytes)} a copy of the table would move; its gradient rows "
+               f"are added into a pinned_host buffer, so no table-sized gradient is in HBM)")
       reasons[p.index] = (f"parameter: lives in pinned_host, {how}, to fit the device budget "
                           f"(frees {format_bytes(p.nbytes + p.grad_nbytes)} with its "
                           f"gradient); its optimizer state is updated on the host")

@@ -6,7 +6,7 @@ import re
 from typing import Any, Callable, Mapping, NamedTuple
 import warnings
 
-from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis import layer_stacks, lookups
 from jaxtier._src.analysis.inventory import Inventory, LeafInfo
 from jaxtier._src.errors import PlanError
 from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, NamedPolicy, Placement, Role,
@@ -105,6 +105,20 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
             "'host_xla' (copied whole for the step) or keep it on the device"
             + (" (a policy pattern matched it: anchor the pattern to the params, e.g. "
                r"r'^\[0\]\['layers'\]')" if isinstance(policy, Mapping) else "") + ".")
+    if placement == Placement.HOST_DHA and leaf.role == Role.PARAM:
+      # A parameter is read in place only as an embedding table (its rows gathered by the DHA
+      # kernel, its gradient rows scatter-added on the host); its optimizer state's executor
+      # is its fused call's.
+      got = lookups.table_lookup(inv.closed_jaxpr.jaxpr, i)
+      if isinstance(got, str):
+        raise PlanError(
+            f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) cannot be "
+            f"placed 'host_dha': {got}. A parameter is read in place (zero-copy) as an "
+            "embedding table: its rows gathered by `jnp.take(table, ids, axis=0)` once per "
+            "step and its gradient read only by the optimizer's update; place this leaf "
+            "'host_stream' (a stack of layers), 'host_xla' (copied whole for the step) or keep "
+            "it on the device.")
+      continue
     if placement in HOST_PLACEMENTS and not leaf.is_float:
       raise PlanError(
           f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) would be placed "

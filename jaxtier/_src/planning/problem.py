@@ -36,6 +36,9 @@ class ParamItem:
     options: placements allowed: a subset of ('device', 'host_stream', 'host_dha'); one option
       when the user's policy fixed it.
     update: index into `Problem.updates` of the call that updates it (None: none).
+    dha_nbytes: bytes the zero-copy path moves per step each way when it is `host_dha`: the
+      rows an embedding lookup gathers (and their gradient rows, sent down); None: the whole
+      leaf is read (a weight multiplied in place).
   """
 
   index: int
@@ -48,6 +51,17 @@ class ParamItem:
   compute_secs: float
   options: tuple[str, ...] = (Placement.DEVICE,)
   update: "int | None" = None
+  dha_nbytes: "int | None" = None
+
+  @property
+  def dha_read_nbytes(self) -> int:
+    """Bytes read over the link per step when placed `host_dha`."""
+    return self.nbytes if self.dha_nbytes is None else self.dha_nbytes
+
+  @property
+  def dha_write_nbytes(self) -> int:
+    """Gradient bytes sent down per step when placed `host_dha`."""
+    return self.grad_nbytes if self.dha_nbytes is None else self.dha_nbytes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -231,7 +245,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                   master_nbytes: Mapping[int, int], placement: Mapping[int, str],
                   user_fixed: set[int], param_role: str, step_costs: step_costs_lib.StepCosts,
                   streamable: frozenset[int] = frozenset(),
-                  dha_readable: frozenset[int] = frozenset(),
+                  dha_readable: "frozenset[int] | Mapping[int, int]" = frozenset(),
                   activations: "cost_model.ActivationModel | None" = None,
                   device_budget: "int | None", host_budget: "int | None",
                   profile: HardwareProfile, platform: str,
@@ -250,7 +264,9 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     user_fixed: leaf indices the user's policy placed (not the solver's to move).
     param_role: the inventory's role name of parameters.
     step_costs: FLOPs and transient bytes of the device-only step, per device.
-    streamable, dha_readable: parameter leaves that may be `host_stream` / `host_dha`.
+    streamable, dha_readable: parameter leaves that may be `host_stream` / `host_dha`; a
+      mapping {leaf: bytes} for `dha_readable` gives the bytes its zero-copy reads move per step
+      (an embedding table's gathered rows: `analysis/lookups.py`), else the whole leaf.
     activations: the model's activation options, or None.
     device_budget, host_budget: per device, bytes (None: no limit).
     profile, platform: the rates and 'gpu' / 'cpu'.
@@ -335,7 +351,9 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     items.append(ParamItem(index=l.index, path=l.path, nbytes=l.nbytes, grad_nbytes=l.nbytes,
                            stage=key, stage_order=order, num_layers=layers,
                            compute_secs=total * n / elements if elements else 0.0,
-                           options=tuple(opts), update=update_of_param.get(l.index)))
+                           options=tuple(opts), update=update_of_param.get(l.index),
+                           dha_nbytes=(dha_readable.get(l.index)
+                                       if isinstance(dha_readable, Mapping) else None)))
   # A stage's order is that of its earliest member.
   order_of: dict[str, int] = {}
   for p in items:
@@ -360,8 +378,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       fixed_pinned += l.nbytes
       fixed_costs.append(cost_model.xla_copy_cost(l.nbytes, profile, platform=platform))
     else:
-      fixed_pinned += l.nbytes * (cost_model.STREAM_PINNED_PER_BYTE
-                                  if p == Placement.HOST_STREAM else 1)
+      fixed_pinned += l.nbytes * (cost_model.pinned_per_byte(p) if l.role == param_role
+                                  else 1)
   transient = max(int(step_costs.transient_bytes), grads)
   # Parameters already streamed (or read zero-copy) whose update call the cut seeded with them
   # are not decision units, but they still hold no gradient on the device (it goes down layer

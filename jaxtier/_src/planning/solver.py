@@ -99,8 +99,8 @@ def _stage_cost(stage: list[ParamItem], assign: Mapping[int, str], *, scale: flo
   layers = max(p.num_layers for p in stage)
   fetch = sum(p.nbytes for p in stage if assign[p.index] == Placement.HOST_STREAM)
   grads = sum(p.grad_nbytes for p in stage if assign[p.index] == Placement.HOST_STREAM)
-  dha_r = sum(p.nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
-  dha_w = sum(p.grad_nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
+  dha_r = sum(p.dha_read_nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
+  dha_w = sum(p.dha_write_nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
   return cost_model.stream_stage(compute_secs=compute, num_layers=layers, fetch_bytes=fetch,
                          grad_bytes=grads, dha_read_bytes=dha_r, dha_write_bytes=dha_w,
                          act_offload_bytes=act_offload_bytes, profile=profile)
@@ -205,8 +205,7 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
   peak = base + used + (buffers if streamed else 0) + results
   peak -= credit(on_host) - credit(host_updates)
   pinned = problem.fixed_pinned_bytes + sum(updates[u].pinned_nbytes for u in on_host)
-  pinned += sum(p.nbytes * (cost_model.STREAM_PINNED_PER_BYTE
-                            if params[p.index] == Placement.HOST_STREAM else 1)
+  pinned += sum(p.nbytes * cost_model.pinned_per_byte(params[p.index])
                 for p in problem.params if params[p.index] != Placement.DEVICE)
   layers = sum((opt[1] for opt in chosen), cost_model.ZERO)
   update_costs = [updates[u].best()[1] for u in sorted(on_host) if not updates[u].num_layers]
