@@ -126,7 +126,13 @@ def make_train_state(
 
   def train_step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
-    loss, grads = nnx.value_and_grad(llama.loss_fn)(model, batch)
+    # The gradient of a copy of the model made from the params, discarded after: under
+    # nnx.value_and_grad(model) the layer stack's nnx.scan hands each layer's params back out
+    # as a stacked copy that is written into `model`, and the update would read that second
+    # fp32 copy of every layer, held from the forward pass to the update (8b: 29 GiB).
+    model_def, params, rest = nnx.split(model, nnx.Param, ...)
+    loss, grads = jax.value_and_grad(
+        lambda p: llama.loss_fn(nnx.merge(model_def, p, rest), batch))(params)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), {"loss": loss}
 
