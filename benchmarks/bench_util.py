@@ -30,6 +30,28 @@ def write_json(result: dict, out_dir: str, filename: str) -> str:
   return path
 
 
+def host_rss_peak_bytes() -> "int | None":
+  """This process's peak resident set, bytes: VmHWM from /proc/self/status (Linux), else
+  `resource.getrusage(RUSAGE_SELF).ru_maxrss` (KiB on Linux, bytes on macOS); None where
+  neither can be read. It is what the kernel counts as resident: pages the CUDA driver maps for
+  pinned buffers may not be counted (driver-dependent), so read it beside the pinned bytes."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          value, unit = line.split()[1:3]
+          return int(value) * {"kB": 1024, "mB": 2**20, "gB": 2**30}.get(unit, 1)
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    import resource  # pylint: disable=g-import-not-at-top
+    import sys  # pylint: disable=g-import-not-at-top
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+  except (ImportError, OSError, ValueError):
+    return None
+
+
 def median_secs(fn: Callable[[], Any], reps: int) -> tuple[float, list[float]]:
   """(median seconds, every time) of `reps` runs of `fn()` after one warm-up run.
 

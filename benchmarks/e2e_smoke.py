@@ -9,7 +9,11 @@ match within bf16 tolerance (1e-2 relative: the decoder computes in bf16) and wr
 tokens/s, peak HBM and bytes by memory kind; `baseline` the device-resident run of each dtype;
 `ratio` each offloaded run's step time and peak HBM over its baseline's; beside them `runs`,
 each variant's whole record with its loss trace, and `checks`, the loss comparisons), then
-prints a table. `--variants` picks others: `stream` puts the layers' params in `host_stream`.
+prints a table. `--variants` picks others: `stream` puts the layers' params in `host_stream`;
+`:host_cpu` / `:host_split` fix every AdamW moment on that executor, `:host_split@F` with the
+DHA kernel taking the share F of each split update's elements (0 < F < 1). Each variant's
+figures include its process's peak host RSS (`host_rss_peak_bytes`: VmHWM, what the kernel
+counted resident; the CUDA driver's pinned pages may not be among it: see `pinned_host_bytes`).
 
   python benchmarks/e2e_smoke.py --config=1b --steps=30 --batch_size=8 --seq_len=1024
 """
@@ -44,10 +48,91 @@ _STACK_EVERY = flags.DEFINE_integer(
     "(faulthandler), to show where a slow variant spends its time.")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["fp32:none", "fp32:auto", "bf16:none", "bf16:auto"],
-    "dtype:offload[:serial][:host_cpu|:host_split] variants; offload in none/auto/stream "
-    "(stream: the layers' params host_stream); ':serial' runs every host update after the "
-    "backward pass (--nooverlap_update); ':host_cpu' / ':host_split' put every moment on that "
-    "executor (the split at the profile's DHA share).")
+    "dtype:offload[:serial][:host_cpu|:host_split[@F]] variants; dtype fp32/bf16, offload in "
+    "none/auto/stream (stream: the layers' params host_stream); ':serial' runs every host "
+    "update after the backward pass (--nooverlap_update); ':host_cpu' / ':host_split' put every "
+    "moment on that executor, the split at the profile's DHA share, or with '@F' at the share "
+    "F (0 < F < 1) of the elements for the DHA kernel.")
+
+DTYPES = ("fp32", "bf16")
+OFFLOADS = ("none", "auto", "stream")
+EXECUTORS = ("host_cpu", "host_split")
+
+
+def parse_variant(variant: str) -> dict:
+  """The parts of a `--variants` entry 'dtype:offload[:serial][:host_cpu|:host_split[@F]]'.
+
+  Returns:
+    {"dtype", "offload", "serial": bool, "executor": None or one of EXECUTORS,
+     "dha_share": None or F (only with host_split)}.
+
+  Raises:
+    ValueError: an unknown dtype, offload or suffix, two executors, an executor with offload
+      'none' (nothing is offloaded there), or a share that is not a number in (0, 1).
+  """
+  parts = variant.split(":")
+  if len(parts) < 2:
+    raise ValueError(f"variant {variant!r}: expected dtype:offload[:...], e.g. fp32:auto")
+  dtype, offload, *rest = parts
+  if dtype not in DTYPES:
+    raise ValueError(f"variant {variant!r}: expected dtype in {DTYPES}, got {dtype!r}")
+  if offload not in OFFLOADS:
+    raise ValueError(f"variant {variant!r}: expected offload in {OFFLOADS}, got {offload!r}")
+  spec = {"dtype": dtype, "offload": offload, "serial": False, "executor": None,
+          "dha_share": None}
+  for part in rest:
+    name, at, share = part.partition("@")
+    if part == "serial":
+      spec["serial"] = True
+    elif name in EXECUTORS and (not at or name == "host_split"):
+      if spec["executor"] is not None:
+        raise ValueError(f"variant {variant!r}: expected one executor, got "
+                         f"{spec['executor']!r} and {name!r}")
+      spec["executor"] = name
+      if at:
+        try:
+          f = float(share)
+        except ValueError:
+          f = float("nan")
+        if not 0.0 < f < 1.0:
+          raise ValueError(f"variant {variant!r}: expected host_split@F with 0 < F < 1 (the "
+                           f"DHA kernel's share of the elements), got {share!r}; the whole "
+                           "update on one executor is :host_cpu (or offload auto: host_dha)")
+        spec["dha_share"] = f
+    else:
+      raise ValueError(f"variant {variant!r}: unknown part {part!r}; expected 'serial', "
+                       "'host_cpu', 'host_split' or 'host_split@F'")
+  if spec["executor"] and offload == "none":
+    raise ValueError(f"variant {variant!r}: {spec['executor']} with offload 'none' (nothing "
+                     "is on the host there)")
+  return spec
+
+
+def split_share_profile(base, share: float):
+  """`base` (a `jaxtier.HardwareProfile`) with the CPU executor's AdamW rate set so that
+  `jaxtier.split_fraction` of it is `share`: a host_split placed by the policy runs at the
+  profile's share (the planner's own choice for layered updates applies to the leaves it
+  places, not to these). The plan's predictions for that run use that rate."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  cpu = base.dha_adamw_params_per_sec * (1.0 - share) / share
+  return dataclasses.replace(
+      base, cpu_adamw_params_per_sec=cpu,
+      source=f"{base.source}; e2e_smoke: CPU AdamW rate {cpu:.4g}/s so that the split's DHA "
+             f"share is {share:g}")
+
+
+def _fix_split_share(share: float) -> None:
+  """Makes the planner of this (child) process read a profile whose split share is `share`:
+  this machine's stored profile (or the defaults) adjusted by `split_share_profile`, saved
+  under a fresh XDG_CACHE_HOME (where `jaxtier.load_profile` looks)."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  base = jaxtier.load_profile(warn=False)
+  prof = split_share_profile(base, share)
+  os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="e2e_smoke_profile_")
+  path = jaxtier.save_profile(prof)
+  print(f"host_split: the DHA kernel's share fixed at {jaxtier.split_fraction(prof):.3f} "
+        f"(profile {path}: CPU AdamW {prof.cpu_adamw_params_per_sec:.4g} params/s, DHA "
+        f"{prof.dha_adamw_params_per_sec:.4g})", flush=True)
 
 
 def child(variant: str) -> None:
@@ -61,23 +146,25 @@ def child(variant: str) -> None:
   if _STACK_EVERY.value > 0:
     import faulthandler  # pylint: disable=g-import-not-at-top
     faulthandler.dump_traceback_later(_STACK_EVERY.value, repeat=True)
-  dtype, offload, *rest = variant.split(":")
+  spec = parse_variant(variant)
   # 'auto' here names the run with AdamW moments in pinned_host: since the cost-model planner,
   # policy 'auto' keeps a state that fits on the device, so ask for the rule by name.
-  offload = "optimizer_state_on_host" if offload == "auto" else offload
-  fixed = [e for e in ("host_cpu", "host_split") if e in rest]
-  if fixed:
+  offload = "optimizer_state_on_host" if spec["offload"] == "auto" else spec["offload"]
+  if spec["executor"]:
     # Every moment on one executor (a policy dict: the trainer's flags name modes); a split
-    # placed so keeps the profile's DHA share (the planner's own choice weighs others).
+    # placed so runs at the profile's DHA share (the planner's own choice weighs others), or
+    # at the variant's '@F' through a profile of that share.
+    if spec["dha_share"] is not None:
+      _fix_split_share(spec["dha_share"])
     offload_step = train._offload_step  # pylint: disable=protected-access
     train._offload_step = lambda step, **kw: offload_step(  # pylint: disable=protected-access
-        step, **{**kw, "policy": {r"opt_state.*\]\['(mu|nu)'\]": fixed[0]}})
+        step, **{**kw, "policy": {r"opt_state.*\]\['(mu|nu)'\]": spec["executor"]}})
   config = llama.CONFIGS[_CONFIG.value]
-  if dtype == "bf16":
+  if spec["dtype"] == "bf16":
     config = dataclasses.replace(config, param_dtype=jnp.bfloat16)
   r = train.run(config_name=_CONFIG.value, config=config, steps=_STEPS.value,
                 batch_size=_BATCH.value, seq_len=_SEQ.value, offload=offload, log_every=1,
-                progress=False, overlap_update="serial" not in rest)
+                progress=False, overlap_update=not spec["serial"])
   stats = jax.devices()[0].memory_stats() or {}
   times = np.asarray(r["step_times"][1:])
   out = dict(variant=variant, losses=r["losses"], step_secs_median=float(np.median(times)),
@@ -85,7 +172,9 @@ def child(variant: str) -> None:
              tokens_per_sec=r["tokens_per_sec"], num_params=r["num_params"],
              state_bytes=r["state_bytes"], plan_bytes=r["plan_bytes"],
              peak_hbm_bytes=int(stats.get("peak_bytes_in_use", -1)),
-             hbm_limit_bytes=int(stats.get("bytes_limit", -1)))
+             hbm_limit_bytes=int(stats.get("bytes_limit", -1)),
+             host_rss_peak_bytes=bench_util.host_rss_peak_bytes(),
+             dha_share=spec["dha_share"])
   print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -98,7 +187,8 @@ def summarize(runs):
       continue
     figures[v] = dict(step_secs_median=r["step_secs_median"], tokens_per_sec=r["tokens_per_sec"],
                       peak_hbm_bytes=r["peak_hbm_bytes"], device_bytes=r["plan_bytes"]["device"],
-                      pinned_host_bytes=r["plan_bytes"]["pinned_host"])
+                      pinned_host_bytes=r["plan_bytes"]["pinned_host"],
+                      host_rss_peak_bytes=r.get("host_rss_peak_bytes"))
     if v.endswith(":none"):
       baseline[v] = {"step_secs_median": r["step_secs_median"],
                      "peak_hbm_bytes": r["peak_hbm_bytes"],
@@ -114,11 +204,35 @@ def summarize(runs):
   return figures, baseline, ratio
 
 
+def table(runs) -> str:
+  """The printed summary: one row per variant (GiB = 2**30 bytes; host RSS: the variant's
+  process's peak resident set; '-' where not measured)."""
+  width = max([12, *(len(v) for v in runs)])
+  lines = [f"\n{'variant':<{width}} {'ms/step':>9} {'tok/s':>10} {'peak HBM GiB':>13} "
+           f"{'pinned GiB':>11} {'host RSS GiB':>13} {'loss0':>8} {'lossN':>8}"]
+  for v, r in runs.items():
+    if "error" in r:
+      lines.append(f"{v:<{width}} ERROR")
+      continue
+    rss = r.get("host_rss_peak_bytes")
+    rss = f"{rss / 2**30:>13.2f}" if rss else f"{'-':>13}"
+    lines.append(
+        f"{v:<{width}} {r['step_secs_median'] * 1e3:>9.1f} {r['tokens_per_sec']:>10,.0f} "
+        f"{r['peak_hbm_bytes'] / 2**30:>13.2f} {r['plan_bytes']['pinned_host'] / 2**30:>11.2f} "
+        f"{rss} {r['losses'][0]:>8.4f} {r['losses'][-1]:>8.4f}")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
   if _CHILD.value:
     child(_CHILD.value)
     return
+  for variant in _VARIANTS.value:  # every variant checked before the first one runs
+    try:
+      parse_variant(variant)
+    except ValueError as e:
+      raise app.UsageError(f"--variants: {e}") from None
   import jax  # pylint: disable=g-import-not-at-top
   runs = {}
   for variant in _VARIANTS.value:
@@ -166,15 +280,7 @@ def main(argv):
       device=bench_util.device_name(jax.devices()[0]), versions=bench_util.versions(jaxtier),
       figures=figures, baseline=baseline, ratio=ratio, runs=runs, checks=checks)
   bench_util.write_result(result, _OUT.value, _RESULT.value)
-  print(f"\n{'variant':<12} {'ms/step':>9} {'tok/s':>10} {'peak HBM GiB':>13} "
-        f"{'pinned GiB':>11} {'loss0':>8} {'lossN':>8}")
-  for v, r in runs.items():
-    if "error" in r:
-      print(f"{v:<12} ERROR")
-      continue
-    print(f"{v:<12} {r['step_secs_median'] * 1e3:>9.1f} {r['tokens_per_sec']:>10,.0f} "
-          f"{r['peak_hbm_bytes'] / 2**30:>13.2f} {r['plan_bytes']['pinned_host'] / 2**30:>11.2f} "
-          f"{r['losses'][0]:>8.4f} {r['losses'][-1]:>8.4f}")
+  print(table(runs))
   for k, v in checks.items():
     print(f"{k}: {v}")
 

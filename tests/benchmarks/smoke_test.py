@@ -23,7 +23,8 @@ CASES = {
     "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "w5_planner.json"),
     "diagnostics/host_cpu_microbench.py": (["--smoke"], "host_cpu_microbench.json"),
     "e2e_smoke.py": (["--config=tiny", "--steps=3", "--batch_size=2", "--seq_len=32",
-                      "--variants=fp32:none,fp32:stream"], "w3_end_to_end.json"),
+                      "--variants=fp32:none,fp32:stream,fp32:auto:host_split@0.9"],
+                     "w3_end_to_end.json"),
 }
 
 
@@ -47,5 +48,109 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
   assert "error" not in data, data.get("error")
   for name, run in data.get("runs", {}).items():  # e2e_smoke: one entry per variant
     assert "error" not in run, (name, run["error"])
+  if script == "e2e_smoke.py":
+    for name, fig in data["figures"].items():
+      assert fig["host_rss_peak_bytes"] > 0, name
+    assert data["runs"]["fp32:auto:host_split@0.9"]["dha_share"] == 0.9
+    assert data["runs"]["fp32:none"]["dha_share"] is None
+    assert "host RSS GiB" in p.stdout
+    assert "DHA kernel's share fixed at 0.900" in p.stdout
   for name, case in data.get("cases", {}).items():  # planner_bench: one entry per case
     assert "error" not in case, (name, case["error"])
+
+
+def _run_bench(args, tmp_path, **kw):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                        timeout=120, cwd=kw.get("cwd", str(tmp_path)))
+
+
+# e2e_smoke's variant grammar, its split-share profile and its table, checked in one interpreter
+# (importing the script defines its absl flags and sets the trainer's flag defaults, which this
+# test process should not see).
+_E2E_UNITS = r"""
+import json
+import e2e_smoke as e, jaxtier
+p = e.parse_variant
+assert p("fp32:none") == dict(dtype="fp32", offload="none", serial=False, executor=None,
+                              dha_share=None)
+assert p("bf16:auto:serial") == dict(dtype="bf16", offload="auto", serial=True, executor=None,
+                                     dha_share=None)
+assert p("fp32:auto:host_cpu")["executor"] == "host_cpu"
+s = p("fp32:auto:serial:host_split@0.9")
+assert (s["executor"], s["dha_share"], s["serial"]) == ("host_split", 0.9, True), s
+assert p("fp32:auto:host_split")["dha_share"] is None
+bad = {}
+for v in ("fp32", "fp16:auto", "fp32:fast", "fp32:auto:host_split@1", "fp32:auto:host_split@0",
+          "fp32:auto:host_split@x", "fp32:auto:host_cpu@0.5", "fp32:auto:host_cpu:host_split",
+          "fp32:none:host_split@0.9", "fp32:auto:overlap"):
+  try:
+    p(v)
+  except ValueError as err:
+    bad[v] = str(err)
+prof = e.split_share_profile(jaxtier.DEFAULT_PROFILE, 0.9)
+run = dict(step_secs_median=0.5, tokens_per_sec=1000.0, peak_hbm_bytes=2**30,
+           plan_bytes={"pinned_host": 2**31}, losses=[5.0, 4.0])
+print("RESULT " + json.dumps(dict(
+    bad=bad, share=jaxtier.split_fraction(prof),
+    dha_rate=[prof.dha_adamw_params_per_sec, jaxtier.DEFAULT_PROFILE.dha_adamw_params_per_sec],
+    table=e.table({"fp32:auto:host_split@0.9": dict(run, host_rss_peak_bytes=3 * 2**30),
+                   "fp32:none": dict(run, host_rss_peak_bytes=None),
+                   "bf16:none": {"error": "x"}}))))
+"""
+
+
+def test_e2e_smoke_variants_share_profile_and_table(tmp_path):
+  p = _run_bench(["-c", _E2E_UNITS], tmp_path, cwd=BENCH)
+  assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
+  out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+  assert len(out["bad"]) == 10, out["bad"]  # every malformed variant refused
+  assert "0 < F < 1" in out["bad"]["fp32:auto:host_split@1"]
+  assert "offload 'none'" in out["bad"]["fp32:none:host_split@0.9"]
+  assert abs(out["share"] - 0.9) < 1e-12
+  assert out["dha_rate"][0] == out["dha_rate"][1]  # only the CPU executor's rate moves
+  lines = out["table"].strip().splitlines()
+  assert "host RSS GiB" in lines[0]
+  assert lines[1].split()[5] == "3.00"  # GiB = 2**30 bytes
+  assert lines[2].split()[5] == "-"  # not measured
+  assert lines[3].split()[1] == "ERROR"
+
+
+def test_e2e_smoke_refuses_a_bad_variant_before_running_any(tmp_path):
+  p = _run_bench([os.path.join(BENCH, "e2e_smoke.py"), f"--out={tmp_path}",
+                  "--variants=fp32:none,fp32:auto:host_split@1.5"], tmp_path)
+  assert p.returncode != 0
+  assert "host_split@F with 0 < F < 1" in p.stderr, p.stderr[-3000:]
+  assert "[" not in p.stdout  # no variant's output: none ran
+  assert not (tmp_path / "w3_end_to_end.json").exists()
+
+
+def test_e2e_smoke_child_records_host_rss(tmp_path):
+  p = _run_bench([os.path.join(BENCH, "e2e_smoke.py"), "--child=fp32:none", "--config=tiny",
+                  "--steps=2", "--batch_size=2", "--seq_len=16"], tmp_path)
+  assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
+  run = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
+  # A process that imported jax and trained holds tens of MiB at least, and under 64 GiB here.
+  assert 32 * 2**20 < run["host_rss_peak_bytes"] < 64 * 2**30, run["host_rss_peak_bytes"]
+
+
+def test_host_rss_peak_bytes_reads_vmhwm_else_getrusage(monkeypatch):
+  import builtins
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("bench_util", os.path.join(BENCH, "bench_util.py"))
+  bench_util = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench_util)
+  peak = bench_util.host_rss_peak_bytes()
+  assert peak > 0
+  real_open = builtins.open
+
+  def no_proc(path, *args, **kwargs):
+    if str(path).startswith("/proc/"):
+      raise OSError("no /proc here")
+    return real_open(path, *args, **kwargs)
+  monkeypatch.setattr(builtins, "open", no_proc)
+  fallback = bench_util.host_rss_peak_bytes()
+  assert fallback > 0
+  if os.path.exists("/proc/self/status"):  # both are this process's peak, in bytes
+    assert abs(fallback - peak) <= max(peak // 10, 16 * 2**20), (fallback, peak)
