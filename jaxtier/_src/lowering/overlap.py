@@ -237,6 +237,8 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
     return got
   k, grads = got
   if any(cc.operands[p].var in stream.sent_vars for p in grads):
+    # Read in place there, a layer's window would be read by its call and then overwritten in
+    # place by the next send: XLA copies the whole buffer before each send to keep the read.
     return ("the layer loop streams leaves, and it sends the gradient to pinned_host whole, "
             "layer by layer")
   length = int(jaxpr.eqns[k].params["length"])
