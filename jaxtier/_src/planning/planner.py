@@ -278,15 +278,14 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   masters), or None if no placement changed; the share, or None for host_cpu), or None if no
   update runs layer by layer."""
   problem = problem_for(placement)
-  # (A table read in place is a seed of its call too: its executor is its moments'.)
   layered = [u for u, item in enumerate(problem.updates)
              if item.num_layers and item.fixed is None
              and all(placement[i] in (Placement.HOST_DHA, Placement.HOST_CPU,
-                                      Placement.HOST_SPLIT) for i in item.seeds
-                     if i not in served)]
+                                      Placement.HOST_SPLIT) for i in item.seeds)]
   if not layered:
     return None
   params = {p.index: placement[p.index] for p in problem.params}
+  # (A served leaf is a seed of its call too: the call's executor is its other leaves'.)
   others = {u: next((placement[i] for i in item.seeds if i not in served),
                     Placement.HOST_CPU)
             for u, item in enumerate(problem.updates) if u not in layered
@@ -304,8 +303,6 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   changed = False
   for u in layered:
     for i in problem.updates[u].seeds:
-      if i in served:
-        continue
       if placement[i] != best:
         placement[i] = best
         changed = True
