@@ -141,9 +141,12 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
                                              for p in problem.params)
   buffers = problem.fixed_buffer_bytes
   if any_host_param:
-    # Double buffers of the largest layer that may be fetched: params + gradients, x 2.
+    # Double buffers of the largest layer that may be fetched: params + gradients, x 2; a
+    # table read in place holds only the rows it gathers and their gradient rows.
     buffers = max([2 * (p.nbytes + p.grad_nbytes) // max(1, p.num_layers)
-                   for p in problem.params if set(p.options) - {Placement.DEVICE}] + [buffers])
+                   for p in problem.params if Placement.HOST_STREAM in p.options]
+                  + [p.dha_read_nbytes + p.dha_write_nbytes
+                     for p in problem.params if Placement.HOST_DHA in p.options] + [buffers])
 
   # One DP item per stage: (weight bytes, cost, extra update secs, assignment) per option.
   stage_opts: list[list[tuple[int, cost_model.Cost, dict[int, str], frozenset[int]]]] = []
