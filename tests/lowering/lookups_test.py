@@ -98,6 +98,16 @@ def test_a_tied_table_is_not_served_in_place():
   assert isinstance(why, str) and ("dot_general" in why or "transpose" in why)
 
 
+def test_a_clamped_gather_is_refused_naming_the_mode():
+  def clamped(p, ids, targets):
+    x = jnp.take(p["emb"], ids, axis=0, mode="clip")
+    return optax.softmax_cross_entropy_with_integer_labels(jnp.tanh(x @ p["w"]) @ p["head"],
+                                                           targets).mean()
+  tx = optax.adamw(1e-2)
+  why = lookups.table_lookup(_jaxpr(tx, clamped), _index(tx, EMB))
+  assert isinstance(why, str) and "mode CLIP" in why and "default mode" in why, why
+
+
 def test_placing_a_weight_host_dha_is_refused_with_the_reason():
   tx = optax.adamw(1e-2)
   off = jaxtier.offload(_step_fn(tx), policy={r"\['params'\]\['w'\]": "host_dha"})

@@ -89,6 +89,11 @@ def table_lookup(jaxpr: Any, index: int) -> "TableLookup | str":
     if jaxpr_graph.is_row_gather(eqn) and eqn.invars[0] is v and eqn.invars[1] is not v:
       gathers.append(k)
       continue
+    if (eqn.primitive.name == "gather" and eqn.invars[0] is v
+        and jaxpr_graph.mode_name(eqn.params.get("mode")) not in jaxpr_graph.ROW_GATHER_MODES):
+      return (f"its rows are gathered with mode {jaxpr_graph.mode_name(eqn.params.get('mode'))}"
+              " (ids clamped into the table), which the DHA gather does not do (an id out of "
+              "range reads zeros there): use `jnp.take`'s default mode")
     if not _elementwise(eqn, n):
       return (f"the step reads it with `{eqn.primitive.name}`, not only as rows gathered by "
               "`jnp.take(table, ids, axis=0)`")
