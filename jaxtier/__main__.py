@@ -21,6 +21,7 @@ Commands:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from absl import app, flags
@@ -193,7 +194,11 @@ def main(argv: list[str]) -> None:
       # Ctrl-C ends the command; nothing is saved (the trainer keeps no checkpoint), so a
       # traceback through the training loop would say nothing more.
       print("\ninterrupted: training stopped (Ctrl-C); nothing was saved", file=sys.stderr)
-      sys.exit(130)
+      # Exit at once: the interpreter's teardown, with XLA's threads still mid-compile or
+      # mid-step, can crash (a segfault after this line).
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(130)
     except train_lib.OverBudgetError as e:
       print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
       sys.exit(1)
