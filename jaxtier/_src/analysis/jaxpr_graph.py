@@ -132,6 +132,14 @@ def is_row_gather(eqn: Any) -> bool:
           and mode_name(eqn.params.get("mode")) in ROW_GATHER_MODES)
 
 
+def elementwise_over(eqn: Any, n: int) -> bool:
+  """Whether `eqn` is elementwise (or a flat-identity layout op) with every output of n
+  elements: how an update reads a leaf of n elements."""
+  name = eqn.primitive.name
+  return ((name in ELEMENTWISE or name in FLAT_IDENTITY)
+          and all(size_of(o.aval) == n for o in eqn.outvars))
+
+
 def streamed_read(eqn: Any, hit: list[bool], streamed_vars: "set[Any]",
                   gathered_vars: "set[Any]" = frozenset()) -> bool:
   """True when `eqn` reads tainted values only as leaves a custom call serves.

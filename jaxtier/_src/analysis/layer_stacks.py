@@ -59,9 +59,8 @@ def stream_reason(jaxpr: Any, index: int) -> str:
         return "a `scan` reads it whole (as a constant or carry), not layer by layer"
       scans += 1
       continue
-    if name in jaxpr_graph.ELEMENTWISE or name in jaxpr_graph.FLAT_IDENTITY:
-      if all(jaxpr_graph.size_of(o.aval) == n for o in eqn.outvars):
-        continue
+    if jaxpr_graph.elementwise_over(eqn, n):
+      continue
     return f"`{name}` reads it whole outside a layer loop"
   return "" if scans else "no `scan` reads it layer by layer"
 

@@ -94,7 +94,7 @@ def table_lookup(jaxpr: Any, index: int) -> "TableLookup | str":
       return (f"its rows are gathered with mode {jaxpr_graph.mode_name(eqn.params.get('mode'))}"
               " (ids clamped into the table), which the DHA gather does not do (an id out of "
               "range reads zeros there): use `jnp.take`'s default mode")
-    if not _elementwise(eqn, n):
+    if not jaxpr_graph.elementwise_over(eqn, n):
       return (f"the step reads it with `{eqn.primitive.name}`, not only as rows gathered by "
               "`jnp.take(table, ids, axis=0)`")
   if len(gathers) != 1:
@@ -134,17 +134,10 @@ def _elementwise_uses(jaxpr: Any, var: Any, n: int) -> str:
       if jaxpr_graph.size_of(o.aval) != n:
         return (f"read by `{eqn.primitive.name}`, which makes {jaxpr_graph.size_of(o.aval)} "
                 f"elements of its {n} (a global-norm clip or a non-finite check reduces it)")
-    if not _elementwise(eqn, n):
+    if not jaxpr_graph.elementwise_over(eqn, n):
       return f"read by `{eqn.primitive.name}`"
     tainted.update(o for o in eqn.outvars if not isinstance(o, jc.DropVar))
   return ""
-
-
-def _elementwise(eqn: Any, n: int) -> bool:
-  """Whether `eqn` is elementwise with every output of n elements (an optimizer's update)."""
-  name = eqn.primitive.name
-  return ((name in jaxpr_graph.ELEMENTWISE or name in jaxpr_graph.FLAT_IDENTITY)
-          and all(jaxpr_graph.size_of(o.aval) == n for o in eqn.outvars))
 
 
 def table_lookups(jaxpr: Any, indices: Any) -> dict[int, TableLookup]:
