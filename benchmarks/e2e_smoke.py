@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -57,6 +58,14 @@ _VARIANTS = flags.DEFINE_list(
 DTYPES = ("fp32", "bf16")
 OFFLOADS = ("none", "auto", "stream")
 EXECUTORS = ("host_cpu", "host_split")
+
+
+def _layered_updates(made: list) -> "int | None":
+  """How many fused updates the offloaded step runs layer by layer (None: no offload)."""
+  try:
+    return len(made[-1]._programs.split.overlap.updates)  # pylint: disable=protected-access
+  except (IndexError, AttributeError):
+    return None
 
 
 def parse_variant(variant: str) -> dict:
@@ -157,8 +166,23 @@ def child(variant: str) -> None:
     if spec["dha_share"] is not None:
       _fix_split_share(spec["dha_share"])
     offload_step = train._offload_step  # pylint: disable=protected-access
+    moments = r"opt_state.*\]\['(mu|nu)'\]"
+
+    def policy_of(base):
+      if not callable(base):  # a mode's name: the moments' executor replaces it
+        return {moments: spec["executor"]}
+      # offload 'stream': the layers stream as before, the moments take the executor.
+      return lambda path, leaf: (spec["executor"] if re.search(moments, path)
+                                 else base(path, leaf))
     train._offload_step = lambda step, **kw: offload_step(  # pylint: disable=protected-access
-        step, **{**kw, "policy": {r"opt_state.*\]\['(mu|nu)'\]": spec["executor"]}})
+        step, **{**kw, "policy": policy_of(kw.get("policy"))})
+  made = []  # the offloaded step, to read its schedule after the run
+  make_step = train._offload_step  # pylint: disable=protected-access
+
+  def keep(step, **kw):
+    made.append(make_step(step, **kw))
+    return made[-1]
+  train._offload_step = keep  # pylint: disable=protected-access
   config = llama.CONFIGS[_CONFIG.value]
   if spec["dtype"] == "bf16":
     config = dataclasses.replace(config, param_dtype=jnp.bfloat16)
@@ -174,7 +198,7 @@ def child(variant: str) -> None:
              peak_hbm_bytes=int(stats.get("peak_bytes_in_use", -1)),
              hbm_limit_bytes=int(stats.get("bytes_limit", -1)),
              host_rss_peak_bytes=bench_util.host_rss_peak_bytes(),
-             dha_share=spec["dha_share"])
+             dha_share=spec["dha_share"], layered_updates=_layered_updates(made))
   print("RESULT " + json.dumps(out), flush=True)
 
 

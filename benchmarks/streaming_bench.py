@@ -172,12 +172,14 @@ def main(argv):
     l, g = jax.value_and_grad(loss_fn)(state["W"], x)
     u, o = tx.update(g, state["opt"], state["W"])
     return {"W": optax.apply_updates(state["W"], u), "opt": o}, {"loss": l}
-  tr = jaxtier.offload(train_step, policy=policy)
+  # Serial update: the compute program is the forward and backward alone (layered, it would
+  # run the update too).
+  tr = jaxtier.offload(train_step, policy=policy, overlap_update=False)
   st = tr.place({"W": jax.device_put(W_host, on_host), "opt": tx.init(W_host)}, x)
   c = tr.lower(st, x).compile()
   # The compute program alone (internal handles): fwd + bwd + gradients to the host.
   dev_leaves, host_leaves = tr._programs.leaf_groups(jax.tree.leaves(st))
-  layered = tr._programs.layered_group(jax.tree.leaves(st), tr._masters)  # none: streamed
+  layered = tr._programs.layered_group(jax.tree.leaves(st), tr._masters)  # none: serial
   tr._ensure_scratch()
 
   def compute_only():

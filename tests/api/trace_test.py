@@ -64,7 +64,7 @@ def _step(graphdef, tx):
 @pytest.mark.parametrize("policy, want", [
     ("optimizer_state_on_host", ("host_update_layer", "host_update_join", "host_update")),
     ({r"\['blocks'\]": "host_stream"}, ("stream_fetch", "stream_send", "stream_wait",
-                                        "host_update")),
+                                        "host_update_layer", "host_update_join")),
 ])
 def test_trace_names_every_jaxtier_call(policy, want, tmp_path):
   graphdef, params = nnx.split(_stacks.Stack(nnx.Rngs(0), layers=LAYERS, width=WIDTH, head=1))

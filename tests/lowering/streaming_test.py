@@ -175,7 +175,10 @@ def test_streamed_weights_on_device_are_bounded():
       3 * layer)
 
 
-def test_interrupted_step_leaves_streamed_params_intact():
+def test_interrupted_layered_step_names_the_streamed_leaves():
+  # Updated layer by layer (the default), the streamed stack and its moments are donated to
+  # the compute program: a step failing there says which leaves it may have left half-updated
+  # and how to restore them.
   tx = optax.adamw(1e-2)
 
   def boom(layer_value, flag):
@@ -196,6 +199,38 @@ def test_interrupted_step_leaves_streamed_params_intact():
 
   x, y = _data()
   step = jaxtier.offload(step_fn, policy=STREAM_W)
+  state = step.place(_state(tx), x, y, jnp.asarray(False))
+  assert step._programs.split.overlap.updates
+  with pytest.raises(Exception, match="interrupted") as info:
+    jax.block_until_ready(step(state, x, y, jnp.asarray(True)))
+  notes = "\n".join(getattr(info.value, "__notes__", []))
+  assert "updated layer by layer" in notes and "['W']" in notes, notes
+  assert "step.restore" in notes, notes
+
+
+def test_interrupted_step_leaves_streamed_params_intact():
+  # With the update serial (overlap_update=False) the compute program only reads the host
+  # leaves: a failed step leaves every one intact.
+  tx = optax.adamw(1e-2)
+
+  def boom(layer_value, flag):
+    if flag:
+      raise RuntimeError("interrupted mid-loop")
+
+  def loss(W, x, y, fail):
+    def body(h, w):
+      jax.debug.callback(boom, w[0, 0], fail)
+      return jnp.tanh(h @ w), None
+    h, _ = jax.lax.scan(body, x, W)
+    return jnp.mean((h - y) ** 2)
+
+  def step_fn(state, x, y, fail):
+    l, g = jax.value_and_grad(loss)(state["W"], x, y, fail)
+    u, opt = tx.update(g, state["opt"], state["W"])
+    return {"W": optax.apply_updates(state["W"], u), "opt": opt}, {"loss": l}
+
+  x, y = _data()
+  step = jaxtier.offload(step_fn, policy=STREAM_W, overlap_update=False)
   state = step.place(_state(tx), x, y, jnp.asarray(False))
   state, _ = step(state, x, y, jnp.asarray(False))
   before = jax.tree.map(np.array, state)  # copies (views would block donation)

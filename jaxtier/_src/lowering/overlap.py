@@ -16,8 +16,8 @@ and the leaves outside the stack, which stay in the serial update program).
 
 Which components qualify (`schedule`; otherwise they stay serial, with the reason):
 - every vector operand is `[L, ...]` with N = L * n elements: the gradient (a `ys` output of
-  one top-level scan, not a streamed leaf's, which goes to a pinned scratch buffer), the leaf
-  and its moments and master; every scalar operand (the learning rate, the bias corrections)
+  one top-level scan; a streamed scan sends it to a pinned_host scratch buffer, and the call
+  reads the landed window there), the leaf and its moments and master; every scalar operand (the learning rate, the bias corrections)
   depends on nothing that scan computes. A scalar computed from every gradient (a global-norm
   clip, a non-finite check) must wait for the whole backward pass: such a component stays
   serial, so that the layered ones compute what the serial step does (the unrolled backward
@@ -66,6 +66,9 @@ class LayeredUpdate:
       step count: they depend on nothing the scan makes), run before the scan instead.
     buffers: per result, the buffer its target is: ('leaf', state leaf index) or
       ('master', the param leaf index of an fp32 master).
+    sent: operand position -> scratch index, for the gradients a streamed scan sends to a
+      pinned_host scratch buffer: the call reads layer t's window there in place, issued once
+      the window has landed (`streaming.run_scan`'s `on_landed`), not when it is computed.
   """
 
   component: int
@@ -77,6 +80,7 @@ class LayeredUpdate:
   extra: tuple[int, ...] = ()
   hoist: tuple[int, ...] = ()
   buffers: tuple[tuple[str, int], ...] = ()
+  sent: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,11 +240,8 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
   if isinstance(got, str):
     return got
   k, grads = got
-  if any(cc.operands[p].var in stream.sent_vars for p in grads):
-    # Read in place there, a layer's window would be read by its call and then overwritten in
-    # place by the next send: XLA copies the whole buffer before each send to keep the read.
-    return ("the layer loop streams leaves, and it sends the gradient to pinned_host whole, "
-            "layer by layer")
+  sent = {p: stream.sent_vars[cc.operands[p].var] for p in grads
+          if cc.operands[p].var in stream.sent_vars}
   length = int(jaxpr.eqns[k].params["length"])
   count = int(np.prod(cc.results[0].shape)) // length
   own = set(cc.component.eqns)
@@ -287,4 +288,4 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
                    else ("leaf", spec.index) if spec.kind == "host"
                    else ("leaf", jaxpr.invars.index(spec.var)))
   return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
-                       buffers=tuple(buffers))
+                       buffers=tuple(buffers), sent=sent)

@@ -208,7 +208,9 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
             eqn, stream.scans.get(k) or streaming.StreamedScan(k, (), ()),
             [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars], scratch,
             on_layer=(functools.partial(layers.issue, k, read) if k in layered_scans
-                      else None))
+                      else None),
+            on_landed=(functools.partial(layers.landed, k, read) if k in layered_scans
+                       else None))
       else:
         outs = jc.bind_eqn(eqn, [read(v) for v in eqn.invars])
       for v, val in zip(eqn.outvars, outs):
@@ -263,27 +265,50 @@ class _LayerCalls:
     return self.masters[i] if kind == "master" else self.state[i]
 
   def issue(self, k: int, read: Any, layer: int, outs: list[Any]) -> None:
-    after = streaming.arrays_of(outs)
+    """Issues layer `layer`'s calls of scan `k` whose gradients are this iteration's slices."""
     for u in self.ov.by_scan(k):
-      cc = self.compiled[u.component]
-      targets = set(u.targets)
-      # This layer's gradient slices in place of the stacked gradients.
-      slices = {cc.operands[pos].var: outs[j] for pos, j in u.grads.items()}
-      operands = []
-      for pos, spec in enumerate(cc.operands):
-        x = _operand(spec, self.state, self.masters,
-                     lambda v: slices[v] if v in slices else read(v))
-        if pos not in targets and spec.kind in ("value", "const"):
-          # The GPU call reads it after XLA's stream has moved on (the gradient slice, a
-          # scalar, a device leaf it only reads): alive until the join. Not a written buffer:
-          # named as another join's operand, XLA would copy it.
-          self.read_values.append(x)
-        operands.append(x)
-      operands += [self.state[j] for j in u.extra]
-      program = dataclasses.replace(cc.program, num_operands=len(operands))
-      self.tokens.append(hu.host_update_layer(
-          program, operands, u.targets, offset=layer * u.count, count=u.count, after=after,
-          executor=cc.executor, dha_fraction=cc.dha_fraction))
+      if not u.sent:
+        self._call(u, read, layer, outs, {})
+
+  def landed(self, k: int, read: Any, layer: int, outs: list[Any], scratch: list[Any]
+             ) -> list[Any]:
+    """Issues layer `layer`'s calls of scan `k` that read its gradients' landed windows in
+    the scratch buffers; returns their tokens (`streaming.run_scan`'s `on_landed`)."""
+    tokens = []
+    for u in self.ov.by_scan(k):
+      if u.sent:
+        tokens.append(self._call(u, read, layer, outs,
+                                 {pos: scratch[s] for pos, s in u.sent.items()}))
+    return tokens
+
+  def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
+            scratch: dict[int, Any]) -> Any:
+    cc = self.compiled[u.component]
+    targets = set(u.targets)
+    # This layer's gradient slices in place of the stacked gradients.
+    slices = {cc.operands[pos].var: outs[j] for pos, j in u.grads.items() if pos not in scratch}
+    operands = []
+    for pos, spec in enumerate(cc.operands):
+      if pos in scratch:
+        # A pinned_host scratch buffer whose window `layer` has landed: read in place. Not
+        # kept for the join: the next send writes the buffer in place, after this call.
+        operands.append(scratch[pos])
+        continue
+      x = _operand(spec, self.state, self.masters,
+                   lambda v: slices[v] if v in slices else read(v))
+      if pos not in targets and spec.kind in ("value", "const"):
+        # The GPU call reads it after XLA's stream has moved on (the gradient slice, a
+        # scalar, a device leaf it only reads): alive until the join. Not a written buffer:
+        # named as another join's operand, XLA would copy it.
+        self.read_values.append(x)
+      operands.append(x)
+    operands += [self.state[j] for j in u.extra]
+    program = dataclasses.replace(cc.program, num_operands=len(operands))
+    token = hu.host_update_layer(
+        program, operands, u.targets, offset=layer * u.count, count=u.count,
+        after=streaming.arrays_of(outs), executor=cc.executor, dha_fraction=cc.dha_fraction)
+    self.tokens.append(token)
+    return token
 
   def join(self, env: dict[Any, Any]) -> dict[int, Any]:
     """Joins the calls; sets the layered results' outvars in `env`; returns the new masters."""

@@ -155,7 +155,9 @@ class Stacked:
 
 def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any],
              read_body: "Callable[[Any, list[Any]], list[Any]] | None" = None,
-             on_layer: "Callable[[int, list[Any]], None] | None" = None) -> list[Any]:
+             on_layer: "Callable[[int, list[Any]], None] | None" = None,
+             on_landed: "Callable[[int, list[Any], list[Any]], list[Any]] | None" = None
+             ) -> list[Any]:
   """Runs one streamed scan unrolled; returns its outputs (stacked ys as `Stacked`).
 
   Each scratch buffer gets its own send and d2h wait calls, each with that buffer as its only
@@ -179,6 +181,12 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
     on_layer: called as `on_layer(layer, outs)` after each iteration with the body's outputs
       (carry, then ys slices): the per-layer host updates (`lowering/overlap.py`). A scan with
       no streamed leaves is unrolled for it alone (no fetch or wait).
+    on_landed: called as `on_landed(layer, outs, scratch)` once that layer's sent slices have
+      landed in the scratch buffers (after the d2h wait, before the next layer's sends): the
+      per-layer host updates that read a scratch window in place. It returns tokens; each
+      scratch buffer then passes through one more d2h wait after them, so that the next send,
+      which writes the buffer in place, is ordered after every read of the landed value (else
+      XLA copies the whole buffer to keep that value for its readers).
 
   Returns:
     The scan's outputs: final carry values, then ys (a `Stacked` each, or for a sent ys the
@@ -232,6 +240,7 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
         for s in idx:
           scratch[s], = stream.wait([scratch[s]], after=pending + arrays_of(outs),
                                     direction="d2h")
+        _landed(on_landed, order[t - 1], prev_outs, scratch, idx, reorder=True)
       for s, y in sends:
         scratch[s], = stream.send([scratch[s]], [y], layer)
       pending = [y for _, y in sends]
@@ -239,10 +248,25 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
   if pending:
     for _, s in scan.sent:
       scratch[s], = stream.wait([scratch[s]], after=pending, direction="d2h")
+    _landed(on_landed, order[-1], prev_outs, scratch, [s for _, s in scan.sent], reorder=False)
   results: list[Any] = list(carry)
   for j in range(num_ys):
     results.append(scratch[sent[nk + j]] if nk + j in sent else Stacked(ys[j]))
   return results
+
+
+def _landed(on_landed: Any, layer: int, outs: list[Any], scratch: list[Any], idx: list[int],
+            reorder: bool) -> None:
+  """Runs `on_landed` for `layer`; with `reorder`, passes scratch buffers `idx` through a d2h
+  wait after its tokens (the next sends into them then come after its reads)."""
+  from jaxtier._src.primitives import stream  # pylint: disable=g-import-not-at-top
+
+  if on_landed is None:
+    return
+  tokens = on_landed(layer, outs, scratch)
+  if tokens and reorder:
+    for s in idx:
+      scratch[s], = stream.wait([scratch[s]], after=list(tokens), direction="d2h")
 
 
 def arrays_of(values: Sequence[Any]) -> list[Any]:

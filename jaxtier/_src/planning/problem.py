@@ -162,11 +162,13 @@ def stage_key(path: str) -> "tuple[str, int] | None":
 
 
 def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, int],
-                   call: Any = None) -> cost_model.UpdateTraffic:
+                   call: Any = None, on_host: "frozenset[int]" = frozenset()
+                   ) -> cost_model.UpdateTraffic:
   """The bytes one host-update call of `cc` moves, per device.
 
   `call` is one of `program_compiler.calls_of(cc)` (None: the whole component as one call).
-  Host operands (state leaves, fp32 masters) are read from pinned_host; results that alias
+  Host operands (state leaves, fp32 masters, and the operand positions `on_host`: gradients a
+  streamed layer loop sends to pinned_host) are read from pinned_host; results that alias
   them are written back there; other operands (gradients, device params) are device reads and
   other results (new params) device writes. Sizes per device: the global sizes scaled by the
   component's first leaf's shard fraction.
@@ -185,7 +187,9 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
     elif spec.kind == "value" and spec.var is not None:
       aval = spec.var.aval
       n = int(np.prod(aval.shape, dtype=np.int64))
-      if n > 1:
+      if i in on_host:
+        read += n * _itemsize(aval.dtype) * frac
+      elif n > 1:
         dev_in += n * _itemsize(aval.dtype) * frac
   for k in results:
     r = cc.results[k]
@@ -276,7 +280,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       (None: the profile's `split_fraction`); the other updates' splits keep the profile's.
   """
   executors = host_executors(platform)
-  loops = layer_stacks.LayerLoops(jaxpr) if overlap_update else None
+  loops = layer_stacks.LayerLoops(jaxpr)
   seeded: dict[int, int] = {}
   updates: list[UpdateItem] = []
   for u, cc in enumerate(compiled):
@@ -288,17 +292,20 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       # The call's executor (a call of host_stream leaves has one too: the cut's choice).
       fixed = Executor(cc.executor).placement
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
-    got = loops.of(cc) if loops is not None and _shard_fraction(cc, leaves) == 1.0 else ""
-    if not isinstance(got, str) and _streams(jaxpr.eqns[got[0]], jaxpr, placement):
-      # A layer loop that streams leaves sends the gradients only host updates read to
-      # pinned_host whole (`lowering/streaming.py`): their updates are not layered.
+    got = loops.of(cc) if _shard_fraction(cc, leaves) == 1.0 else ""
+    # A layer loop that streams leaves sends the gradients only host updates read to a
+    # pinned_host scratch buffer (`lowering/streaming.py`): the update reads them there.
+    sent = (frozenset(got[1]) if not isinstance(got, str)
+            and _streams(jaxpr.eqns[got[0]], jaxpr, placement) else frozenset())
+    if not overlap_update:
       got = ""
     num_layers = 0 if isinstance(got, str) else int(jaxpr.eqns[got[0]].params["length"])
     # The calls run one after the other: their costs add. A layered update is one call per
     # layer, writing device and host results in place alike.
     calls = (None,) if num_layers else calls
     costs = {e: functools.reduce(operator.add, [
-        cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call), profile,
+        cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call, sent),
+                               profile,
                                platform=platform,
                                dha_fraction=layered_dha_fraction if num_layers else None)
         for call in calls]) for e in names}
