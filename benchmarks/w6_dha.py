@@ -147,7 +147,11 @@ def child(spec: str) -> None:
              compiled_peak_hbm_bytes=plan.compiler_peak_hbm_bytes,
              table_link_bytes_per_step=link, host_rss_peak_bytes=_peak_rss_bytes(),
              gather_secs=gather_secs, stream_secs=stream_secs,
-             gather_stream_ratio=stream_secs / gather_secs)
+             gather_stream_ratio=stream_secs / gather_secs,
+             # Whether the table's gradient rows were scatter-added into pinned_host (else the
+             # lowering summed them on the device, and says why in its notes).
+             gradient_rows_on_host=bool(off._programs.split.lookup.scatters),  # pylint: disable=protected-access
+             lookup_notes=list(off._programs.split.lookup.notes))  # pylint: disable=protected-access
   print("RESULT " + json.dumps(out), flush=True)
 
 

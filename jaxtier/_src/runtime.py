@@ -346,16 +346,19 @@ class OffloadedStep:
     #    host leaves are read, not donated (a failure here leaves them intact).
     # 2. The other fused host updates, in place on the donated host leaves and masters. Dispatched
     #    only once the compute program has succeeded: an update fed by a failed program would
-    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step;
-    #    a plan without serial host updates does not wait (dispatch stays asynchronous).
+    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step.
+    #    A plan with layered host leaves waits too, so that a failure is raised here, with the
+    #    note naming the leaves it may have left half-updated; a plan with neither does not
+    #    wait (dispatch stays asynchronous).
     master_of = dict(zip(self._programs.master_indices, self._masters))
     layered, layered_masters = self._programs.layered_group(moved, self._masters)
     try:
       first, feeds, rest, self._scratch, layered_new, layered_masters_new = (
           self._programs.compute(dev, host, arg_leaves, self._scratch, layered,
                                  layered_masters))
-      if split.has_update:
-        jax.block_until_ready((first, feeds, rest, self._scratch))
+      if split.has_update or split.layered_host or split.layered_masters:
+        jax.block_until_ready((first, feeds, rest, self._scratch, layered_new,
+                               layered_masters_new))
     except Exception as e:
       self._scratch = []  # donated to the failed program; fresh buffers next time
       if split.layered_host or split.layered_masters:

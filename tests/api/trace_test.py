@@ -74,4 +74,8 @@ def test_trace_names_every_jaxtier_call(policy, want, tmp_path):
   state = step.place({"params": params, "opt": tx.init(params)}, x)
   got = _scopes_in_trace(step, state, x, tmp_path)
   # XLA:CPU's trace does not hold an event of every thunk it runs: each family at least once.
+  # On a GPU the trace holds what ran on the GPU and the copy engines: a wait or a join only
+  # makes XLA's stream wait for an event, and leaves none.
+  if jax.default_backend() == "gpu":
+    want = tuple(w for w in want if w not in ("stream_wait", "host_update_join"))
   assert set(want) <= set(got), got

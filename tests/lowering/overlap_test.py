@@ -212,6 +212,29 @@ def test_a_failed_layered_step_names_the_leaves_it_left():
   assert not state["opt"][0].mu["head"]["kernel"].get_value().is_deleted()
 
 
+def test_gpu_plan_picks_the_layered_executor_of_a_streamed_stack():
+  if ON_GPU:
+    pytest.skip("on a GPU the plan times this GPU's scans; the case is the H200 profile's")
+  # The user streams the stack's params; the planner still picks its moments' executor by the
+  # overlapped step (the params' placement fixes none): a layered one, not host_dha's serial
+  # choice, and the calls run on it.
+  tx = optax.adamw(1e-2)
+  graphdef, params = _model()
+  x = jax.ShapeDtypeStruct((8, WIDTH), jnp.float32)
+  y = jax.ShapeDtypeStruct((8, 2), jnp.float32)
+  plan = jaxtier.plan(_step(graphdef, tx), {"params": params, "opt": tx.init(params)}, (x, y),
+                      policy={r"\['params'\]\['blocks'\]": "host_stream"}, platform="gpu")
+  moments = [l for l in plan.leaves if "blocks" in l.path and l.role == "optimizer_state"]
+  assert moments and all(l.placement in ("host_cpu", "host_split") for l in moments), [
+      (l.path, l.placement) for l in moments]
+  assert all("layer by layer inside the backward pass" in l.reason for l in moments)
+  assert all(l.placement == "host_stream" for l in plan.leaves
+             if "blocks" in l.path and l.role == "param")
+  executors = {c.executor for c in plan.components
+               if any("blocks" in plan.leaves[i].path for i in c.component.seeds)}
+  assert executors == {"host_cpu" if moments[0].placement == "host_cpu" else "split"}, executors
+
+
 @pytest.mark.parametrize("batch, want", [(8, "host_split"), (4096, "host_cpu")])
 def test_gpu_plan_picks_the_layered_executor_by_the_overlap(batch, want):
   if ON_GPU:

@@ -160,7 +160,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   layered_fraction = None
   if platform == "gpu":
     recut, layered_fraction = _layered_executor(
-        problem_for, placement, reasons, act_policy, served_leaves(inv, placement),
+        problem_for, placement, reasons, act_policy, served_leaves(inv, placement), user_fixed,
         lambda: cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
                             user_fixed)) or (None, None)
     compiled, masters = recut or (compiled, masters)
@@ -267,7 +267,7 @@ def served_leaves(inv: Inventory, placement: Mapping[int, str]) -> set[int]:
 
 def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str],
                       reasons: dict[int, str], act_policy: "str | None", served: set[int],
-                      recut: Callable[[], Any]) -> Any:
+                      user_fixed: set[int], recut: Callable[[], Any]) -> Any:
   """Picks the executor of the updates run layer by layer inside the backward pass (on a GPU):
   host_cpu, or host_split with the DHA kernel's share of the elements in `LAYERED_FRACTIONS`,
   whichever the prediction (`cost_model.predict`: hidden under the backward pass, the split's
@@ -278,10 +278,15 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   masters), or None if no placement changed; the share, or None for host_cpu), or None if no
   update runs layer by layer."""
   problem = problem_for(placement)
+  executors = (Placement.HOST_DHA, Placement.HOST_CPU, Placement.HOST_SPLIT)
+  # A streamed stack's call: its param stays host_stream (the user's placement, which fixes
+  # the call's executor only as the cut's choice), its moments take the executor.
   layered = [u for u, item in enumerate(problem.updates)
-             if item.num_layers and item.fixed is None
-             and all(placement[i] in (Placement.HOST_DHA, Placement.HOST_CPU,
-                                      Placement.HOST_SPLIT) for i in item.seeds)]
+             if item.num_layers
+             and all(i not in user_fixed or placement[i] == Placement.HOST_STREAM
+                     for i in item.seeds)
+             and all(placement[i] in executors + (Placement.HOST_STREAM,) for i in item.seeds)
+             and any(placement[i] in executors for i in item.seeds)]
   if not layered:
     return None
   params = {p.index: placement[p.index] for p in problem.params}
@@ -303,6 +308,8 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   changed = False
   for u in layered:
     for i in problem.updates[u].seeds:
+      if placement[i] == Placement.HOST_STREAM:
+        continue
       if placement[i] != best:
         placement[i] = best
         changed = True
