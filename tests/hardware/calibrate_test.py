@@ -41,6 +41,15 @@ def test_measure_gpu_adamw_runs_each_executor():
   assert all(r > 0 for r in rates.values())
 
 
+def test_measure_dha_compute_times_the_gather_and_the_matmul():
+  # On the GPU it times the DHA kernels on pinned_host operands; here the CPU handlers run the
+  # same calls on small shapes: each compiles, runs and gives a rate.
+  rates = calibration.measure_dha_compute(jax.devices()[0], num_rows=1024, width=64,
+                                          num_ids=256, k=128, n=256, m=8, reps=1)
+  assert set(rates) == {"dha_gather_gbps", "dha_matmul_gbps"}
+  assert all(0 < r < float("inf") for r in rates.values()), rates
+
+
 def test_public_calibrate_stores_the_profile_where_the_planner_loads_it(tmp_path, monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
   measured = jaxtier.calibrate(measure_device=False, num_params=1 << 14)

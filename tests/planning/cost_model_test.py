@@ -73,6 +73,12 @@ def test_stream_stage_formulas():
   c = cost_model.stream_stage(compute_secs=0.03, num_layers=1, fetch_bytes=GB, grad_bytes=GB,
                               profile=P)
   assert c.secs == pytest.approx(1 / 50 + 1 / 30 + 1 / 50) and c.bound == "link_h2d"
+  # An embedding table's rows read in place go at the DHA gather's rate (not the raw zero-copy
+  # read's): 1 GB of rows per layer-stage at 25 GB/s forward and backward.
+  slow = dataclasses.replace(P, dha_gather_gbps=25.0)
+  c = cost_model.stream_stage(compute_secs=0.0, num_layers=1, fetch_bytes=0, grad_bytes=0,
+                              dha_read_bytes=GB, profile=slow)
+  assert c.secs == pytest.approx(2 / 25) and c.dha_secs == pytest.approx(2 / 25)
 
 
 def test_activation_choices():

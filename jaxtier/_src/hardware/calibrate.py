@@ -141,6 +141,7 @@ def measure_gpu(device: Any, *, nbytes: int = 1 << 30, reps: int = 5,
   - zero-copy: the host_update custom call (DHA kernel) with a copy program: read (pinned_host
     operand -> device result), write (device operand -> aliased, donated pinned_host result),
     read + write (a pinned_host leaf copied onto itself in place; both directions counted);
+  - the DHA gather's and the DHA matmul's rates (`measure_dha_compute`);
   - AdamW update rate of each executor (`adamw_program`, `update_params` fp32 params: master,
     mu, nu in pinned_host, bf16 gradient on the device, new bf16 param to the device);
   - bf16 matmul 8192^3 (TFLOP/s); HBM bandwidth (x + 1 over `nbytes`, read + write counted);
@@ -213,12 +214,51 @@ def measure_gpu(device: Any, *, nbytes: int = 1 << 30, reps: int = 5,
   out["matmul_tflops"] = 2 * 8192**3 / t / 1e12
   del a
 
+  out.update(measure_dha_compute(device, reps=reps))
   rates = measure_gpu_adamw(device, update_params, reps=reps)
   out["dha_adamw_params_per_sec"] = rates[Executor.HOST_DHA]
   out["cpu_adamw_params_per_sec"] = rates[Executor.HOST_CPU]
   stats = device.memory_stats() or {}
   if stats.get("bytes_limit"):
     out["hbm_bytes"] = int(stats["bytes_limit"])
+  return out
+
+
+def measure_dha_compute(device: Any, *, num_rows: int = 65536, width: int = 2048,
+                        num_ids: int = 8192, k: int = 4096, n: int = 8192, m: int = 128,
+                        reps: int = 5) -> dict[str, float]:
+  """The DHA gather's and matmul's rates on `device`, GB/s of host bytes read.
+
+  - gather: `num_ids` random rows of a pinned_host fp32 table [num_rows, width] (default 8,192
+    rows of 8 KiB from a 512 MiB table, an embedding lookup's shape), bytes of rows per second;
+  - matmul: x [m, k] @ w [k, n], bf16, w in pinned_host (default 64 MiB) read in place by the
+    DHA kernel at m = 128 rows (below 512 the kernel reads w once), bytes of w per second.
+  Where the matmul's rate is below the copy engines', streaming a matmul weight beats reading
+  it in place; the gather of a batch's rows beats copying the table by table bytes over row
+  bytes times the two rates' ratio (`benchmarks/diagnostics/dha_crossover.py` sweeps both).
+
+  Returns:
+    {'dha_gather_gbps': ..., 'dha_matmul_gbps': ...}.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import SingleDeviceSharding  # pylint: disable=g-import-not-at-top
+
+  from jaxtier._src.primitives import dha  # pylint: disable=g-import-not-at-top
+  host = SingleDeviceSharding(device, memory_kind="pinned_host")
+  on_dev = SingleDeviceSharding(device, memory_kind="device")
+  table = jax.device_put(jnp.ones((num_rows, width), jnp.float32), host)
+  ids = jax.device_put(jnp.asarray(np.random.default_rng(0).integers(0, num_rows, num_ids),
+                                   jnp.int32), on_dev)
+  gather = jax.jit(dha.gather)
+  t = _median_secs(lambda: jax.block_until_ready(gather(table, ids)), max(reps, 10))
+  out = {"dha_gather_gbps": num_ids * width * 4 / t / 1e9}
+  del table
+  w = jax.device_put(jnp.ones((k, n), jnp.bfloat16), host)
+  x = jax.device_put(jnp.ones((m, k), jnp.bfloat16), on_dev)
+  mm = jax.jit(dha.matmul)
+  t = _median_secs(lambda: jax.block_until_ready(mm(x, w)), max(reps, 10))
+  out["dha_matmul_gbps"] = k * n * 2 / t / 1e9
   return out
 
 

@@ -32,7 +32,7 @@ CPU_DRAM_BYTES_PER_PARAM = 30
 # older format (or none: before versioning) is ignored by `load`: its figures may come from an
 # older calibration (e.g. version 1 stored no CPU compute figures, so a CPU plan used an H200's
 # 700 TFLOP/s). Bump it whenever what `calibrate` measures, or how, changes.
-PROFILE_FORMAT_VERSION = 2
+PROFILE_FORMAT_VERSION = 3
 
 
 _STR_FIELDS = ("device_kind", "source")
@@ -60,6 +60,12 @@ class HardwareProfile:
       and moments in pinned_host: 24 bytes per param over the link).
     dha_update_gbps: the DHA update kernel's marginal rate per byte of host traffic, GB/s:
       its time per call is elements x t + bytes / this rate (`dha_update_secs`).
+    dha_gather_gbps: the DHA gather's rate, bytes of gathered rows per second, GB/s (8,192
+      random rows of a pinned_host fp32 table, 8 KiB each): what reading an embedding table's
+      rows in place costs (`cost_model.stream_stage`).
+    dha_matmul_gbps: the DHA matmul's rate at 128 rows of x, bytes of the pinned_host weight
+      read per second, GB/s: a matmul weight read in place pays only where this beats the
+      copy engines' `link_h2d_gbps` (the planner's note says which).
     matmul_tflops: achieved bf16 matmul throughput (8192^3 GEMM), TFLOP/s.
     hbm_gbps: achieved HBM bandwidth (device-to-device copy, read + write counted), GB/s.
     hbm_bytes: device memory JAX's allocator may use (`memory_stats()['bytes_limit']`), bytes.
@@ -97,6 +103,11 @@ class HardwareProfile:
   # t = 0.167 ns plus bytes at 121 GB/s: that fits W2 and the 16 B runs of W5, and predicts
   # the 28 B run within 3% (W5, benchmarks/results/).
   dha_update_gbps: float = 121.0
+  # W6 (w6_dha.json, H200): 8,192 rows of a 131,072 x 2,048 fp32 table in 1.43 ms, 47 GB/s.
+  dha_gather_gbps: float = 47.0
+  # diagnostics/dha_crossover.json (H200): an 8192 x 8192 bf16 weight read in place at 49.1
+  # GB/s for 1 to 128 rows of x, against 53.7 GB/s copying it (0.91-0.92 of the copy).
+  dha_matmul_gbps: float = 49.0
   # ~790 TFLOP/s on a bf16 8192^3 GEMM; training steps reach less (smaller and skinnier GEMMs).
   matmul_tflops: float = 700.0
   # ~4,050 GB/s device-to-device copy (read + write counted).

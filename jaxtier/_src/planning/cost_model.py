@@ -217,10 +217,11 @@ def stream_stage(*, compute_secs: float, num_layers: int, fetch_bytes: float,
 
   Per layer: c = compute_secs / num_layers, forward c_f = forward_share * c, backward
   c_b = c - c_f; streamed bytes per layer s = fetch_bytes / num_layers, their gradient
-  g = grad_bytes / num_layers; zero-copy (host_dha params) r = dha_read_bytes / num_layers,
-  w = dha_write_bytes / num_layers; offloaded activations a = act_offload_bytes / num_layers.
-    forward  t_f = max(c_f, s / h2d + r / dha_read, a / d2h)
-    backward t_b = max(c_b, s / h2d' + r / dha_read + a / h2d', g / d2h' + w / dha_write)
+  g = grad_bytes / num_layers; zero-copy (host_dha params: embedding tables, their gathered
+  rows) r = dha_read_bytes / num_layers, w = dha_write_bytes / num_layers; offloaded
+  activations a = act_offload_bytes / num_layers.
+    forward  t_f = max(c_f, s / h2d + r / dha_gather, a / d2h)
+    backward t_b = max(c_b, s / h2d' + r / dha_gather + a / h2d', g / d2h' + w / dha_write)
   where h2d' and d2h' are the duplex rates (link_duplex / 2 each) when both directions carry
   bytes in the backward pass, else the one-way rates. Stage:
     secs = num_layers * (t_f + t_b) + s / h2d
@@ -240,10 +241,11 @@ def stream_stage(*, compute_secs: float, num_layers: int, fetch_bytes: float,
   both_back = (s + a) > 0 and g > 0
   h2d_b = bytes_per_sec(profile.link_duplex_gbps) / 2 if both_back else h2d
   d2h_b = bytes_per_sec(profile.link_duplex_gbps) / 2 if both_back else d2h
-  fwd = {"compute": c_f, "link_h2d": s / h2d + r / bytes_per_sec(profile.dha_read_gbps),
+  gather = bytes_per_sec(profile.dha_gather_gbps)
+  fwd = {"compute": c_f, "link_h2d": s / h2d + r / gather,
          "link_d2h": a / d2h}
   bwd = {"compute": c_b,
-         "link_h2d": s / h2d_b + r / bytes_per_sec(profile.dha_read_gbps) + a / h2d_b,
+         "link_h2d": s / h2d_b + r / gather + a / h2d_b,
          "link_d2h": g / d2h_b + w / bytes_per_sec(profile.dha_write_gbps)}
   t_f, t_b = max(fwd.values()), max(bwd.values())
   exposed = s / h2d
@@ -254,8 +256,7 @@ def stream_stage(*, compute_secs: float, num_layers: int, fetch_bytes: float,
   else:
     bound = "link_h2d" if n * (fwd["link_h2d"] + bwd["link_h2d"]) >= n * (
         fwd["link_d2h"] + bwd["link_d2h"]) else "link_d2h"
-  dha = n * (r / bytes_per_sec(profile.dha_read_gbps) + r / bytes_per_sec(profile.dha_read_gbps) +
-             w / bytes_per_sec(profile.dha_write_gbps))
+  dha = n * (2 * r / gather + w / bytes_per_sec(profile.dha_write_gbps))
   return Cost(secs=secs, h2d_bytes=n * (2 * s + 2 * r + a), d2h_bytes=n * (g + w + a),
               dha_secs=dha, bound=bound)
 

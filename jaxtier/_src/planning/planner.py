@@ -325,6 +325,16 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
 LAYERED_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 
 
+def _not_read_in_place(prof: Any) -> str:
+  """Why a streamed (matmul) weight is not read in place by the DHA matmul instead."""
+  dha, link = prof.dha_matmul_gbps, prof.link_h2d_gbps
+  if dha < link:
+    return (f" (the copy engines move it at {link:.1f} GB/s; the DHA matmul would read it in "
+            f"place at {dha:.1f}, profile)")
+  return (f" (the DHA matmul would read it in place at {dha:.1f} GB/s, above the copy engines' "
+          f"{link:.1f}, but only embedding tables are read in place)")
+
+
 def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventory,
            placement: dict[int, str], reasons: dict[int, str], executor_leaves: set[int],
            user_fixed: set[int], budget: "int | None") -> None:
@@ -368,8 +378,8 @@ def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventor
                           f"({fit})")
     else:
       executor_leaves.add(p.index)  # its update runs where it lives, in a fused host update
-      how = ("prefetched layer by layer ahead of its use" if where == Placement.HOST_STREAM else
-             "read in place by the GPU (zero-copy)")
+      how = ("prefetched layer by layer ahead of its use" + _not_read_in_place(problem.profile)
+             if where == Placement.HOST_STREAM else "read in place by the GPU (zero-copy)")
       if where == Placement.HOST_DHA and p.dha_nbytes is not None:
         how = (f"an embedding table whose rows the DHA gather reads in place "
                f"({format_bytes(p.dha_nbytes)} of rows per step, not the "
