@@ -49,6 +49,8 @@ _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Where the JSON
 _RESULT = flags.DEFINE_string("result", "w6_dha.json", "The JSON's file name.")
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one 'config:vocab:variant'.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 400, "Seconds per variant before it is stopped.")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", "", "Where each variant writes its compiled step's "
+                               "HLO text and buffer sizes (for reading its peak); '' for none.")
 
 EMBED = "['embed']"
 
@@ -110,6 +112,11 @@ def child(spec: str) -> None:
   table = next(l for p, l in leaves.items() if EMBED in p and l.role == "param")
   print(f"table {table.path}: {table.placement}; plan pinned {plan.pinned_bytes / 2**30:.2f} GiB,"
         f" predicted peak {(plan.predicted_peak_hbm_bytes or 0) / 2**30:.2f} GiB", flush=True)
+  if _HLO_DIR.value:
+    os.makedirs(_HLO_DIR.value, exist_ok=True)
+    compiled = off.lower(state, batches[0]).compile()
+    with open(os.path.join(_HLO_DIR.value, f"{spec.replace(':', '_')}.hlo.txt"), "w") as f:
+      f.write(compiled.as_text())
   times, losses = [], []
   for k, batch in enumerate(batches):
     t0 = time.perf_counter()
@@ -203,7 +210,8 @@ def main(argv):
       for variant in _VARIANTS.value:
         key = f"{config}:{vocab}:{variant}"
         cmd = [sys.executable, __file__, f"--child={key}", f"--steps={_STEPS.value}",
-               f"--batch_size={_BATCH.value}", f"--seq_len={_SEQ.value}", f"--rest={_REST.value}"]
+               f"--batch_size={_BATCH.value}", f"--seq_len={_SEQ.value}", f"--rest={_REST.value}",
+               f"--hlo_dir={_HLO_DIR.value}"]
         lines = []
         try:
           p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -225,14 +225,17 @@ def measure_gpu(device: Any, *, nbytes: int = 1 << 30, reps: int = 5,
 
 
 def measure_dha_compute(device: Any, *, num_rows: int = 65536, width: int = 2048,
-                        num_ids: int = 8192, k: int = 4096, n: int = 8192, m: int = 128,
+                        num_ids: int = 8192, k: int = 8192, n: int = 8192, m: int = 128,
                         reps: int = 5) -> dict[str, float]:
   """The DHA gather's and matmul's rates on `device`, GB/s of host bytes read.
 
   - gather: `num_ids` random rows of a pinned_host fp32 table [num_rows, width] (default 8,192
     rows of 8 KiB from a 512 MiB table, an embedding lookup's shape), bytes of rows per second;
-  - matmul: x [m, k] @ w [k, n], bf16, w in pinned_host (default 64 MiB) read in place by the
-    DHA kernel at m = 128 rows (below 512 the kernel reads w once), bytes of w per second.
+  - matmul: x [m, k] @ w [k, n], bf16, w in pinned_host (default 128 MiB, the crossover run's
+    layer) read in place by the DHA kernel at m = 128 rows (below 512 the kernel reads w once),
+    bytes of w per second.
+  Uniform random ids: a real text's ids repeat (W6's Zipf ids gathered at 47 GB/s where
+  uniform ones reach 37 on the H200), so this is the rate's floor.
   Where the matmul's rate is below the copy engines', streaming a matmul weight beats reading
   it in place; the gather of a batch's rows beats copying the table by table bytes over row
   bytes times the two rates' ratio (`benchmarks/diagnostics/dha_crossover.py` sweeps both).
