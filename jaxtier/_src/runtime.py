@@ -390,7 +390,7 @@ class OffloadedStep:
     deleted = sum(x.is_deleted() for x in dev if isinstance(x, jax.Array))
     device_part = (f"{deleted} of its {len(dev)} device leaves were donated to the failed "
                    "program (as with jax.jit(donate_argnums=...))." if deleted else
-                   "its device leaves were not consumed (the program did not run).")
+                   "its device leaves were not consumed.")
     written = sorted(set(split.layered_host) | set(split.overlap.device_leaves)
                      | set(split.layered_masters))
     if not written:
@@ -402,7 +402,9 @@ class OffloadedStep:
             f"layers are updated layer by layer: {paths} (and their fp32 masters) were donated "
             "to it, and any of their layers may already hold the next step's values while "
             "others hold this step's. Restore the state from a checkpoint "
-            "(`step.restore(path, state)`); the other pinned_host leaves are intact. "
+            "(`step.restore(path, state)`, or in a new process `step.restore(path, "
+            "abstract_state, example_args=(batch,))`); the other pinned_host leaves are "
+            "intact. "
             + device_part)
 
   def _record_step_time(self, outs: list[Any], dispatch_secs: float) -> None:
