@@ -88,6 +88,11 @@ def test_plan_places_optimizer_state_in_pinned_host():
   assert kinds["['params']['w1']"] == "device"
   assert step.plan.pinned_bytes == 2 * (16 * 32 + 32 * 4 + 4) * 4
   assert HOST_EXEC in str(step.plan) and "optimizer_state" in str(step.plan)
+  # A fixed policy compiles no device-only step: the predicted peak says what it leaves out,
+  # beside the compiled offloaded step's figure.
+  shown = str(step.plan)
+  assert "per device (state and gradients only: no activations)" in shown, shown
+  assert step.plan.compiler_peak_hbm_bytes and "; compiler: " in shown
 
 
 def test_bf16_params_get_fp32_masters():

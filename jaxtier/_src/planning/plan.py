@@ -217,8 +217,12 @@ class Plan:
     if self.predicted_peak_hbm_bytes is not None:
       budget = self.planned_device_budget
       memory = "HBM" if self.platform == "gpu" else "device memory"  # what it is here
+      # Without a compiled device-only step (a fixed policy) the prediction has no activations.
+      partial = any(n.startswith("transient device bytes") and "the gradients only" in n
+                    for n in self.notes)
       lines.append(f"predicted peak {memory}: {format_bytes(self.predicted_peak_hbm_bytes)} "
                    "per device"
+                   f"{' (state and gradients only: no activations)' if partial else ''}"
                    f"{'' if budget is None else f' of {format_bytes(budget)} planned'}"
                    + ("" if self.compiler_peak_hbm_bytes is None else
                       f"; compiler: {format_bytes(self.compiler_peak_hbm_bytes)}"))
