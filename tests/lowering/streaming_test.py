@@ -175,12 +175,8 @@ def test_streamed_weights_on_device_are_bounded():
       3 * layer)
 
 
-def test_interrupted_layered_step_names_the_streamed_leaves():
-  # Updated layer by layer (the default), the streamed stack and its moments are donated to
-  # the compute program: a step failing there says which leaves it may have left half-updated
-  # and how to restore them.
-  tx = optax.adamw(1e-2)
-
+def _failing_step_fn(tx):
+  """A streamed step whose layer loop raises while it runs when its last argument is True."""
   def boom(layer_value, flag):
     if flag:
       raise RuntimeError("interrupted mid-loop")
@@ -196,9 +192,17 @@ def test_interrupted_layered_step_names_the_streamed_leaves():
     l, g = jax.value_and_grad(loss)(state["W"], x, y, fail)
     u, opt = tx.update(g, state["opt"], state["W"])
     return {"W": optax.apply_updates(state["W"], u), "opt": opt}, {"loss": l}
+  return step_fn
+
+
+def test_interrupted_layered_step_names_the_streamed_leaves():
+  # Updated layer by layer (the default), the streamed stack and its moments are donated to
+  # the compute program: a step failing there says which leaves it may have left half-updated
+  # and how to restore them.
+  tx = optax.adamw(1e-2)
 
   x, y = _data()
-  step = jaxtier.offload(step_fn, policy=STREAM_W)
+  step = jaxtier.offload(_failing_step_fn(tx), policy=STREAM_W)
   state = step.place(_state(tx), x, y, jnp.asarray(False))
   assert step._programs.split.overlap.updates
   with pytest.raises(Exception, match="interrupted") as info:
@@ -213,24 +217,8 @@ def test_interrupted_step_leaves_streamed_params_intact():
   # leaves: a failed step leaves every one intact.
   tx = optax.adamw(1e-2)
 
-  def boom(layer_value, flag):
-    if flag:
-      raise RuntimeError("interrupted mid-loop")
-
-  def loss(W, x, y, fail):
-    def body(h, w):
-      jax.debug.callback(boom, w[0, 0], fail)
-      return jnp.tanh(h @ w), None
-    h, _ = jax.lax.scan(body, x, W)
-    return jnp.mean((h - y) ** 2)
-
-  def step_fn(state, x, y, fail):
-    l, g = jax.value_and_grad(loss)(state["W"], x, y, fail)
-    u, opt = tx.update(g, state["opt"], state["W"])
-    return {"W": optax.apply_updates(state["W"], u), "opt": opt}, {"loss": l}
-
   x, y = _data()
-  step = jaxtier.offload(step_fn, policy=STREAM_W, overlap_update=False)
+  step = jaxtier.offload(_failing_step_fn(tx), policy=STREAM_W, overlap_update=False)
   state = step.place(_state(tx), x, y, jnp.asarray(False))
   state, _ = step(state, x, y, jnp.asarray(False))
   before = jax.tree.map(np.array, state)  # copies (views would block donation)
