@@ -141,6 +141,7 @@ def child(spec: str) -> None:
       jax.devices()[0], memory_kind="device")))
   gather_secs, _ = bench_util.median_secs(lambda: jax.block_until_ready(gather(host, ids)), 10)
   stream_secs, _ = bench_util.median_secs(lambda: jax.block_until_ready(copy_in(host)), 5)
+  lookup = off._programs.split.lookup  # pylint: disable=protected-access
   link = {"device": 0, "state_host": 0, "host_dha": 2 * rows_bytes,
           "host_xla": 2 * table.nbytes}[variant]
   out = dict(spec=spec, variant=variant, config=config_name, vocab=vocab, rest=_REST.value,
@@ -157,8 +158,7 @@ def child(spec: str) -> None:
              gather_stream_ratio=stream_secs / gather_secs,
              # Whether the table's gradient rows were scatter-added into pinned_host (else the
              # lowering summed them on the device, and says why in its notes).
-             gradient_rows_on_host=bool(off._programs.split.lookup.scatters),  # pylint: disable=protected-access
-             lookup_notes=list(off._programs.split.lookup.notes))  # pylint: disable=protected-access
+             gradient_rows_on_host=bool(lookup.scatters), lookup_notes=list(lookup.notes))
   print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -17,11 +17,12 @@ and the leaves outside the stack, which stay in the serial update program).
 Which components qualify (`schedule`; otherwise they stay serial, with the reason):
 - every vector operand is `[L, ...]` with N = L * n elements: the gradient (a `ys` output of
   one top-level scan; a streamed scan sends it to a pinned_host scratch buffer, and the call
-  reads the landed window there), the leaf and its moments and master; every scalar operand (the learning rate, the bias corrections)
-  depends on nothing that scan computes. A scalar computed from every gradient (a global-norm
-  clip, a non-finite check) must wait for the whole backward pass: such a component stays
-  serial, so that the layered ones compute what the serial step does (the unrolled backward
-  scan, compiled apart from the rolled one, may round a gradient differently in the last bit);
+  reads the landed window there), the leaf and its moments and master; every scalar operand
+  (the learning rate, the bias corrections) depends on nothing that scan computes. A scalar
+  computed from every gradient (a global-norm clip, a non-finite check) must wait for the whole
+  backward pass: such a component stays serial, so that the layered ones compute what the
+  serial step does (the unrolled backward scan, compiled apart from the rolled one, may round a
+  gradient differently in the last bit);
 - each result is a state leaf's new value (or its master), returned by the step only as that
   leaf; a device leaf written in place is read elsewhere only as `xs` by the layer loop and by
   loops it depends on (so every read of layer t's slice comes before iteration t's call);
