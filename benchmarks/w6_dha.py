@@ -32,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from absl import app, flags
 
@@ -72,7 +73,7 @@ def embedding_policy(variant: str, rest: str):
   return policy
 
 
-def zipf_tokens(rng, vocab: int, shape) -> "Any":
+def zipf_tokens(rng: Any, vocab: int, shape: Any) -> Any:
   """Ids in [0, vocab) with a Zipf(1.1) rank distribution (rank r -> id r - 1)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   ids = rng.zipf(1.1, size=shape) - 1
