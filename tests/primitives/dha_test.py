@@ -26,13 +26,7 @@ CPU = jax.devices("cpu")[0]
 DTYPES = [jnp.float32, jnp.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu(request):
-  if "gpu" in request.fixturenames:
-    yield
-  else:
-    with jax.default_device(CPU):
-      yield
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu")
 
 
 def _shardings(device=None):

@@ -18,13 +18,7 @@ from jaxtier._src.primitives import stream
 CPU = jax.devices("cpu")[0]
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_gpu(request):
-  if "gpu" in request.fixturenames:
-    yield
-  else:
-    with jax.default_device(CPU):
-      yield
+pytestmark = pytest.mark.usefixtures("cpu_unless_gpu")
 
 
 def _sharding(kind, device=None):
