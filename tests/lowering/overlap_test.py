@@ -1,9 +1,9 @@
 """Per-layer host updates inside the backward pass (`lowering/overlap.py`).
 
-A stack of layers under `nnx.scan` with its optimizer state on the host: the stacked leaves are
-updated layer by layer in the compute program, the others after it. Each optimizer of the
-optimizer table gives the serial schedule's values (bit for bit on the CPU; fp32 and bf16 with
-masters);
+A stack of layers under `nnx.scan` with its optimizer state on the host, or its params streamed
+too: the stacked leaves are updated layer by layer in the compute program, the others after it.
+Each optimizer of the optimizer table gives the serial schedule's values, both ways (bit for bit
+on the CPU; fp32, and bf16 with masters or streamed);
 a global-norm clip keeps the stack serial, with its reason; the compiled program reads the host
 leaves in place; a step that fails after the layered updates began names what it left.
 """
@@ -24,6 +24,9 @@ from jaxtier._src.primitives import host_update as hu
 
 LAYERS, WIDTH = 4, 16
 ON_HOST = "optimizer_state_on_host"
+# The stack's params streamed: their updates read the gradients where the sends land them.
+STREAM = {r"\['params'\]\['blocks'\]": "host_stream"}
+POLICIES = {"host": ON_HOST, "stream": STREAM}
 
 
 def Stack(rngs):  # pylint: disable=invalid-name
@@ -52,9 +55,9 @@ def _batch(i):
   return jax.random.normal(k1, (8, WIDTH)), jax.random.normal(k2, (8, 2))
 
 
-def _train(tx, overlap, dtype=jnp.float32, steps=6):
+def _train(tx, overlap, dtype=jnp.float32, steps=6, policy=ON_HOST):
   graphdef, params = _model(dtype)
-  step = jaxtier.offload(_step(graphdef, tx), policy=ON_HOST, overlap_update=overlap)
+  step = jaxtier.offload(_step(graphdef, tx), policy=policy, overlap_update=overlap)
   state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
   losses = []
   for i in range(steps):
@@ -102,10 +105,11 @@ def _assert_same(s_state, l_state, s_losses, l_losses, rtol=1e-5):
       np.testing.assert_array_equal(b, a, err_msg=str(path))
 
 
+@pytest.mark.parametrize("where", list(POLICIES))
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_layered_equals_serial(name):
-  serial, s_state, s_losses = _train(OPTIMIZERS[name](), overlap=False)
-  layered, l_state, l_losses = _train(OPTIMIZERS[name](), overlap=True)
+def test_layered_equals_serial(name, where):
+  serial, s_state, s_losses = _train(OPTIMIZERS[name](), overlap=False, policy=POLICIES[where])
+  layered, l_state, l_losses = _train(OPTIMIZERS[name](), overlap=True, policy=POLICIES[where])
   _assert_same(s_state, l_state, s_losses, l_losses)
   ov = layered._programs.split.overlap
   assert not serial._programs.split.overlap.updates
@@ -117,19 +121,33 @@ def test_layered_equals_serial(name):
     # The stacked block's kernel and bias are layered; the head (no layer loop) is not.
     assert len(ov.updates) == 2, ov.serial
     assert all("blocks" in p for p in _layered_paths(layered)), _layered_paths(layered)
-    assert any("not a layer loop" in why for why in ov.serial.values()), ov.serial
+    if where == "host":
+      assert any("not a layer loop" in why for why in ov.serial.values()), ov.serial
+    else:
+      # Streamed: the params are layered host leaves too, their gradients read where they
+      # land; the head's state stays on the device (no host update of it).
+      assert all(u.sent for u in ov.updates)
+      assert sum("['params']" in p for p in _layered_paths(layered)) == 2
 
 
-def test_bf16_params_with_masters_layered_equal_serial():
+@pytest.mark.parametrize("where", list(POLICIES))
+def test_bf16_params_with_masters_layered_equal_serial(where):
   tx = optax.adamw(1e-2, weight_decay=0.1)
-  _, s_state, s_losses = _train(tx, overlap=False, dtype=jnp.bfloat16)
-  layered, l_state, l_losses = _train(tx, overlap=True, dtype=jnp.bfloat16)
+  _, s_state, s_losses = _train(tx, overlap=False, dtype=jnp.bfloat16, policy=POLICIES[where])
+  layered, l_state, l_losses = _train(tx, overlap=True, dtype=jnp.bfloat16,
+                                      policy=POLICIES[where])
   _assert_same(s_state, l_state, s_losses, l_losses, rtol=1e-2)
   split = layered._programs.split
-  assert len(split.layered_masters) == 2  # the block's kernel and bias masters
-  assert len(split.overlap.device_leaves) == 2  # their bf16 params, written on the device
-  serial_masters = set(split.update_masters)
-  assert serial_masters and not serial_masters & set(split.layered_masters)
+  if where == "host":
+    assert len(split.layered_masters) == 2  # the block's kernel and bias masters
+    assert len(split.overlap.device_leaves) == 2  # their bf16 params, written on the device
+    serial_masters = set(split.update_masters)
+    assert serial_masters and not serial_masters & set(split.layered_masters)
+  else:
+    # Streamed bf16 params live in pinned_host and are updated there in place (fp32
+    # arithmetic, rounded when stored, as `jax.jit` does): no masters.
+    assert not split.layered_masters and not split.overlap.device_leaves
+    assert sum("['params']" in layered.plan.leaves[i].path for i in split.layered_host) == 2
 
 
 def test_layered_step_matches_jax_jit():
