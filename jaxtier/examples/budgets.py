@@ -45,8 +45,8 @@ def over_budget(plan, offload: str) -> "str | None":
                                                      (compiled, "compiled")) if b is not None)
     problems.append(f"peak device memory {figures}, over the --device_budget of "
                     f"{jaxtier.format_bytes(plan.device_budget)}")
-    fixes.append(f"a larger --device_budget (at least "
-                 f"{jaxtier.format_bytes(max(b for b in (predicted, compiled) if b is not None))})")
+    # The compiled step's peak is what runs (the prediction may be above it).
+    fixes.append(f"a larger --device_budget (at least {jaxtier.format_bytes(peak)})")
   host_over = plan.host_budget is not None and plan.pinned_bytes > plan.host_budget
   if host_over:
     problems.append(f"pinned host memory {jaxtier.format_bytes(plan.pinned_bytes)}, over the "
@@ -63,5 +63,8 @@ def over_budget(plan, offload: str) -> "str | None":
                                    "pinned_host)",
         "auto": "--offload=stream (the layers' params streamed from pinned_host)",
     }.get(offload, "a smaller --batch_size or --seq_len"))
+    # Activations are most of a small state's peak: saving fewer of them often fits.
+    fixes.append("--remat_policy=nothing_saveable (fewer activations kept for the backward "
+                 "pass)")
   return (f"the plan does not fit: {'; '.join(problems)}. Fix: {', or '.join(fixes)}; or "
           "--allow_over_budget to train anyway")

@@ -330,8 +330,11 @@ def run(
         f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
         f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
   memory = _memory_figures(step.plan if offload != "none" else None)
-  print("memory: " + ", ".join(f"{k} {jaxtier.format_bytes(v)}" for k, v in memory.items()
-                               if v is not None))
+  partial = offload != "none" and _no_activations(step.plan)
+  print("memory: " + ", ".join(
+      f"{k} {jaxtier.format_bytes(v)}"
+      f"{' (state and gradients only: no activations)' if partial and 'predicted' in k else ''}"
+      for k, v in memory.items() if v is not None))
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
     rates = f" ({step.plan.rates_of})" if step.plan.rates_of else ""
@@ -352,6 +355,13 @@ def run(
       "plan": plan,
       "memory": memory,
   }
+
+
+def _no_activations(plan) -> bool:
+  """Whether `plan`'s predicted peak leaves the activations out (a fixed policy compiles no
+  device-only step; the plan's own line says so too)."""
+  return any(n.startswith("transient device bytes") and "the gradients only" in n
+             for n in getattr(plan, "notes", ()))
 
 
 def _memory_figures(plan) -> dict[str, "int | None"]:

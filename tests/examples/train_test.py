@@ -150,3 +150,19 @@ def test_run_refuses_a_state_larger_than_host_memory_before_allocating(corpus, m
 
 
 _real_make_train_state = train.make_train_state
+
+
+def test_over_budget_names_the_compiled_peak_and_the_remat_fix():
+  # The prediction of a streamed step is above its compiled peak: the budget to ask for is the
+  # compiled one (the step that runs), and saving fewer activations is named as a fix.
+  from jaxtier.examples import budgets  # pylint: disable=g-import-not-at-top
+  plan = type("Plan", (), dict(
+      device_budget=75 * 2**20, host_budget=None, planned_device_budget=None, fits=True,
+      predicted_peak_hbm_bytes=int(109.22 * 2**20), compiler_peak_hbm_bytes=int(90.36 * 2**20),
+      pinned_bytes=0, verdicts=()))()
+  why = budgets.over_budget(plan, "stream")
+  assert "peak device memory 109.22 MiB predicted and 90.36 MiB compiled" in why, why
+  assert "a larger --device_budget (at least 90.36 MiB)" in why, why
+  assert "--remat_policy=nothing_saveable" in why, why
+  plan.device_budget = 100 * 2**20  # the compiled step fits: nothing to say
+  assert budgets.over_budget(plan, "stream") is None
