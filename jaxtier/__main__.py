@@ -217,8 +217,14 @@ def main(argv: list[str]) -> None:
               "--offload=auto (keeps on the device what fits there), or a smaller --config",
               file=sys.stderr)
       elif isinstance(e, jaxtier.PlanError):
-        print("from the command line: --offload=optimizer_state_on_host or --offload=stream move "
-              "more state to pinned_host; or raise --device_budget / --host_budget",
+        # What has not been tried yet: under auto or optimizer_state_on_host the planner has
+        # already moved the optimizer state; streaming moves the layers' params too.
+        offload = flags.FLAGS["offload"].value if "offload" in flags.FLAGS else None
+        more = ("" if offload == "stream" else
+                "--offload=stream moves the layers' params to pinned_host too; or ")
+        print(f"from the command line: {more}raise --device_budget (the step's activations "
+              "come on top of the state: `python -m jaxtier plan` with the same flags shows "
+              "the peak), or a smaller --config, --batch_size or --seq_len",
               file=sys.stderr)
       sys.exit(1)
   elif argv[1] == "plan":

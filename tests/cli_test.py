@@ -144,6 +144,18 @@ def _train(tmp_path, *args):
               f"--data={text}", *args)
 
 
+def test_train_state_over_the_budget_names_what_is_left_to_try(tmp_path):
+  # Under auto the planner has already put the optimizer state on the host: the params alone
+  # are over 1 MiB. The command-line fix names streaming, not the mode already tried.
+  out = _train(tmp_path, "--offload=auto", "--device_budget=1MiB")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "error: PlanError: the state needs" in out.stderr, out.stderr[-2000:]
+  hint = next(l for l in out.stderr.splitlines() if l.startswith("from the command line:"))
+  assert "--offload=stream moves the layers' params to pinned_host" in hint, hint
+  assert "optimizer_state_on_host" not in hint and "--host_budget" not in hint, hint
+  assert "activations come on top of the state" in hint, hint
+
+
 @pytest.mark.slow
 def test_train_over_the_budget_given_is_an_error_before_training(tmp_path):
   # 2 MiB holds the streamed decoder's device state but not its step's peak.
