@@ -367,7 +367,7 @@ def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...
   for why, comps in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
     seeds = [plan.leaves[i].path for c in comps for i in plan.components[c].component.seeds]
     notes.append(f"{len(comps)} host update{'s run' if len(comps) > 1 else ' runs'} after the "
-                 f"backward pass ({named(seeds)}): {why}")
+                 f"backward pass (their {len(seeds)} leaves: {named(seeds)}): {why}")
   return tuple(notes)
 
 
