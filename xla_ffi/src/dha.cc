@@ -236,6 +236,19 @@ std::unique_ptr<T[]> Allocate(int64_t n) {
   return std::unique_ptr<T[]>(new (std::nothrow) T[static_cast<size_t>(std::max<int64_t>(n, 1))]);
 }
 
+// Makes `*p` hold at least `need` elements (`*capacity` of them), reallocating only when it
+// holds fewer; the old buffer is freed first. False when the allocation failed (then empty).
+template <typename T>
+bool Grow(std::unique_ptr<T[]>* p, int64_t* capacity, int64_t need) {
+  if (*capacity >= need) return true;
+  p->reset();
+  *capacity = 0;
+  *p = Allocate<T>(need);
+  if (!*p) return false;
+  *capacity = need;
+  return true;
+}
+
 // The rows a call can reach (int32 ids reach rows below 2^31 only), its slots at most.
 int64_t ReachableRows(const ScatterAddShape& s) {
   return std::min(s.num_rows, int64_t{std::numeric_limits<int32_t>::max()} + 1);
@@ -262,34 +275,19 @@ ffi::Error ScatterAddScratch::Reserve(const ScatterAddShape& s, int64_t max_chun
                                          std::to_string(s.dim) + "], " +
                                          std::to_string(s.num_ids) + " ids)");
   };
-  if (sums_capacity < slots * s.dim) {
-    sums.reset();
-    sums_capacity = 0;
-    sums = Allocate<float>(slots * s.dim);
-    if (!sums) return fail("the fp32 sums of the distinct ids", slots * s.dim * 4);
-    sums_capacity = slots * s.dim;
+  if (!Grow(&sums, &sums_capacity, slots * s.dim)) {
+    return fail("the fp32 sums of the distinct ids", slots * s.dim * 4);
   }
-  if (slot_capacity < slots) {
-    slot_row.reset();
-    slot_capacity = 0;
-    slot_row = Allocate<int32_t>(slots);
-    if (!slot_row) return fail("the rows of the distinct ids", slots * 4);
-    slot_capacity = slots;
+  if (!Grow(&slot_row, &slot_capacity, slots)) {
+    return fail("the rows of the distinct ids", slots * 4);
   }
   if (map_capacity < rows) {
-    row_slot.reset();
-    map_capacity = 0;
-    row_slot = Allocate<int32_t>(rows);
-    if (!row_slot) return fail("the map of rows to sums", rows * 4);
+    // A new map starts empty (-1: no slot); a call leaves it so.
+    if (!Grow(&row_slot, &map_capacity, rows)) return fail("the map of rows to sums", rows * 4);
     std::fill_n(row_slot.get(), rows, -1);
-    map_capacity = rows;
   }
-  if (chunk_capacity < max_chunk_ids) {
-    chunk_slot.reset();
-    chunk_capacity = 0;
-    chunk_slot = Allocate<int64_t>(max_chunk_ids);
-    if (!chunk_slot) return fail("the slots of a chunk's ids", max_chunk_ids * 8);
-    chunk_capacity = max_chunk_ids;
+  if (!Grow(&chunk_slot, &chunk_capacity, max_chunk_ids)) {
+    return fail("the slots of a chunk's ids", max_chunk_ids * 8);
   }
   return ffi::Error::Success();
 }
