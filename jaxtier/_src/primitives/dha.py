@@ -119,11 +119,16 @@ def gather(table: jax.Array, ids: Any) -> jax.Array:
   if jnp.dtype(table.dtype) not in GATHER_DTYPES:
     raise TypeError(f"`dha.gather`: expected a table of dtype float32, bfloat16 or float16, got "
                     f"{table.dtype}")
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise TypeError(f"`dha.gather`: expected integer ids, got {ids.dtype}; cast them with "
-                    "ids.astype(jnp.int32)")
+  _check_ids("`dha.gather`", ids)
   num_rows = int(table.shape[0])
   return _gather_fn(num_rows, jc.memory_space_of(table))(table, _int32_ids(ids, num_rows))
+
+
+def _check_ids(api: str, ids: jax.Array) -> None:
+  """Raises TypeError naming `api` unless `ids` are integers (the gather's and the scatter's)."""
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"{api}: expected integer ids, got {ids.dtype}; cast them with "
+                    "ids.astype(jnp.int32)")
 
 
 def _int32_ids(ids: jax.Array, num_rows: int) -> jax.Array:
@@ -273,9 +278,7 @@ def scatter_add(buffer: jax.Array, ids: Any, rows: Any) -> jax.Array:
   if jnp.dtype(buffer.dtype) not in SCATTER_ADD_DTYPES:
     raise TypeError(f"{api}: expected a buffer of dtype float32 or bfloat16, got "
                     f"{buffer.dtype}; allocate the gradient buffer in one of them")
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise TypeError(f"{api}: expected integer ids, got {ids.dtype}; cast them with "
-                    "ids.astype(jnp.int32)")
+  _check_ids(api, ids)
   if jnp.dtype(rows.dtype) not in SCATTER_ADD_DTYPES:
     raise TypeError(f"{api}: expected rows of dtype float32 or bfloat16, got {rows.dtype}; "
                     "cast them with rows.astype(jnp.float32)")
