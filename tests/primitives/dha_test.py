@@ -96,6 +96,35 @@ def test_scatter_add_matches_numpy(buffer_dtype, rows_dtype, ids_shape):
   _assert_bits_equal(_read(got), _want(50, 19, ids, rows, buffer_dtype))
 
 
+def _zeroed_case(device, buffer_dtype, rows_dtype, num_rows=300, dim=19, seed=3):
+  """A buffer zero but for two rows no id names: `zeroed=True` writes only the ids' rows."""
+  ids, rows = _problem(num_rows, dim, (4, 37), rows_dtype, seed=seed)
+  named = np.zeros(num_rows, bool)
+  named[ids[(ids >= 0) & (ids < num_rows)]] = True
+  start = np.zeros((num_rows, dim), np.float32)
+  free = np.flatnonzero(~named)[:2]
+  start[free] = 5.0
+  host, dev = _shardings(device)
+  f = jax.jit(lambda b, i, r: dha.scatter_add(b, i, r, zeroed=True), donate_argnums=0,
+              in_shardings=(host, dev, dev), out_shardings=host)
+  got = f(jax.device_put(jnp.asarray(start, buffer_dtype), host), ids, rows)
+  want = np.asarray(_want(num_rows, dim, ids, rows, buffer_dtype)).copy()
+  want[free] = np.asarray(jnp.asarray(start[free], buffer_dtype))
+  _assert_bits_equal(_read(got), want)
+  assert got.sharding.memory_kind == "pinned_host"
+
+
+@pytest.mark.parametrize("buffer_dtype", DTYPES)
+@pytest.mark.parametrize("rows_dtype", DTYPES)
+def test_scatter_add_into_a_zeroed_buffer_writes_only_the_ids_rows(buffer_dtype, rows_dtype):
+  _zeroed_case(CPU, buffer_dtype, rows_dtype)
+
+
+@pytest.mark.parametrize("buffer_dtype", DTYPES)
+def test_gpu_scatter_add_into_a_zeroed_buffer(gpu, buffer_dtype):
+  _zeroed_case(gpu, buffer_dtype, jnp.bfloat16, num_rows=3000, dim=64)
+
+
 @pytest.mark.parametrize("buffer_dtype", DTYPES)
 def test_bf16_buffer_rounds_each_sum_once(buffer_dtype):
   # 1 + 256 * 2^-9: the fp32 sum is 1.5, exact in bf16. Added up in bf16 instead, each
@@ -305,7 +334,8 @@ def _raw_call(buffer, ids, rows, aliases):
   ffi.ensure_registered()
   call = jax.ffi.ffi_call(dha.SCATTER_ADD_TARGET, jax.typeof(buffer),
                           input_output_aliases=aliases)
-  return jax.jit(call, donate_argnums=0)(buffer, ids, rows).block_until_ready()
+  return jax.jit(lambda b, i, r: call(b, i, r, zeroed=np.int32(0)), donate_argnums=0)(
+      buffer, ids, rows).block_until_ready()
 
 
 def test_handler_checks_its_operands():

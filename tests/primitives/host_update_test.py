@@ -217,6 +217,123 @@ def test_join_refuses_a_buffer_no_layer_call_wrote():
     jax.block_until_ready(jax.jit(step, donate_argnums=(0, 1))(m, p, g))
 
 
+# ---- rows calls (the update of a table read in place, row by row) -----------------------------
+
+def _rows_step(num_rows, dim):
+  """The two calls of a table's step: the rows the ids do not name with a zero gradient, then
+  the rows they name with their gradient rows, zeroed after use."""
+  def step(m, p, g, ids):
+    t0 = hu.host_update_rows(_LAYER_PROGRAM, [m, jnp.zeros((1,), jnp.float32), p,
+                                              np.float32(0.25)], [0, 2], ids=ids,
+                             row_length=dim, rows="others")
+    t1 = hu.host_update_rows(_LAYER_PROGRAM, [m, g, p, np.float32(0.25)], [0, 2], ids=ids,
+                             row_length=dim, rows="ids", zero=1, after=[t0])
+    after = [t0, t1, ids]
+    return tuple(hu.join([x], after=after)[0] for x in (m, p, g))
+  return step
+
+
+def _rows_case(device, num_rows=37, dim=24, num_ids=50, seed=0):
+  rng = np.random.default_rng(seed)
+  m0 = rng.normal(size=(num_rows, dim)).astype(np.float32)
+  p0 = np.asarray(jnp.asarray(rng.normal(size=(num_rows, dim)), jnp.bfloat16))
+  # Repeated ids, and two out of range (they name no row).
+  ids = rng.integers(0, num_rows // 2, size=num_ids).astype(np.int32)
+  ids[:2] = [-1, num_rows + 3]
+  g0 = np.zeros((num_rows, dim), np.float32)
+  g0[ids[2:]] = rng.normal(size=(num_ids - 2, dim)).astype(np.float32)[:len(ids[2:])]
+  g0[num_rows - 1] = 7.0  # a row no id names: never read, not zeroed
+  host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  m, p, g = (jax.device_put(x, host) for x in (m0, p0, g0))
+  got = jax.jit(_rows_step(num_rows, dim), donate_argnums=(0, 1, 2),
+                out_shardings=(host, host, host))(m, p, g, jax.device_put(ids, device))
+  named = np.zeros(num_rows, bool)
+  named[ids[(ids >= 0) & (ids < num_rows)]] = True
+  grad = np.where(named[:, None], g0, np.float32(0))
+  want_m = np.float32(0.5) * m0 + grad
+  want_p = np.asarray(jnp.asarray(np.asarray(p0, np.float32) - want_m * np.float32(0.25),
+                                  jnp.bfloat16))
+  want_g = np.where(named[:, None], np.float32(0), g0)
+  return got, (want_m, want_p, want_g)
+
+
+def _assert_rows(got, want):
+  for name, x, w in zip(("m", "p", "g"), got, want):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(w, np.float32),
+                                  err_msg=name)
+    assert x.sharding.memory_kind == "pinned_host"
+
+
+def test_rows_calls_update_the_named_rows_and_the_others_and_zero_the_gradient_rows():
+  _assert_rows(*_rows_case(jax.devices()[0]))
+  # Many rows (the pool splits them by rows), every one named, and none named.
+  _assert_rows(*_rows_case(jax.devices()[0], num_rows=3000, dim=256, num_ids=4000, seed=1))
+  _assert_rows(*_rows_case(jax.devices()[0], num_rows=64, dim=8, num_ids=2, seed=2))
+
+
+def test_rows_calls_on_gpu(gpu):
+  _assert_rows(*_rows_case(gpu))
+  _assert_rows(*_rows_case(gpu, num_rows=3000, dim=256, num_ids=4000, seed=1))
+
+
+def _assert_rows_hlo_clean(device):
+  num_rows, dim = 37, 24
+  host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  m, p, g = (jax.device_put(np.zeros((num_rows, dim), dt), host)
+             for dt in (np.float32, jnp.bfloat16, np.float32))
+  ids = jax.device_put(np.arange(5, dtype=np.int32), device)
+  hlo = jax.jit(_rows_step(num_rows, dim), donate_argnums=(0, 1, 2),
+                out_shardings=(host, host, host)).lower(m, p, g, ids).compile().as_text()
+  assert hlo_lib.hlo_violations(hlo, target=hu.LAYER_TARGET) == []
+  assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 2
+
+
+def test_rows_call_hlo_guard_cpu():
+  _assert_rows_hlo_clean(jax.devices()[0])
+
+
+def test_rows_call_hlo_guard_gpu(gpu):
+  _assert_rows_hlo_clean(gpu)
+
+
+def test_rows_call_refuses_bad_operands():
+  m, ids = jnp.zeros((4, 8)), jnp.arange(3)
+  ops = [m, m, m, jnp.ones(())]
+  with pytest.raises(ValueError, match="row length > 0 that divides the tables' 32"):
+    hu.host_update_rows(_LAYER_PROGRAM, ops, [0, 2], ids=ids, row_length=5, rows="ids")
+  with pytest.raises(ValueError, match="rows in"):
+    hu.host_update_rows(_LAYER_PROGRAM, ops, [0, 2], ids=ids, row_length=8, rows="all")
+  with pytest.raises(ValueError, match="expected zero to name a vector operand"):
+    hu.host_update_rows(_LAYER_PROGRAM, ops, [0, 2], ids=ids, row_length=8, rows="others",
+                        zero=1)
+  with pytest.raises(ValueError, match="expected zero to name a vector operand"):
+    hu.host_update_rows(_LAYER_PROGRAM, ops, [0, 2], ids=ids, row_length=8, rows="ids", zero=0)
+  with pytest.raises(TypeError, match="integer ids"):
+    hu.host_update_rows(_LAYER_PROGRAM, ops, [0, 2], ids=ids * 1.0, row_length=8, rows="ids")
+  with pytest.raises(ValueError, match="1 or 32"):
+    hu.host_update_rows(_LAYER_PROGRAM, [m, m[0], m, jnp.ones(())], [0, 2], ids=ids,
+                        row_length=8, rows="ids")
+  # The handler checks the rows attributes too (the Python checks bypassed by a direct call).
+  ffi.ensure_registered()
+  call = jax.ffi.ffi_call(hu.LAYER_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
+                          has_side_effect=True)
+  attrs = dict(program=np.asarray(_LAYER_PROGRAM.code.reshape(-1), np.int32),
+               consts=_LAYER_PROGRAM.consts, num_regs=np.int32(9), executor=np.int32(1),
+               dha_fraction=np.float32(0.5), offset=np.int64(0), count=np.int64(32),
+               targets=np.asarray([0, 2], np.int32), num_operands=np.int32(4))
+  args = (jnp.zeros(32), jnp.zeros(32), jnp.zeros(32), jnp.ones(1))
+  with pytest.raises(Exception, match="jaxtier_host_update_layer.*multiple of row_length"):
+    jax.jit(lambda *a: call(*a, **attrs, rows=np.int32(1), row_length=np.int64(5)))(
+        *args, jnp.arange(3, dtype=jnp.int32)).block_until_ready()
+  with pytest.raises(Exception, match="jaxtier_host_update_layer.*int32"):
+    jax.jit(lambda *a: call(*a, **attrs, rows=np.int32(1), row_length=np.int64(8)))(
+        *args, jnp.arange(3, dtype=jnp.float32)).block_until_ready()
+  with pytest.raises(Exception, match="zero_operand to jaxtier_host_update_layer"):
+    jax.jit(lambda *a: call(*a, **attrs, rows=np.int32(2), row_length=np.int64(8),
+                            zero_operand=np.int32(1)))(
+        *args, jnp.arange(3, dtype=jnp.int32)).block_until_ready()
+
+
 def test_layer_call_refuses_bad_operands():
   m = jnp.zeros((4, 8))
   with pytest.raises(ValueError, match="distinct vector operands"):

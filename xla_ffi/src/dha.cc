@@ -1,7 +1,8 @@
 // CPU handlers of the DHA compute family (dha.h, docs/design.md "DHA compute"):
 //   jaxtier_dha_gather_ffi       rows = table[ids] (zeros for ids outside [0, V))
 //   jaxtier_dha_matmul_ffi       y = x @ w[index] (transpose 0) or x @ w[index]^T (transpose 1)
-//   jaxtier_dha_scatter_add_ffi  buffer = 0, then buffer[ids[n]] += rows[n] (in place)
+//   jaxtier_dha_scatter_add_ffi  buffer = 0, then buffer[ids[n]] += rows[n] (in place; with
+//                                `zeroed`, a buffer already zero: only the ids' rows written)
 // and the host-side scatter-add (ScatterAdd*, dha.h), which the CUDA handler of
 // jaxtier_dha_scatter_add_ffi (dha_kernels.cu) runs from host functions on staged chunks.
 //
@@ -123,9 +124,11 @@ ffi::Error DhaMatmulCpuImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi:
 }
 
 ffi::Error DhaScatterAddCpuImpl(ffi::AnyBuffer buffer, ffi::Buffer<ffi::S32> ids,
-                                ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> out) {
+                                ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> out,
+                                int32_t zeroed) {
   dha::ScatterAddShape s;
   JT_RETURN_IF_ERROR(dha::CheckScatterAdd(buffer, ids, rows, *out, &s));
+  s.zeroed = zeroed != 0;
   if (s.buffer_bytes() == 0) return ffi::Error::Success();
   dha::ScatterAddScratch scratch;
   JT_RETURN_IF_ERROR(scratch.Reserve(s, s.num_ids));
@@ -301,7 +304,9 @@ void ScatterAddBegin(const ScatterAddShape& s, void* buffer, ScatterAddScratch* 
   scratch->num_slots = 0;
   // A bf16 buffer is written once, by End (sums and zeros in one pass); an f32 one is added
   // into in place, so it is zeroed now.
-  if (s.buffer_type == ffi::DataType::F32) ZeroBytes(static_cast<char*>(buffer), s.buffer_bytes());
+  if (s.buffer_type == ffi::DataType::F32 && !s.zeroed) {
+    ZeroBytes(static_cast<char*>(buffer), s.buffer_bytes());
+  }
 }
 
 void ScatterAddChunk(const ScatterAddShape& s, void* buffer, const int32_t* ids,
@@ -343,17 +348,28 @@ void ScatterAddEnd(const ScatterAddShape& s, void* buffer, ScatterAddScratch* sc
   const int64_t slots = scratch->num_slots;
   scratch->num_slots = 0;
   if (slots == 0) {
-    ZeroBytes(static_cast<char*>(buffer), s.buffer_bytes());
+    if (!s.zeroed) ZeroBytes(static_cast<char*>(buffer), s.buffer_bytes());
+    return;
+  }
+  const int64_t d = s.dim;
+  uint16_t* b = static_cast<uint16_t*>(buffer);
+  if (s.zeroed) {
+    // Only the rows with a slot are written (the rest are zero already), one slot per task.
+    host_update::ParallelFor(slots, [&](int64_t slot) {
+      const int64_t row = scratch->slot_row[slot];
+      const float* sum = scratch->sums.get() + slot * d;
+      uint16_t* dst = b + row * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] = host_update::FloatToBf16(sum[j]);
+    });
+    for (int64_t slot = 0; slot < slots; ++slot) scratch->row_slot[scratch->slot_row[slot]] = -1;
     return;
   }
   // One pass over the rows, each written once: a row with a slot gets its sum rounded to bf16
   // (and leaves the map, all -1 again for the next call), each run of rows without one zeros.
-  const int64_t d = s.dim;
   const int64_t row_bytes = d * 2;
   const int64_t mapped = ReachableRows(s);
   const int64_t rows_per_task = RowsPerTask(s.buffer_bytes(), row_bytes, s.num_rows);
   const int64_t tasks = (s.num_rows + rows_per_task - 1) / rows_per_task;
-  uint16_t* b = static_cast<uint16_t*>(buffer);
   host_update::ParallelFor(tasks, [&](int64_t t) {
     const int64_t lo = t * rows_per_task;
     const int64_t hi = std::min(s.num_rows, lo + rows_per_task);
@@ -394,6 +410,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaScatterAddCpu, DhaScatterAddCpuImpl,
                                   .Arg<ffi::AnyBuffer>()          // buffer [V, D] (in place)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ids [...]
                                   .Arg<ffi::AnyBuffer>()          // rows [..., D]
-                                  .Ret<ffi::AnyBuffer>());        // the buffer (aliased)
+                                  .Ret<ffi::AnyBuffer>()          // the buffer (aliased)
+                                  .Attr<int32_t>("zeroed"));      // 1: only the ids' rows
 
 }  // namespace jaxtier

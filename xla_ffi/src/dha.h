@@ -186,6 +186,9 @@ struct ScatterAddShape {
   int64_t num_ids = 0;   // N = ids.size
   xla::ffi::DataType buffer_type = xla::ffi::DataType::F32;
   xla::ffi::DataType rows_type = xla::ffi::DataType::F32;
+  // Attribute `zeroed`: the buffer is already zero (its caller keeps it so), and only the rows
+  // of the ids are written; else the whole buffer is.
+  bool zeroed = false;
 
   int64_t buffer_bytes() const { return num_rows * dim * ElementBytes(buffer_type); }
   // Bytes of one row of `rows`.

@@ -36,7 +36,9 @@
 //                thread pool: zero an f32 buffer (ScatterAddBegin, dha.cc, while the first two
 //                chunks are copied), then per chunk, once its copy is done, add it into the
 //                buffer or a bf16 buffer's fp32 sums (ScatterAddChunk), then write a bf16
-//                buffer once, whole: sums rounded, zeros elsewhere (ScatterAddEnd).
+//                buffer once, whole: sums rounded, zeros elsewhere (ScatterAddEnd). With
+//                attribute `zeroed` (a buffer its caller keeps zero) nothing is zeroed and a
+//                bf16 buffer gets only the rows of its ids.
 // Ordering: both streams wait for an event recorded on XLA's stream at the call (the ids and
 // rows are written, earlier readers of the buffer are done); XLA's stream waits for an event
 // recorded on the host stream after the last host function, so all later work on it sees the
@@ -685,7 +687,8 @@ ffi::Error LaunchScatterHostFn(cudaStream_t stream, cudaHostFn_t fn, void* arg,
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<std::unique_ptr<ScatterAddState>> DhaScatterAddCudaInstantiateImpl() {
+ffi::ErrorOr<std::unique_ptr<ScatterAddState>> DhaScatterAddCudaInstantiateImpl(
+    int32_t /*zeroed: read per call*/) {
   auto state = std::make_unique<ScatterAddState>();
   if (const char* env = std::getenv("JAXTIER_DHA_SCATTER_CHUNK_BYTES"); env && *env) {
     char* end = nullptr;
@@ -703,10 +706,12 @@ ffi::ErrorOr<std::unique_ptr<ScatterAddState>> DhaScatterAddCudaInstantiateImpl(
 
 ffi::Error DhaScatterAddCudaImpl(cudaStream_t xla_stream, ScatterAddState* state,
                                  ffi::AnyBuffer buffer, ffi::Buffer<ffi::S32> ids,
-                                 ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> out) {
+                                 ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> out,
+                                 int32_t zeroed) {
   const char* op = dha::kScatterAddName;
   dha::ScatterAddShape s;
   JT_RETURN_IF_ERROR(dha::CheckScatterAdd(buffer, ids, rows, *out, &s));
+  s.zeroed = zeroed != 0;
   if (s.buffer_bytes() == 0) return ffi::Error::Success();
   // The host CPUs write the buffer: it must be host memory (pinned_host), not device memory.
   cudaPointerAttributes attr;
@@ -825,7 +830,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaMatmulCuda, DhaMatmulCudaImpl,
                                   .Attr<int32_t>("transpose"));   // 1: y = x @ w[index]^T
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaScatterAddCudaInstantiate, DhaScatterAddCudaInstantiateImpl,
-                              ffi::Ffi::BindInstantiate());
+                              ffi::Ffi::BindInstantiate().Attr<int32_t>("zeroed"));
 
 // Not kCmdBufferCompatible: its own streams, event waits and host functions.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaScatterAddCuda, DhaScatterAddCudaImpl,
@@ -835,6 +840,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DhaScatterAddCuda, DhaScatterAddCudaImpl,
                                   .Arg<ffi::AnyBuffer>()          // buffer [V, D] (pinned_host)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ids [...]
                                   .Arg<ffi::AnyBuffer>()          // rows [..., D]
-                                  .Ret<ffi::AnyBuffer>());        // the buffer (aliased)
+                                  .Ret<ffi::AnyBuffer>()          // the buffer (aliased)
+                                  .Attr<int32_t>("zeroed"));      // 1: only the ids' rows
 
 }  // namespace jaxtier

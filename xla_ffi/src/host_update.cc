@@ -11,6 +11,10 @@
 // x86-64, AVX2 and AVX-512 (target_clones, chosen at load time); every fp32 operation rounds on
 // its own (no FMA contraction, -ffp-contract=off), so every variant gives the same bits.
 //
+// The layer call (`jaxtier_host_update_layer_ffi`) runs the program over one window of stacked
+// operands, or over rows of a table (RunCpuPlanRows): the rows its ids name, or every other
+// row, split across the pool by rows.
+//
 // The same executor (BuildCpuPlan + RunCpuPlan, program.h) serves the CUDA handler's
 // `host_cpu` and `split` executors, from host functions on jaxtier's streams. The CPU handler
 // takes the `executor` / `dha_fraction` attributes (validated) and ignores them: it is the host
@@ -21,11 +25,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
@@ -815,11 +821,19 @@ ffi::Error HostUpdateLayerCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets re
   host_update::LayerAttrs a;
   HostUpdateParams params;
   int32_t aliases[host_update::kMaxResults];
-  JT_RETURN_IF_ERROR(host_update::DecodeAndPrepareLayer(args, rets, attrs, &a, &params, aliases));
+  host_update::LayerRows rows;
+  JT_RETURN_IF_ERROR(
+      host_update::DecodeAndPrepareLayer(args, rets, attrs, &a, &params, aliases, &rows));
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
   auto plan = std::make_unique<CpuPlan>();
   BuildPlan(params, plan.get());
-  host_update::RunCpuPlan(params, *plan, 0, params.n);
+  if (a.rows == host_update::kWindow) {
+    host_update::RunCpuPlan(params, *plan, 0, params.n);
+  } else {
+    const uint8_t zero_type = a.zero_operand >= 0 ? params.operand_type[a.zero_operand] : 0;
+    host_update::RunCpuPlanRows(params, *plan, a.row_length, a.rows, rows.ids, rows.num_ids,
+                                const_cast<void*>(rows.zero_base), zero_type);
+  }
   return ffi::Error::Success();
 }
 
@@ -873,6 +887,62 @@ void RunCpuPlan(const HostUpdateParams& p, const CpuPlan& plan, int64_t lo, int6
   pool->ParallelFor(num_tasks, [&](int64_t t) {
     const int64_t begin = lo + t * task;
     RunRange(p, plan, begin, std::min(hi, begin + task), ThreadScratch());
+  });
+}
+
+void RunCpuPlanRows(const HostUpdateParams& p, const CpuPlan& plan, int64_t row_length,
+                    int32_t rows, const int32_t* ids, int64_t num_ids, void* zero,
+                    uint8_t zero_type) {
+  if (row_length <= 0 || plan.num_instructions == 0) return;
+  const int64_t num_rows = p.n / row_length;
+  std::vector<uint8_t> named(static_cast<size_t>(num_rows), 0);
+  for (int64_t n = 0; n < num_ids; ++n) {
+    const int32_t id = ids[n];
+    if (id >= 0 && id < num_rows) named[id] = 1;
+  }
+  const uint8_t want = rows == kRowsOfIds ? 1 : 0;
+  // The picked rows as runs [first, last) in row order, and the ordinal of each run's first.
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  std::vector<int64_t> first_ordinal;
+  int64_t picked = 0;
+  for (int64_t r = 0; r < num_rows;) {
+    if (named[r] != want) {
+      ++r;
+      continue;
+    }
+    const int64_t begin = r;
+    while (r < num_rows && named[r] == want) ++r;
+    runs.emplace_back(begin, r);
+    first_ordinal.push_back(picked);
+    picked += r - begin;
+  }
+  if (picked == 0) return;
+  // About four tasks per thread, each a whole number of rows of at least kMinTaskElements.
+  const int64_t threads = picked * row_length < kMinParallelElements ? 1 : CpuThreads();
+  const int64_t min_rows = (kMinTaskElements + row_length - 1) / row_length;
+  const int64_t rows_per_task =
+      std::max(min_rows, (picked + 4 * threads - 1) / (4 * threads));
+  const int64_t num_tasks = (picked + rows_per_task - 1) / rows_per_task;
+  const int64_t zero_row_bytes = row_length * StorageBytes(zero_type);
+  ParallelFor(num_tasks, [&](int64_t t) {
+    int64_t lo = t * rows_per_task;
+    const int64_t hi = std::min(picked, lo + rows_per_task);
+    size_t k = static_cast<size_t>(
+        std::upper_bound(first_ordinal.begin(), first_ordinal.end(), lo) -
+        first_ordinal.begin() - 1);
+    float* scratch = ThreadScratch();
+    while (lo < hi) {
+      const int64_t skip = lo - first_ordinal[k];
+      const int64_t row = runs[k].first + skip;
+      const int64_t take = std::min(hi - lo, runs[k].second - runs[k].first - skip);
+      RunRange(p, plan, row * row_length, (row + take) * row_length, scratch);
+      if (zero != nullptr) {
+        memset(static_cast<char*>(zero) + row * zero_row_bytes, 0,
+               static_cast<size_t>(take * zero_row_bytes));
+      }
+      lo += take;
+      ++k;
+    }
   });
 }
 

@@ -19,7 +19,9 @@
 // the pinned staging buffer are per-instance state (created by the instantiate stage, filled per
 // device on first use, grown only when a call needs more staging, freed with the executable).
 // The layer calls (`jaxtier_host_update_layer_ffi`, below) instead share one set per device and
-// do not make XLA's stream wait: the join does.
+// do not make XLA's stream wait: the join does. A layer call over rows of a table (program.h,
+// LayerAttrs::rows) runs on the CPU threads alone, from one host function on stream 0, in place
+// on host buffers.
 // Neither path is marked kCmdBufferCompatible (own streams, host functions, event waits).
 // No nanobind here: module.cc registers the symbols.
 
@@ -295,6 +297,14 @@ struct CpuChunk {
 
 struct CpuCall {
   HostUpdateParams params;  // as validated: where XLA put the buffers
+  // A rows call (RowsHostFn): the rows, the ids (host-readable: staged or in place) and the
+  // operand zeroed on the picked rows.
+  int32_t rows = host_update::kWindow;
+  int64_t row_length = 0;
+  const int32_t* ids = nullptr;
+  int64_t num_ids = 0;
+  void* zero = nullptr;
+  uint8_t zero_type = 0;
   char* slot_base[kNumStreams] = {};
   int64_t operand_offset[host_update::kMaxOperands];  // bytes into a slot; -1: in place
   int64_t result_offset[host_update::kMaxResults];    // bytes into a slot; -1: in place
@@ -375,6 +385,26 @@ void CUDART_CB RunChunkHostFn(void* arg) {
       host_update::BuildCpuPlan(p, &plan);
       host_update::RunCpuPlan(p, plan, 0, p.n);
     }
+  }
+  Release(call);
+}
+
+// A rows call, whole: the scalars copied out of the shared staging, the plan built, then the
+// picked rows updated on the CPU thread pool.
+void CUDART_CB RowsHostFn(void* arg) {
+  CpuCall* call = static_cast<CpuCall*>(arg);
+  HostUpdateParams p = call->params;
+  for (int i = 0; i < p.num_operands; ++i) {
+    if (!p.operand_scalar[i]) continue;
+    memcpy(call->scalar_copy[i], call->scalar_src[i],
+           static_cast<size_t>(host_update::StorageBytes(p.operand_type[i])));
+    p.operands[i] = call->scalar_copy[i];
+  }
+  {
+    host_update::ScopedIeeeFloatingPoint ieee;
+    host_update::BuildCpuPlan(p, &call->plan);
+    host_update::RunCpuPlanRows(p, call->plan, call->row_length, call->rows, call->ids,
+                                call->num_ids, call->zero, call->zero_type);
   }
   Release(call);
 }
@@ -580,6 +610,90 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   return ffi::Error::Success();
 }
 
+// Enqueues a rows call (program.h, LayerAttrs::rows) on stream 0 of `dev`'s streams, deferred
+// like a layer call (a join waits): the ids come down into stream 0's fixed staging region (or
+// are read in place from host memory), the scalars into the shared scalar area, then one host
+// function runs the call. Every vector operand must be host memory: the CPUs update the picked
+// rows in place, and nothing is staged but the ids and scalars. The caller holds dev->mu and has
+// recorded dev->start on XLA's stream.
+ffi::Error EnqueueCpuRows(int64_t chunk_bytes, DeviceResources* dev,
+                          const HostUpdateParams& params, const host_update::LayerAttrs& a,
+                          const host_update::LayerRows& rows) {
+  using host_update::StorageBytes;
+  for (int i = 0; i < params.num_operands; ++i) {
+    if (params.operand_scalar[i]) continue;
+    bool on_device = false;
+    JT_RETURN_IF_ERROR(IsDeviceMemory(params.operands[i], "input " + std::to_string(i),
+                                      &on_device));
+    if (on_device) {
+      return Invalid(kLayerOpName, "memory", "input " + std::to_string(i),
+                     "host memory (memory kind pinned_host: a rows call updates a host table "
+                     "and its state in place)",
+                     "device memory");
+    }
+  }
+  const int64_t region = AlignUp(
+      chunk_bytes + (host_update::kMaxOperands + host_update::kMaxResults) * kRegionAlignBytes,
+      kRegionAlignBytes);
+  const int64_t ids_bytes = rows.num_ids * 4;
+  bool ids_on_device = false;
+  if (rows.num_ids > 0) {
+    JT_RETURN_IF_ERROR(IsDeviceMemory(rows.ids, "the ids", &ids_on_device));
+  }
+  if (ids_on_device && ids_bytes > region) {
+    return Invalid(kLayerOpName, "size", "the ids",
+                   "at most " + std::to_string(region / 4) +
+                       " ids (the staging region; JAXTIER_HOST_CPU_CHUNK_BYTES sets it)",
+                   std::to_string(rows.num_ids));
+  }
+  JT_RETURN_IF_ERROR(dev->EnsureStaging(kScalarAreaBytes + kNumStreams * region));
+  auto owned = std::make_unique<CpuCall>();
+  CpuCall* call = owned.get();
+  call->params = params;
+  call->rows = a.rows;
+  call->row_length = a.row_length;
+  call->num_ids = rows.num_ids;
+  call->zero = const_cast<void*>(rows.zero_base);
+  call->zero_type = a.zero_operand >= 0 ? params.operand_type[a.zero_operand] : 0;
+  struct HandlerRef {
+    CpuCall* call;
+    ~HandlerRef() { Release(call); }
+  } handler_ref{owned.release()};
+
+  const cudaStream_t stream = dev->streams[0];
+  JT_CUDA_CHECK(kLayerOpName, cudaStreamWaitEvent(stream, dev->start, 0),
+                "jaxtier stream on XLA's stream");
+  for (int i = 0; i < params.num_operands; ++i) {
+    if (!params.operand_scalar[i]) continue;
+    bool on_device = false;
+    JT_RETURN_IF_ERROR(IsDeviceMemory(params.operands[i], "input " + std::to_string(i),
+                                      &on_device));
+    if (!on_device) {
+      call->scalar_src[i] = params.operands[i];
+      continue;
+    }
+    char* dst = dev->staging + i * kScalarSlotBytes;
+    JT_CUDA_CHECK(kLayerOpName,
+                  cudaMemcpyAsync(dst, params.operands[i], StorageBytes(params.operand_type[i]),
+                                  cudaMemcpyDeviceToHost, stream),
+                  "scalar input " + std::to_string(i) + " to pinned staging");
+    call->scalar_src[i] = dst;
+  }
+  call->ids = rows.ids;
+  if (ids_on_device) {
+    char* dst = dev->staging + kScalarAreaBytes;  // stream 0's region
+    JT_CUDA_CHECK(kLayerOpName,
+                  cudaMemcpyAsync(dst, rows.ids, static_cast<size_t>(ids_bytes),
+                                  cudaMemcpyDeviceToHost, stream),
+                  "the ids to pinned staging");
+    call->ids = reinterpret_cast<const int32_t*>(dst);
+  }
+  JT_RETURN_IF_ERROR(LaunchHostFn(stream, RowsHostFn, call, call));
+  JT_CUDA_CHECK(kLayerOpName, cudaEventRecord(dev->done[0], stream),
+                "the end of a jaxtier stream's part");
+  return ffi::Error::Success();
+}
+
 // Elements [0, k) go to the kernel: k = dha_fraction * n rounded to a multiple of 256, in [0, n].
 int64_t SplitPoint(int64_t n, float dha_fraction) {
   const double blocks = std::nearbyint(static_cast<double>(dha_fraction) * static_cast<double>(n) /
@@ -664,8 +778,26 @@ ffi::Error HostUpdateLayerCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
   host_update::LayerAttrs a;
   HostUpdateParams params;
   int32_t aliases[host_update::kMaxResults];
-  JT_RETURN_IF_ERROR(host_update::DecodeAndPrepareLayer(args, rets, attrs, &a, &params, aliases));
+  host_update::LayerRows rows;
+  JT_RETURN_IF_ERROR(
+      host_update::DecodeAndPrepareLayer(args, rets, attrs, &a, &params, aliases, &rows));
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
+  if (a.rows != host_update::kWindow) {
+    if (a.base.executor != host_update::kExecutorHostCpu) {
+      return Invalid(kLayerOpName, "value", "attribute executor",
+                     "1 (host_cpu): a rows call runs on the host CPUs",
+                     std::to_string(a.base.executor));
+    }
+    int device = 0;
+    JT_CUDA_CHECK(kLayerOpName, cudaGetDevice(&device), "");
+    DeviceResources* dev = nullptr;
+    JT_RETURN_IF_ERROR(SharedResources(device, /*create=*/true, &dev));
+    int64_t chunk_bytes = 0;
+    JT_RETURN_IF_ERROR(ChunkBytesFromEnv(kLayerOpName, kMinLayerChunkBytes, &chunk_bytes));
+    std::lock_guard<std::mutex> lock(dev->mu);
+    JT_CUDA_CHECK(kLayerOpName, cudaEventRecord(dev->start, stream), "the start of the call");
+    return EnqueueCpuRows(chunk_bytes, dev, params, a, rows);
+  }
   int64_t k = params.n;  // the kernel's share: [0, k)
   if (a.base.executor == host_update::kExecutorHostCpu) k = 0;
   if (a.base.executor == host_update::kExecutorSplit) k = SplitPoint(params.n, a.base.dha_fraction);

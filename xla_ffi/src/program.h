@@ -726,20 +726,40 @@ inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
 inline constexpr const char kLayerOpName[] = "jaxtier_host_update_layer";
 inline constexpr const char kJoinOpName[] = "jaxtier_host_update_join";
 
+// Which elements a layer call runs over: its window [offset, offset + count), or the rows of a
+// table (`count` = num_rows * row_length elements, row r at [r * row_length, (r + 1) *
+// row_length)) picked by the int32 ids operand that follows the program's operands: the rows of
+// the distinct ids in [0, num_rows) (kRowsOfIds), or every other row (kRowsNotInIds).
+inline constexpr int32_t kWindow = 0;
+inline constexpr int32_t kRowsOfIds = 1;
+inline constexpr int32_t kRowsNotInIds = 2;
+
 struct LayerAttrs {
   HostUpdateAttrs base;  // program, consts, num_regs, executor, dha_fraction (aliases: unused)
   int64_t offset = 0;
   int64_t count = 0;
   xla::ffi::Span<const int32_t> targets;
   int32_t num_operands = 0;
+  int32_t rows = kWindow;    // kWindow, kRowsOfIds or kRowsNotInIds
+  int64_t row_length = 0;    // elements per row (rows calls)
+  int32_t zero_operand = -1;  // rows calls: an operand whose picked rows are zeroed after use
+};
+
+// A rows call's ids (operand num_operands, int32) as the handler found them.
+struct LayerRows {
+  const int32_t* ids = nullptr;
+  int64_t num_ids = 0;
+  int64_t num_rows = 0;
+  const void* zero_base = nullptr;  // the zeroed operand's buffer, or null
 };
 
 // Decodes and checks a layer call's attributes; an unknown name is an error.
 inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, LayerAttrs* out) {
   using internal::GetAttr;
-  static constexpr const char* kKnown[] = {"consts", "count", "dha_fraction", "executor",
-                                           "num_operands", "num_regs", "offset", "program",
-                                           "targets"};
+  static constexpr const char* kKnown[] = {"consts",  "count",      "dha_fraction",
+                                           "executor", "num_operands", "num_regs",
+                                           "offset",  "program",    "row_length",
+                                           "rows",    "targets",    "zero_operand"};
   for (auto it = attrs.begin(); it != attrs.end(); ++it) {
     const std::string_view name = *it;
     bool known = false;
@@ -747,7 +767,7 @@ inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, Layer
     if (!known) {
       return Invalid(kLayerOpName, "attribute", "the call",
                      "one of consts, count, dha_fraction, executor, num_operands, num_regs, "
-                     "offset, program, targets",
+                     "offset, program, row_length, rows, targets, zero_operand",
                      "`" + std::string(name) + "`");
     }
   }
@@ -762,6 +782,23 @@ inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, Layer
   JT_RETURN_IF_ERROR(GetAttr(attrs, "targets", "an int32 array", true, &out->targets));
   JT_RETURN_IF_ERROR(
       GetAttr(attrs, "num_operands", "an int32 scalar", true, &out->num_operands));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "rows", "an int32 scalar", false, &out->rows));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "row_length", "an int64 scalar", false, &out->row_length));
+  JT_RETURN_IF_ERROR(
+      GetAttr(attrs, "zero_operand", "an int32 scalar", false, &out->zero_operand));
+  if (out->rows != kWindow && out->rows != kRowsOfIds && out->rows != kRowsNotInIds) {
+    return Invalid(kLayerOpName, "value", "attribute rows",
+                   "0 (the window), 1 (the rows of the ids) or 2 (the other rows)",
+                   std::to_string(out->rows));
+  }
+  if (out->rows != kWindow &&
+      (out->offset != 0 || out->row_length <= 0 || out->count % out->row_length != 0)) {
+    return Invalid(kLayerOpName, "value", "attributes offset, count and row_length",
+                   "offset 0 and a count that is a multiple of row_length > 0 (a rows call "
+                   "runs over whole tables)",
+                   std::to_string(out->offset) + ", " + std::to_string(out->count) + " and " +
+                       std::to_string(out->row_length));
+  }
   if (b.executor < 0 || b.executor >= kNumExecutors) {
     return Invalid(kLayerOpName, "value", "attribute executor",
                    "0 (host_dha), 1 (host_cpu) or 2 (split)", std::to_string(b.executor));
@@ -787,16 +824,31 @@ bool TakeLayerTarget(const void* base);
 // the targets' buffers (`RecordLayerTargets`).
 inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
                                           xla::ffi::RemainingRets rets, const LayerAttrs& a,
-                                          HostUpdateParams* params, int32_t* aliases) {
+                                          HostUpdateParams* params, int32_t* aliases,
+                                          LayerRows* rows) {
   using internal::Range;
   namespace ffi = xla::ffi;
   const int64_t num_operands = a.num_operands;
+  const int64_t with_ids = num_operands + (a.rows != kWindow ? 1 : 0);
   if (num_operands < 0 || num_operands > kMaxOperands ||
-      num_operands > static_cast<int64_t>(args.size())) {
+      with_ids > static_cast<int64_t>(args.size())) {
     return Invalid(kLayerOpName, "value", "attribute num_operands",
                    "at most " + std::to_string(kMaxOperands) + " and at most the " +
-                       std::to_string(args.size()) + " operands of the call",
+                       std::to_string(args.size()) + " operands of the call" +
+                       (a.rows != kWindow ? ", less the ids" : ""),
                    std::to_string(num_operands));
+  }
+  *rows = LayerRows();
+  if (a.rows != kWindow) {
+    const std::string where = "input " + std::to_string(num_operands) + " (the ids)";
+    std::optional<ffi::AnyBuffer> ids;
+    JT_RETURN_IF_ERROR(GetArg(kLayerOpName, args, num_operands, where, &ids));
+    if (ids->element_type() != ffi::DataType::S32) {
+      return Invalid(kLayerOpName, "dtype", where, "int32", DtypeName(ids->element_type()));
+    }
+    rows->ids = static_cast<const int32_t*>(ids->untyped_data());
+    rows->num_ids = static_cast<int64_t>(ids->element_count());
+    rows->num_rows = a.count / a.row_length;
   }
   const int64_t num_results = static_cast<int64_t>(a.targets.size());
   if (num_results > kMaxResults) {
@@ -838,7 +890,7 @@ inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
     }
   }
   bool targeted[kMaxOperands] = {};
-  const void* bases[kMaxResults] = {};
+  const void* bases[kMaxResults + 1] = {};
   for (int64_t r = 0; r < num_results; ++r) {
     const int32_t t = a.targets[r];
     const std::string where = "result " + std::to_string(r) + " (attribute targets)";
@@ -858,8 +910,23 @@ inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
     params->results[r] = const_cast<void*>(params->operands[t]);
     aliases[r] = t;
   }
+  int num_written = static_cast<int>(num_results);
+  if (a.zero_operand != -1) {
+    const int32_t z = a.zero_operand;
+    const std::string where = "attribute zero_operand";
+    if (a.rows != kRowsOfIds || z < 0 || z >= num_operands || targeted[z] ||
+        params->operand_scalar[z]) {
+      return Invalid(kLayerOpName, "value", where,
+                     "-1, or in a rows-of-ids call a vector operand no result targets",
+                     std::to_string(z));
+    }
+    std::optional<ffi::AnyBuffer> buf;
+    JT_RETURN_IF_ERROR(GetArg(kLayerOpName, args, z, "input " + std::to_string(z), &buf));
+    rows->zero_base = buf->untyped_data();
+    bases[num_written++] = rows->zero_base;
+  }
   JT_RETURN_IF_ERROR(PrepareProgram(a.base.program, a.base.consts, a.base.num_regs, params));
-  RecordLayerTargets(bases, static_cast<int>(num_results));
+  RecordLayerTargets(bases, num_written);
   return xla::ffi::Error::Success();
 }
 
@@ -867,9 +934,10 @@ inline xla::ffi::Error PrepareLayerUpdate(xla::ffi::RemainingArgs args,
 inline xla::ffi::Error DecodeAndPrepareLayer(xla::ffi::RemainingArgs args,
                                              xla::ffi::RemainingRets rets,
                                              const xla::ffi::Dictionary& attrs, LayerAttrs* a,
-                                             HostUpdateParams* params, int32_t* aliases) {
+                                             HostUpdateParams* params, int32_t* aliases,
+                                             LayerRows* rows) {
   JT_RETURN_IF_ERROR(DecodeLayerAttrs(attrs, a));
-  return PrepareLayerUpdate(args, rets, *a, params, aliases);
+  return PrepareLayerUpdate(args, rets, *a, params, aliases, rows);
 }
 
 // Validates a join: its operands pass through to its results, in place, then order-only ones
@@ -946,6 +1014,15 @@ void BuildCpuPlan(const HostUpdateParams& p, CpuPlan* plan);
 // range is large. Scalar operands are not read (the plan holds their values). Blocks until done.
 // Pool threads adopt the calling thread's floating-point control (FTZ/DAZ, rounding).
 void RunCpuPlan(const HostUpdateParams& p, const CpuPlan& plan, int64_t lo, int64_t hi);
+
+// Runs `plan` over rows of `p` (elements [0, p.n) as p.n / row_length rows): with `rows` ==
+// kRowsOfIds the distinct ids[0 .. num_ids) in [0, num_rows), each once; with kRowsNotInIds
+// every row none of them names. Out-of-range ids name no row. `zero` (when not null, an
+// operand's buffer of `zero_type`) has each picked row zeroed after the row is updated. Split
+// across the CPU thread pool by rows; blocks until done.
+void RunCpuPlanRows(const HostUpdateParams& p, const CpuPlan& plan, int64_t row_length,
+                    int32_t rows, const int32_t* ids, int64_t num_ids, void* zero,
+                    uint8_t zero_type);
 
 // jaxtier's CPU thread pool (host_update.cc), for other host-side work of the handlers (the
 // DHA scatter-add: dha.cc). CpuThreads(): its threads, the calling thread included

@@ -191,7 +191,7 @@ SCATTER_ADD_CHUNK_BYTES = 16 << 20
 SCATTER_ADD_STAGING_SLOTS = 2
 
 
-def scatter_add(buffer: jax.Array, ids: Any, rows: Any) -> jax.Array:
+def scatter_add(buffer: jax.Array, ids: Any, rows: Any, *, zeroed: bool = False) -> jax.Array:
   """Scatter-adds rows into a zeroed host-resident buffer, in place: the gradient of `gather`.
 
   `result = zeros([V, D])`, then for each n in order, if `0 <= ids[n] < V`:
@@ -241,6 +241,11 @@ def scatter_add(buffer: jax.Array, ids: Any, rows: Any) -> jax.Array:
       values stay out of range). Any rank; `ids.size` rows are added.
     rows: [..., D] float32 or bfloat16 (may differ from the buffer's dtype), on the device,
       with `rows.shape == ids.shape + (D,)`: row n is added into `buffer[ids[n]]`.
+    zeroed: the buffer is all zeros already (its caller keeps it so, for example by zeroing
+      the rows it read, as `host_update_rows(..., zero=...)` does): nothing is zeroed, and only
+      the rows of `ids` are written (host memory traffic of those rows alone). The result is
+      the same as without it for a zero buffer; a buffer that is not zero keeps its other
+      rows, and its rows of `ids` start from their old values.
 
   Returns:
     [V, D] in the buffer's dtype, memory kind `pinned_host`: the buffer, written.
@@ -291,9 +296,9 @@ def scatter_add(buffer: jax.Array, ids: Any, rows: Any) -> jax.Array:
   _check_host_buffer(api, buffer)
   ids = _int32_ids(ids, num_rows)
   if ffi_disabled():
-    return _scatter_add_reference(buffer, ids, rows)
+    return _scatter_add_reference(buffer, ids, rows, zeroed)
   call = ffi.ffi_call(SCATTER_ADD_TARGET, jax.typeof(buffer), aliases={0: 0})
-  return call(buffer, ids, rows)
+  return call(buffer, ids, rows, zeroed=np.int32(bool(zeroed)))
 
 
 def _check_host_buffer(api: str, buffer: jax.Array) -> None:
@@ -317,14 +322,17 @@ def _check_host_buffer(api: str, buffer: jax.Array) -> None:
         "donate it to the jitted step")
 
 
-def _scatter_add_reference(buffer: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+def _scatter_add_reference(buffer: jax.Array, ids: jax.Array, rows: jax.Array,
+                           zeroed: bool = False) -> jax.Array:
   """Pure-JAX scatter-add with the same rules: fp32 sums on the device ([V, D] of HBM; XLA's
-  scatter chooses the order of the additions), rounded once, moved to the buffer's memory."""
+  scatter chooses the order of the additions), rounded once, moved to the buffer's memory.
+  With `zeroed` the sums start from the buffer's values."""
   num_rows, dim = buffer.shape
   valid = (ids >= 0) & (ids < num_rows)
   safe = jnp.where(valid, ids, num_rows).reshape(-1)  # out of range: dropped by the scatter
-  acc = jnp.zeros((num_rows, dim), jnp.float32).at[safe].add(
-      rows.reshape(-1, dim).astype(jnp.float32), mode="drop")
+  start = (jax.device_put(buffer, jc.memory_space("device")).astype(jnp.float32) if zeroed
+           else jnp.zeros((num_rows, dim), jnp.float32))
+  acc = start.at[safe].add(rows.reshape(-1, dim).astype(jnp.float32), mode="drop")
   return jax.device_put(acc.astype(buffer.dtype), jc.memory_space_of(buffer))
 
 

@@ -27,7 +27,9 @@ leaves stacked over layers and writes its results into the window of operands (n
 results: a chain of in-place results through every layer would cost XLA's host-offload passes
 one path per result per call); on a GPU its CPU and kernel parts run on jaxtier's streams
 while XLA's stream goes on. `join` (`jaxtier_host_update_join_ffi`) hands the written buffers
-back as results, in place, once every layer call before it is done.
+back as results, in place, once every layer call before it is done. `host_update_rows` binds the
+layer target over whole rows of tables (an embedding table read in place and its state): the
+rows some ids name, or every other row, on the host CPUs.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -281,16 +283,104 @@ def host_update_layer(program: Program, operands: Sequence[jax.Array], targets: 
   if ffi_disabled():
     raise NotImplementedError("host_update_layer: needs the FFI handlers "
                               "(JAXTIER_DISABLE_FFI is set)")
+  return _bind_layer(program, operands, targets, after, executor, dha_fraction,
+                     f"jaxtier.host_update_layer[{offset // count if count else 0}]",
+                     offset=np.int64(offset), count=np.int64(count))
+
+
+def _bind_layer(program: Program, operands: list[Any], targets: list[int], after: list[Any],
+                executor: str, dha_fraction: float, scope: str, ids: Any = None,
+                **attrs: Any) -> jax.Array:
   call = ffi.ffi_call(LAYER_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
-                      has_side_effect=True,
-                      scope=f"jaxtier.host_update_layer[{offset // count if count else 0}]")
-  return call(*operands, *after,
+                      has_side_effect=True, scope=scope)
+  return call(*operands, *([] if ids is None else [ids]), *after,
               program=np.ascontiguousarray(program.code.reshape(-1), dtype=np.int32),
               consts=np.ascontiguousarray(program.consts, dtype=np.float32),
               num_regs=np.int32(program.num_regs), executor=np.int32(EXECUTORS[executor]),
-              dha_fraction=np.float32(dha_fraction), offset=np.int64(offset),
-              count=np.int64(count), targets=np.asarray(targets, dtype=np.int32),
-              num_operands=np.int32(len(operands)))
+              dha_fraction=np.float32(dha_fraction), targets=np.asarray(targets, dtype=np.int32),
+              num_operands=np.int32(len(operands)), **attrs)
+
+
+# Which rows a rows call updates (attribute `rows`, program.h).
+ROWS = {"ids": 1, "others": 2}
+
+
+def host_update_rows(program: Program, operands: Sequence[jax.Array], targets: Sequence[int], *,
+                     ids: jax.Array, row_length: int, rows: str, zero: "int | None" = None,
+                     after: Sequence[jax.Array] = ()) -> jax.Array:
+  """Runs `program` over whole rows of tables and writes result r into those rows of operand
+  ``targets[r]``, in place; returns a token (f32[1], not written), as `host_update_layer`.
+
+  The vector operands are tables of N = V * `row_length` elements (row v at elements
+  [v * row_length, (v + 1) * row_length)); `rows` picks the rows: 'ids' the distinct ids of
+  `ids` in [0, V), each once, or 'others' every row that no id names. Out-of-range ids name no
+  row. The call is the update of an embedding table read in place (`host_dha`): its untouched
+  rows (gradient zero) updated while the step computes, the touched ones once their gradient
+  rows have landed. Runs on the host CPUs (jaxtier's CPU thread pool; on a GPU from a host
+  function on jaxtier's stream, after XLA's stream reaches the call, and a `join` waits for
+  it), in place on host memory: on a GPU every vector operand must be `pinned_host`.
+
+  Args:
+    program: the op program; result r is stored into operand ``targets[r]``.
+    operands: float32/bfloat16/float16 arrays of N or 1 elements.
+    targets: per result, the operand it is written into (a distinct vector operand).
+    ids: integer array (any shape, on the device or the host), cast to int32.
+    row_length: elements per row (D > 0, dividing N).
+    rows: 'ids' or 'others'.
+    zero: with rows='ids', an operand (not a target) whose picked rows are set to zero after
+      they are used: the gradient buffer a `dha.scatter_add(..., zeroed=True)` adds into,
+      kept zero for the next step. It counts as written: hand it back through `join`.
+    after: order-only operands: the call runs after their producers; not read.
+
+  Returns:
+    The token.
+
+  Raises:
+    ValueError: a dtype outside float32/bfloat16/float16, an operand of another element count,
+      a row length that does not divide N, `rows` not 'ids' or 'others', a target that is not
+      a distinct vector operand, or a `zero` operand that is a target, a scalar, or given with
+      rows='others'.
+    TypeError: ids that are not integers.
+    NotImplementedError: under `JAXTIER_DISABLE_FFI=1`.
+  """
+  operands, targets, after = list(operands), [int(t) for t in targets], list(after)
+  row_length = int(row_length)
+  if len(operands) != program.num_operands or len(targets) != program.num_results:
+    raise ValueError(f"host_update_rows: expected {program.num_operands} operands and "
+                     f"{program.num_results} targets, got {len(operands)} and {len(targets)}")
+  if rows not in ROWS:
+    raise ValueError(f"host_update_rows: expected rows in {tuple(ROWS)}, got {rows!r}")
+  sizes = [int(np.prod(np.shape(x))) for x in operands]
+  count = max(sizes, default=0)
+  if row_length <= 0 or count % row_length:
+    raise ValueError(f"host_update_rows: expected a row length > 0 that divides the tables' "
+                     f"{count} elements, got {row_length}")
+  for i, x in enumerate(operands):
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+      raise ValueError(f"host_update_rows: operand {i} has dtype {x.dtype}; expected one of "
+                       "float32, bfloat16, float16")
+    if sizes[i] not in (1, count):
+      raise ValueError(f"host_update_rows: operand {i} has {sizes[i]} elements; expected 1 or "
+                       f"{count} (a whole table)")
+  if len(set(targets)) != len(targets) or any(
+      not 0 <= t < len(operands) or (sizes[t] == 1 and count != 1) for t in targets):
+    raise ValueError(f"host_update_rows: expected distinct vector operands as targets, got "
+                     f"{targets} for operands of {sizes} elements")
+  if zero is not None and (rows != "ids" or zero in targets or not 0 <= zero < len(operands)
+                           or sizes[zero] != count):
+    raise ValueError(f"host_update_rows: expected zero to name a vector operand that is not a "
+                     f"target, with rows='ids'; got zero={zero} with rows={rows!r}")
+  if not jnp.issubdtype(jnp.dtype(ids.dtype), jnp.integer):
+    raise TypeError(f"host_update_rows: expected integer ids, got {ids.dtype}")
+  if ffi_disabled():
+    raise NotImplementedError("host_update_rows: needs the FFI handlers "
+                              "(JAXTIER_DISABLE_FFI is set)")
+  return _bind_layer(program, operands, targets, after, Executor.HOST_CPU, 0.0,
+                     f"jaxtier.host_update_rows[{rows}]", ids=jnp.reshape(ids, (-1,)).astype(
+                         jnp.int32),
+                     offset=np.int64(0), count=np.int64(count), rows=np.int32(ROWS[rows]),
+                     row_length=np.int64(row_length),
+                     zero_operand=np.int32(-1 if zero is None else zero))
 
 
 def join(arrays: Sequence[jax.Array], *, after: Sequence[jax.Array] = ()) -> list[jax.Array]:
