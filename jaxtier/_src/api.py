@@ -48,8 +48,10 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
       optimizer state) layer by layer inside the backward pass, overlapped with the compute;
       the serial step's arithmetic (the unrolled backward pass may round a gradient
       differently in the last bit). Updates that need every gradient first (a
-      global-norm clip) stay after the backward pass, the reason in `plan.notes`. False: every
-      host update runs after the backward pass. A step that fails after its layered updates
+      global-norm clip) stay after the backward pass, the reason in `plan.notes`. An
+      embedding table read in place (`host_dha`) is updated row by row instead: the rows the
+      step's ids do not name while the step computes, the others after the backward pass
+      (the serial update's bits). False: every host update runs after the backward pass. A step that fails after its layered updates
       began leaves those leaves partly updated (the error names them; restore a checkpoint).
 
   Returns:

@@ -256,7 +256,8 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       stream_blocked=blocked, overlap_update=options.overlap_update)
   _warn_unfit(result)  # not compiled: the prediction is all there is
   # Which updates the lowering runs layer by layer (its schedule alone: nothing is lowered).
-  _, ov = overlap_lib.schedules(inv.closed_jaxpr.jaxpr, result, None, options.overlap_update)
+  _, ov, _ = overlap_lib.schedules(inv.closed_jaxpr.jaxpr, result, None,
+                                   options.overlap_update)
   notes = _overlap_notes(result, ov)
   if notes:
     result = dataclasses.replace(result, notes=result.notes + notes)
@@ -356,11 +357,18 @@ def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...
     return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
   notes = []
-  if ov.updates:
-    leaves = [plan.leaves[i].path for i in ov.host_leaves]
-    notes.append(f"{len(ov.updates)} of {len(plan.components)} host updates run layer by layer "
+  layered = [u for u in ov.updates if u.rows is None]
+  if layered:
+    written = {i for u in layered for kind, i in u.buffers if kind == "leaf"}
+    leaves = [plan.leaves[i].path for i in ov.host_leaves if i in written]
+    notes.append(f"{len(layered)} of {len(plan.components)} host updates run layer by layer "
                  f"inside the backward pass, overlapped with it (their {len(leaves)} host "
                  f"leaves: {named(leaves)})")
+  for u in ov.tables:
+    table = plan.leaves[plan.components[u.component].component.seeds[0]].path
+    notes.append(f"the update of {table} (read in place) runs row by row on the host CPUs: "
+                 "the rows the step's ids do not name while the step computes, the others "
+                 "once their gradient rows have landed")
   by_reason: dict[str, list[int]] = {}
   for c, why in ov.serial.items():
     by_reason.setdefault(why, []).append(c)

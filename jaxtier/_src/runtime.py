@@ -400,8 +400,8 @@ class OffloadedStep:
         f" and {len(written) - 6} more" if len(written) > 6 else "")
     return ("jaxtier: the step failed inside its compute program, where leaves stacked over "
             f"layers are updated layer by layer: {paths} (and their fp32 masters) were donated "
-            "to it, and any of their layers may already hold the next step's values while "
-            "others hold this step's. Restore the state from a checkpoint "
+            "to it, and any of their layers (or a table's rows) may already hold the next "
+            "step's values while others hold this step's. Restore the state from a checkpoint "
             "(`step.restore(path, state)`, or in a new process `step.restore(path, "
             "abstract_state, example_args=(batch,))`); the other pinned_host leaves are "
             "intact. "

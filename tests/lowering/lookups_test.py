@@ -13,6 +13,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import lookups
 from jaxtier._src.lowering import hlo as hlo_lib
 from jaxtier._src.primitives import dha
+from jaxtier._src.primitives import host_update as hu
 
 V, D, B, T = 96, 16, 4, 6
 TABLE = r"\['emb'\]"
@@ -136,6 +137,8 @@ def test_a_table_read_in_place_trains_equal_to_the_device_one_50_steps(tx):
   assert table.placement == "host_dha" and table.memory_kind == "pinned_host"
   assert all(l.memory_kind == "pinned_host" for p, l in leaves.items() if "['emb']" in p)
   assert leaves["['params']['w']"].placement == "device"
+  # Its update runs row by row inside the compute program, not after it.
+  assert any("runs row by row" in n for n in off.plan.notes), off.plan.notes
   got_state, losses = _train(off, state, 50)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   # The table (so its gradients, summed over repeated ids) and its moments match.
@@ -155,11 +158,31 @@ def _device_buffers(hlo_text, shape):
     param = re.search(r" parameter\((\d+)\)", rhs)
     if param and int(param.group(1)) in host:
       continue
-    if f'custom_call_target="{dha.SCATTER_ADD_TARGET}"' in rhs:
+    if any(f'custom_call_target="{t}"' in rhs for t in (dha.SCATTER_ADD_TARGET, hu.JOIN_TARGET)):
       continue  # its result is its host operand, aliased (XLA:CPU does not annotate it S(5))
     if m and "S(5)" not in (m.group(1) or ""):
       out.append(f"{name} = {rhs[:160]}")
   return out
+
+
+@pytest.mark.parametrize("tx", [optax.adamw(1e-2, weight_decay=0.1),
+                                optax.chain(optax.scale_by_lion(), optax.scale(-1e-2))],
+                         ids=["adamw", "lion"])
+def test_the_row_by_row_update_gives_the_serial_update_s_bits(tx):
+  # The same step with the table's update after the compute program (overlap_update=False):
+  # the untouched rows' update (zero gradient) and the touched rows' give its very bits.
+  runs = {}
+  for overlap in (False, True):
+    off = jaxtier.offload(_step_fn(tx), policy={TABLE: "host_dha"}, overlap_update=overlap)
+    state = off.place(_state(tx), *_batch(0))
+    assert any("runs row by row" in n for n in off.plan.notes) == overlap, off.plan.notes
+    runs[overlap] = _train(off, state, 12)
+  (serial, serial_losses), (rows, rows_losses) = runs[False], runs[True]
+  np.testing.assert_array_equal(rows_losses, serial_losses)
+  for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(rows)[0],
+                               jax.tree_util.tree_leaves(serial)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want),
+                                  err_msg=jax.tree_util.keystr(path))
 
 
 def test_the_compute_program_gathers_and_scatters_with_no_table_on_the_device():
@@ -181,3 +204,57 @@ def test_plan_offers_the_table_to_the_solver_with_its_rows_bytes():
   tx = optax.adamw(1e-2)
   inv = inventory.take_inventory(_step_fn(tx), _state(tx), _batch(0))
   assert pipeline.dha_readable_tables(inv) == {_index(tx, EMB): B * T * D * 4}
+
+
+def test_the_plan_predicts_the_table_s_row_update_mostly_hidden():
+  # A step that computes long enough to hide the untouched rows: only the named rows' share
+  # (B * T of V at most) of the table's update is exposed; the serial schedule exposes it all.
+  tx = optax.adamw(1e-2)
+  segments = {}
+  for overlap in (True, False):
+    plan = jaxtier.plan(_step_fn(tx), _state(tx), *_batch(0), policy={TABLE: "host_dha"},
+                        overlap_update=overlap)
+    segments[overlap] = {name: secs for name, secs, _ in plan.segments}
+  rows = segments[True]["table rows update (exposed)"]
+  serial = segments[False]["host update"]
+  assert "host update" not in segments[True]
+  hidden = serial * (1 - B * T / V)
+  want = serial * B * T / V + max(0.0, hidden - segments[True]["forward+backward"])
+  assert rows == pytest.approx(want, rel=1e-6) and rows < serial
+
+
+def test_a_failed_step_names_the_table_its_untouched_rows_may_have_left_updated():
+  tx = optax.adamw(1e-2)
+  calls = {"n": 0}
+
+  def fail(x):
+    calls["n"] += 1
+    if calls["n"] >= 2:  # the second step's backward pass, after its untouched rows' update
+      raise RuntimeError("injected failure in the backward pass")
+    return x
+
+  @jax.custom_vjp
+  def probe(h):
+    return h
+
+  def probe_bwd(_, g):
+    return (jax.pure_callback(fail, jax.ShapeDtypeStruct(g.shape, g.dtype), g),)
+  probe.defvjp(lambda h: (h, None), probe_bwd)
+
+  def loss(p, ids, targets):
+    x = probe(jnp.take(p["emb"], ids, axis=0))
+    logits = jnp.tanh(x @ p["w"]) @ p["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  off = jaxtier.offload(_step_fn(tx, loss), policy={TABLE: "host_dha"})
+  state = off.place(_state(tx), *_batch(0))
+  state, _ = off(state, *_batch(0))
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(off(state, *_batch(1)))
+  notes = "\n".join(getattr(info.value, "__notes__", []))
+  assert EMB in notes and "a table's rows" in notes and "step.restore" in notes, notes
+  # A new state trains as the device step does: the failed step's buffers are not reused.
+  calls["n"] = -10**6
+  ref_state, ref_losses = _train(jax.jit(_step_fn(tx, loss)), _state(tx), 3)
+  got_state, losses = _train(off, off.place(_state(tx), *_batch(0)), 3)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -31,6 +31,16 @@ Which components qualify (`schedule`; otherwise they stay serial, with the reaso
 The writes are unseen by XLA: each call names iteration t's outputs as order-only operands
 (every read of slice t, in the forward or the backward, comes before), and the written buffers
 are read afterwards only through the join's results.
+
+An embedding table read in place (`host_dha`, `lowering/lookups.py`) is updated row by row
+instead (`TableRows`): its gradient is zero on every row the step's ids do not name, and those
+rows' update (AdamW's moment decay, weight decay) needs nothing the step computes. One
+`host_update_rows` call over those rows is issued right after the forward's row gather and runs
+on the host CPUs while the GPU computes the rest of the step; a second one updates the rows the
+ids name once their gradient rows are in the pinned_host buffer, and zeroes them there, so that
+the scatter-add of the next step adds into zeros without zeroing the whole buffer. Both read
+every operand the serial update reads, at the same values: the same numbers. The join hands
+back the table, its state and the gradient buffer.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import numpy as np
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis.program_compiler import CompiledComponent
+from jaxtier._src.lowering import lookups
 from jaxtier._src.lowering import streaming
 from jaxtier._src.primitives.base import ffi_disabled
 from jaxtier._src.vocab import MemoryKind, Placement
@@ -82,6 +93,26 @@ class LayeredUpdate:
   hoist: tuple[int, ...] = ()
   buffers: tuple[tuple[str, int], ...] = ()
   sent: dict[int, int] = dataclasses.field(default_factory=dict)
+  rows: "TableRows | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TableRows:
+  """How a `LayeredUpdate` of a table read in place runs row by row (its `scan` is then the
+  gather's equation: the hoisted equations run before it; `length` is V, `count` D).
+
+  Attributes:
+    gather: the forward's row gather (the early call is issued after it, with its ids).
+    scatter: the gradient's scatter-add (the late call is issued after it).
+    grad: the operand position of the gradient (zero in the early call; the pinned_host
+      buffer in the late one, which zeroes its rows).
+    scratch: the gradient buffer's scratch index.
+  """
+
+  gather: int
+  scatter: int
+  grad: int
+  scratch: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +134,17 @@ class OverlapSchedule:
   serial: dict[int, str] = dataclasses.field(default_factory=dict)
 
   def by_scan(self, k: int) -> list[LayeredUpdate]:
-    return [u for u in self.updates if u.scan == k]
+    return [u for u in self.updates if u.scan == k and u.rows is None]
+
+  @property
+  def scans(self) -> set[int]:
+    """The layer loops with layered updates."""
+    return {u.scan for u in self.updates if u.rows is None}
+
+  @property
+  def tables(self) -> list[LayeredUpdate]:
+    """The updates of tables read in place, run row by row."""
+    return [u for u in self.updates if u.rows is not None]
 
   def order(self, num_eqns: int) -> list[int]:
     """The top-level equations in the order the lowering runs them: each layered scan after
@@ -130,18 +171,25 @@ EMPTY = OverlapSchedule()
 
 def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
               enabled: bool = True
-              ) -> tuple[streaming.StreamSchedule, OverlapSchedule]:
-  """The streaming schedule of `plan`'s host_stream leaves (`streaming.schedule`) and, given
-  it, the per-layer host updates (`schedule`): what the lowering of `plan` runs."""
+              ) -> tuple[streaming.StreamSchedule, OverlapSchedule, lookups.LookupSchedule]:
+  """The streaming schedule of `plan`'s host_stream leaves (`streaming.schedule`), the tables
+  read in place (`lookups.schedule`; their gradient buffers follow the streamed gradients'
+  among the scratch buffers, and the returned streaming schedule lists both), and given them
+  the overlapped host updates (`schedule`): what the lowering of `plan` runs."""
+  host_eqns = {k for cc in plan.components for k in cc.component.eqns}
   stream = streaming.schedule(
-      jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM],
-      {k for cc in plan.components for k in cc.component.eqns})
-  return stream, schedule(jaxpr, plan.components, plan.leaves, stream, shardings, enabled)
+      jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM], host_eqns)
+  lookup = lookups.schedule(jaxpr, plan, host_eqns, len(stream.scratch))
+  stream = dataclasses.replace(stream, scratch=stream.scratch + lookup.scratch,
+                               sent_vars={**stream.sent_vars, **lookup.sent_vars})
+  return (stream, schedule(jaxpr, plan.components, plan.leaves, stream, shardings, enabled,
+                           lookup), lookup)
 
 
 def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence[Any],
              stream: streaming.StreamSchedule, shardings: "Sequence[Any] | None" = None,
-             enabled: bool = True) -> OverlapSchedule:
+             enabled: bool = True, lookup: "lookups.LookupSchedule" = lookups.EMPTY
+             ) -> OverlapSchedule:
   """Which components of `compiled` run layer by layer in the backward pass (module doc).
 
   Args:
@@ -151,6 +199,7 @@ def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence
     stream: the streaming schedule (a streamed leaf's gradient goes to a scratch buffer).
     shardings: one `NamedSharding` per state leaf, or None.
     enabled: False keeps every component serial (`OffloadOptions.overlap_update`).
+    lookup: the tables read in place (their updates run row by row where they qualify).
 
   Returns:
     The schedule; `serial` gives each other component's reason.
@@ -187,15 +236,19 @@ def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence
 
   in_components = {k for cc in compiled for k in cc.component.eqns}
 
-  def hoisted(k: int, values: list[Any]) -> "tuple[int, ...] | None":
-    """Equations after scan k that make `values` (None: one of them is a host update's)."""
+  def hoisted(k: int, values: list[Any]) -> "tuple[int, ...] | str":
+    """Equations after equation k that make `values`, or why they cannot run before it."""
     need, stack = set(), [producer[v] for v in values if producer.get(v, -1) > k]
+    made_at_k = set(jaxpr.eqns[k].outvars)
     while stack:
       e = stack.pop()
       if e in need:
         continue
       if e in in_components:
-        return None
+        return "an operand is computed by another host update"
+      if any(isinstance(x, jc.Var) and x in made_at_k for x in jaxpr.eqns[e].invars):
+        return ("a scalar operand depends on the step's compute (a global-norm clip or a "
+                "non-finite check)")
       need.add(e)
       stack.extend(producer[x] for x in jaxpr.eqns[e].invars
                    if isinstance(x, jc.Var) and producer.get(x, -1) > k)
@@ -203,15 +256,20 @@ def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence
 
   updates: list[LayeredUpdate] = []
   serial: dict[int, str] = {}
+  table_scratch = {s for s in lookup.sent_vars.values()}
   for c, cc in enumerate(compiled):
-    got = _layered(c, cc, jaxpr, leaves, n_state, stream, shardings, loops, scan_only,
-                   out_count)
+    if any(spec.kind == "value" and stream.sent_vars.get(spec.var) in table_scratch
+           for spec in cc.operands):
+      got = _table_rows(c, cc, jaxpr, leaves, n_state, lookup, shardings, uses, out_count)
+    else:
+      got = _layered(c, cc, jaxpr, leaves, n_state, stream, shardings, loops, scan_only,
+                     out_count)
     if not isinstance(got, str):
       early = [spec.var for p, spec in enumerate(cc.operands)
-               if spec.kind == "value" and p not in got.grads]
+               if spec.kind == "value" and p not in got.grads
+               and (got.rows is None or p != got.rows.grad)]
       hoist = hoisted(got.scan, early)
-      got = ("an operand is computed by another host update" if hoist is None
-             else dataclasses.replace(got, hoist=hoist))
+      got = hoist if isinstance(hoist, str) else dataclasses.replace(got, hoist=hoist)
     if isinstance(got, str):
       serial[c] = got
     else:
@@ -290,3 +348,70 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
                    else ("leaf", jaxpr.invars.index(spec.var)))
   return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
                        buffers=tuple(buffers), sent=sent)
+
+
+def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n_state: int,
+                lookup: "lookups.LookupSchedule", shardings: Any, uses: dict[Any, list[int]],
+                out_count: dict[Any, int]) -> "LayeredUpdate | str":
+  """The row-by-row form of the update of a table read in place, or why it has none."""
+  if ffi_disabled():
+    return "JAXTIER_DISABLE_FFI is set"
+  grads = [p for p, spec in enumerate(cc.operands)
+           if spec.kind == "value" and spec.var in lookup.sent_vars]
+  if len(grads) != 1:
+    return "it reads more than one table's gradient"
+  grad = grads[0]
+  s = lookup.sent_vars[cc.operands[grad].var]
+  scatter = next(k for k, v in lookup.scatters.items() if v == s)
+  table = lookup.scratch[s - min(lookup.sent_vars.values())].leaf
+  gather = next(k for k, i in lookup.gathers.items() if i == table)
+  sh = shardings[table] if shardings is not None else None
+  if sh is not None and getattr(sh, "mesh", None) is not None and sh.mesh.size > 1:
+    return "sharded over a mesh"
+  shape = tuple(leaves[table].shape)
+  size = int(np.prod(shape))
+  own = set(cc.component.eqns)
+  for p, spec in enumerate(cc.operands):
+    if p == grad or spec.kind == "const":
+      continue
+    n = int(np.prod(spec.var.aval.shape)) if spec.kind == "value" else None
+    if spec.kind == "value" and n != 1:
+      return "a vector operand of the table's update is on the device"
+    if spec.kind == "host":
+      if int(np.prod(leaves[spec.index].shape)) != size:
+        return f"host leaf {leaves[spec.index].path} is not shaped like the table"
+      readers = set(uses.get(jaxpr.invars[spec.index], ())) - own
+      if readers - ({gather} if spec.index == table else set()):
+        return f"host leaf {leaves[spec.index].path} is read outside its update"
+  targets: list[int] = []
+  extra: list[int] = []
+  for r in cc.results:
+    if r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"):
+      spec = cc.operands[r.alias]
+      if spec.kind == "host" and tuple(r.outputs) != (spec.index,):
+        return f"the step returns {leaves[spec.index].path}'s new value more than once"
+      if spec.kind == "master" and r.outputs:
+        return "a master's new value is returned"
+      targets.append(r.alias)
+      continue
+    if len(r.outputs) != 1 or r.outputs[0] >= n_state:
+      return "a result is not one state leaf's new value"
+    j = r.outputs[0]
+    leaf = leaves[j]
+    if (out_count.get(jaxpr.outvars[j], 0) != 1 or leaf.memory_kind != MemoryKind.PINNED_HOST
+        or int(np.prod(leaf.shape)) != size or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
+      return f"the new value of {leaf.path} is not written over that host leaf"
+    if set(uses.get(jaxpr.invars[j], ())) - own - ({gather} if j == table else set()):
+      return f"host leaf {leaf.path} is read outside its update"
+    targets.append(len(cc.operands) + len(extra))
+    extra.append(j)
+  if len(set(targets)) != len(targets):
+    return "two results write one buffer"
+  buffers = []
+  for t in targets:
+    spec = cc.operands[t] if t < len(cc.operands) else None
+    buffers.append(("leaf", extra[t - len(cc.operands)]) if spec is None
+                   else ("master", spec.index) if spec.kind == "master"
+                   else ("leaf", spec.index))
+  return LayeredUpdate(c, gather, shape[0], size // shape[0], {}, tuple(targets), tuple(extra),
+                       buffers=tuple(buffers), rows=TableRows(gather, scatter, grad, s))

@@ -117,14 +117,11 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   """
   every = plan.components
   jaxpr, consts = closed_jaxpr.jaxpr, list(closed_jaxpr.consts)
-  stream, ov = overlap_lib.schedules(jaxpr, plan, shardings, overlap_update)
+  # Tables read in place: their gradients go to scratch buffers after the streamed ones'.
+  stream, ov, lookup = overlap_lib.schedules(jaxpr, plan, shardings, overlap_update)
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}
-  # Tables read in place: their gradients go to scratch buffers after the streamed ones'.
-  lookup = lookups_lib.schedule(jaxpr, plan, skip, len(stream.scratch))
-  stream = dataclasses.replace(stream, scratch=stream.scratch + lookup.scratch,
-                               sent_vars={**stream.sent_vars, **lookup.sent_vars})
   xla_host = {l.index for l in plan.leaves if l.placement == Placement.HOST_XLA}
   layered_host = list(ov.host_leaves)
   host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"
@@ -167,7 +164,9 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   donated_feeds = tuple(feed_vars.index(v) for v in donated_vars)
   kept_vars = [v for v in feed_vars if v not in donated_vars]
 
-  layered_scans = {u.scan for u in ov.updates}
+  layered_scans = ov.scans
+  # Gradient buffers kept zero between steps: their tables' updates zero the rows they read.
+  kept_zero = {u.rows.scratch for u in ov.tables}
 
   def compute(device_leaves, host_leaves, arg_leaves, scratch_leaves, layered_leaves=(),
               layered_master_leaves=()):
@@ -195,12 +194,15 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
       if k in skip or k in lookup.skip:
         continue
       if k in lookup.gathers:  # the rows of a pinned_host table, read in place
-        outs = [dha.gather(read(eqn.invars[0]), read(eqn.invars[1])[..., 0])]
+        ids = read(eqn.invars[1])[..., 0]
+        outs = [dha.gather(read(eqn.invars[0]), ids)]
+        layers.untouched_rows(k, read, ids, outs)
       elif k in lookup.scatters:  # its gradient rows, added into a pinned_host buffer
         s = lookup.scatters[k]
         scratch[s] = dha.scatter_add(scratch[s], read(eqn.invars[1])[..., 0],
-                                     read(eqn.invars[2]))
+                                     read(eqn.invars[2]), zeroed=s in kept_zero)
         outs = [scratch[s]]
+        layers.touched_rows(k, read, scratch)
       elif k in stream.scans or k in layered_scans:
         # A layer loop over host_stream leaves (unrolled, streamed) or one whose gradients
         # feed per-layer host updates (unrolled, the updates issued as it goes).
@@ -216,7 +218,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
       for v, val in zip(eqn.outvars, outs):
         if not isinstance(v, jc.DropVar):
           env[v] = val
-    new_masters = layers.join(env)
+    new_masters = layers.join(env, scratch)
     feeds = [read(v) for v in feed_vars]
     outs = [read(jaxpr.outvars[j]) for j in compute_outs]
     return (outs[:num_first], feeds, outs[num_first:], scratch,
@@ -259,6 +261,8 @@ class _LayerCalls:
     self.state, self.masters = state, masters
     self.tokens: list[Any] = []
     self.read_values: list[Any] = []  # device values the calls read, alive until the join
+    self.ids: dict[int, Any] = {}  # component -> the ids of its table's gather
+    self.early: dict[int, Any] = {}  # component -> the token of its untouched rows' call
 
   def _buffer(self, key: tuple[str, int]) -> Any:
     kind, i = key
@@ -280,6 +284,45 @@ class _LayerCalls:
         tokens.append(self._call(u, read, layer, outs,
                                  {pos: scratch[s] for pos, s in u.sent.items()}))
     return tokens
+
+  def untouched_rows(self, k: int, read: Any, ids: Any, outs: list[Any]) -> None:
+    """Issues the update of the rows the step's ids do not name (gradient zero) of the tables
+    gathered by equation `k`, after the gather (`outs`, its rows) has read the table."""
+    for u in self.ov.tables:
+      if u.rows.gather == k:
+        grad = {u.rows.grad: jnp.zeros((1,), jnp.float32)}
+        self.ids[u.component] = ids
+        self.read_values.append(ids)
+        self.early[u.component] = self._table_call(u, read, grad, ids, "others", None,
+                                                   streaming.arrays_of(outs))
+
+  def touched_rows(self, k: int, read: Any, scratch: list[Any]) -> None:
+    """Issues the update of the rows the ids name of the table whose gradient equation `k`
+    scatter-added into its buffer; the call zeroes those rows of the buffer after use."""
+    for u in self.ov.tables:
+      if u.rows.scatter == k:
+        buffer = scratch[u.rows.scratch]
+        self._table_call(u, read, {u.rows.grad: buffer}, self.ids[u.component], "ids",
+                         u.rows.grad, [self.early[u.component]])
+
+  def _table_call(self, u: overlap_lib.LayeredUpdate, read: Any, given: dict[int, Any],
+                  ids: Any, rows: str, zero: "int | None", after: list[Any]) -> Any:
+    cc = self.compiled[u.component]
+    operands = []
+    for pos, spec in enumerate(cc.operands):
+      if pos in given:
+        operands.append(given[pos])
+        continue
+      x = _operand(spec, self.state, self.masters, read)
+      if pos not in u.targets and spec.kind in ("value", "const"):
+        self.read_values.append(x)  # read on the host after XLA's stream moved on
+      operands.append(x)
+    operands += [self.state[j] for j in u.extra]
+    program = dataclasses.replace(cc.program, num_operands=len(operands))
+    token = hu.host_update_rows(program, operands, u.targets, ids=ids, row_length=u.count,
+                                rows=rows, zero=zero, after=after)
+    self.tokens.append(token)
+    return token
 
   def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
             scratch: dict[int, Any]) -> Any:
@@ -310,8 +353,9 @@ class _LayerCalls:
     self.tokens.append(token)
     return token
 
-  def join(self, env: dict[Any, Any]) -> dict[int, Any]:
-    """Joins the calls; sets the layered results' outvars in `env`; returns the new masters."""
+  def join(self, env: dict[Any, Any], scratch: list[Any]) -> dict[int, Any]:
+    """Joins the calls; sets the layered results' outvars in `env` and the zeroed gradient
+    buffers in `scratch`; returns the new masters."""
     if not self.ov.updates:
       return {}
     keys = sorted({key for u in self.ov.updates for key in u.buffers})
@@ -320,6 +364,9 @@ class _LayerCalls:
     # every buffer would cost them a path per buffer per buffer.
     after = self.tokens + self.read_values
     joined = {key: hu.join([self._buffer(key)], after=after)[0] for key in keys}
+    for u in self.ov.tables:
+      s = u.rows.scratch
+      scratch[s] = hu.join([scratch[s]], after=after)[0]
     new_masters: dict[int, Any] = {}
     for u in self.ov.updates:
       cc = self.compiled[u.component]
