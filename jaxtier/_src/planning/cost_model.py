@@ -392,10 +392,11 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
             updates: Iterable[Cost], xla_copies: Iterable[Cost], peak_hbm_bytes: int,
             pinned_bytes: int, profile: HardwareProfile,
             overlapped: Iterable[tuple[Cost, int]] = (),
+            rows: Iterable[tuple[Cost, float]] = (),
             backward_share: float = BACKWARD_SHARE) -> Prediction:
   """Step time as the sum of the step's serial phases, each bounded by its slowest resource.
 
-    step = t_layers + t_other + t_exposed + sum(t_update) + sum(t_xla)
+    step = t_layers + t_other + t_exposed + t_rows + sum(t_update) + sum(t_xla)
   - t_layers: the layer stages (forward + backward, streams overlapped: `stream_stage`), of
     which `layer_compute_secs` is their compute alone;
   - t_other: compute outside the layer stages (embedding, head, loss), seconds;
@@ -406,12 +407,18 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
     max(U / L, U + b / L - b), the last layer's update at least, plus
     DHA_CONTENTION * min(D, b) for the DHA kernel's busy seconds D (a split's kernel runs
     beside the compute on the GPU's SMs and HBM, and slows it);
+  - t_rows: the updates of tables read in place, row by row on the host CPUs (`rows`: (cost,
+    f) each, f the fraction of rows the step's ids name at most): the other rows' share
+    (1 - f) runs while the step computes, so what it adds is f * cost, plus what of the rest
+    the forward+backward does not cover once the layered updates have had the host CPUs;
   - t_update: each fused host update after the backward pass (`update_cost`);
   - t_xla: each `host_xla` leaf's copies (`xla_copy_cost`).
   The critical path is the resource that bounds the most seconds of the step.
   """
   updates, xla_copies, overlapped = list(updates), list(xla_copies), list(overlapped)
-  up = sum(updates, ZERO)
+  rows = list(rows)
+  up = sum(updates + [c for c, _ in rows], ZERO)
+  serial = sum(updates, ZERO)
   xla = sum(xla_copies, ZERO)
   segments = [("forward+backward", layers.secs + other_compute_secs,
                layers.bound if layers.bound and layers.bound != "compute" else "compute")]
@@ -427,8 +434,14 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
     up_all = up + sum((c for c, _ in overlapped), ZERO)
   else:
     up_all = up
-  if up.secs:
-    segments.append(("host update", up.secs, _dominant(updates)))
+  if rows:
+    # The host's time during the forward+backward that the layered updates leave free.
+    free = max(0.0, segments[0][1] - sum(c.secs for c, _ in overlapped))
+    hidden = sum(c.secs * (1.0 - f) for c, f in rows)
+    exposed = sum(c.secs * f for c, f in rows) + max(0.0, hidden - free)
+    segments.append(("table rows update (exposed)", exposed, _dominant([c for c, _ in rows])))
+  if serial.secs:
+    segments.append(("host update", serial.secs, _dominant(updates)))
   if xla.secs:
     segments.append(("host_xla copies", xla.secs, _dominant(xla_copies)))
   step = sum(s[1] for s in segments)

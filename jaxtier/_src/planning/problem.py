@@ -81,6 +81,12 @@ class UpdateItem:
     num_layers: L where the update runs layer by layer inside the backward pass (one call per
       layer, each writing its window in place: `analysis.layer_stacks.LayerLoops`); 0 where
       it runs after it.
+    table: (the table's param leaf, the fraction of its rows one step's ids name at most)
+      where this is the update of an embedding table that, read in place (`host_dha`), is
+      updated row by row on the host CPUs (`lowering/overlap.py`): the other rows while the
+      step computes, the named ones after its backward pass; None otherwise.
+    table_fixed: the table is placed `host_dha` by the cut (the user's policy), not by the
+      solver.
   """
 
   seeds: tuple[int, ...]
@@ -91,6 +97,17 @@ class UpdateItem:
   fixed: "str | None" = None
   result_nbytes: int = 0
   num_layers: int = 0
+  table: "tuple[int, float] | None" = None
+  table_fixed: bool = False
+
+  def by_rows(self, params: Mapping[int, str]) -> bool:
+    """Whether it runs row by row under the solver's parameter placements `params`."""
+    return self.table is not None and (
+        self.table_fixed or params.get(self.table[0]) == Placement.HOST_DHA)
+
+  def rows_cost(self) -> cost_model.Cost:
+    """The cost of the row-by-row update of a table read in place (it runs on the host CPUs)."""
+    return self.costs.get(Placement.HOST_CPU) or self.best()[1]
 
   def best(self) -> tuple[str, cost_model.Cost]:
     """(executor, cost) of the fastest allowed host executor; for a layered update, host_cpu
@@ -250,6 +267,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                   user_fixed: set[int], param_role: str, step_costs: step_costs_lib.StepCosts,
                   streamable: frozenset[int] = frozenset(),
                   dha_readable: "frozenset[int] | Mapping[int, int]" = frozenset(),
+                  tables: "Mapping[int, int] | None" = None,
                   activations: "cost_model.ActivationModel | None" = None,
                   device_budget: "int | None", host_budget: "int | None",
                   profile: HardwareProfile, platform: str,
@@ -271,6 +289,9 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     streamable, dha_readable: parameter leaves that may be `host_stream` / `host_dha`; a
       mapping {leaf: bytes} for `dha_readable` gives the bytes its zero-copy reads move per step
       (an embedding table's gathered rows: `analysis/lookups.py`), else the whole leaf.
+    tables: {leaf: bytes of the rows one step gathers} of every embedding table the lowering
+      can read in place, the user's placements included (None: `dha_readable` where it is a
+      mapping): an update of one placed `host_dha` runs row by row (`UpdateItem.table`).
     activations: the model's activation options, or None.
     device_budget, host_budget: per device, bytes (None: no limit).
     profile, platform: the rates and 'gpu' / 'cpu'.
@@ -280,6 +301,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       (None: the profile's `split_fraction`); the other updates' splits keep the profile's.
   """
   executors = host_executors(platform)
+  if tables is None:
+    tables = dha_readable if isinstance(dha_readable, Mapping) else {}
   loops = layer_stacks.LayerLoops(jaxpr)
   seeded: dict[int, int] = {}
   updates: list[UpdateItem] = []
@@ -309,12 +332,19 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                                platform=platform,
                                dha_fraction=layered_dha_fraction if num_layers else None)
         for call in calls]) for e in names}
+    table = None
+    if overlap_update and not num_layers:
+      named = [j for j in cc.component.outputs if j in tables]
+      if len(named) == 1:
+        j = named[0]
+        table = (j, min(1.0, tables[j] / max(1, leaves[j].nbytes)))
     updates.append(UpdateItem(
         seeds=seeds, label=leaves[seeds[0]].path, device_nbytes=sum(leaves[i].nbytes
                                                                    for i in seeds),
         pinned_nbytes=sum(leaves[i].nbytes for i in seeds) + ms, costs=costs, fixed=fixed,
         result_nbytes=0 if num_layers else fresh_result_bytes(cc, leaves),
-        num_layers=num_layers))
+        num_layers=num_layers, table=table,
+        table_fixed=table is not None and placement.get(table[0]) == Placement.HOST_DHA))
     for i in seeds:
       seeded[i] = u
   update_of_param: dict[int, int] = {}

@@ -178,7 +178,12 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
   capacity = None if budget is None else budget - base - buffers
 
   def option_secs(opt) -> float:
-    return opt[1].secs + sum(updates[u].best()[1].secs for u in opt[3])
+    # A table read in place is updated row by row: the rows its ids name after the backward
+    # pass, the others hidden under the step's compute.
+    return opt[1].secs + sum(
+        updates[u].rows_cost().secs * updates[u].table[1]
+        if updates[u].by_rows(opt[2])
+        else updates[u].best()[1].secs for u in opt[3])
 
   if capacity is None:
     chosen = [min(opts, key=option_secs) for opts in stage_opts]
@@ -211,18 +216,23 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
   pinned += sum(p.nbytes * cost_model.pinned_per_byte(params[p.index])
                 for p in problem.params if params[p.index] != Placement.DEVICE)
   layers = sum((opt[1] for opt in chosen), cost_model.ZERO)
-  update_costs = [updates[u].best()[1] for u in sorted(on_host) if not updates[u].num_layers]
+  by_rows = {u for u in on_host if updates[u].by_rows(params)}
+  update_costs = [updates[u].best()[1] for u in sorted(on_host)
+                  if not updates[u].num_layers and u not in by_rows]
   overlapped = [(updates[u].best()[1], updates[u].num_layers) for u in sorted(on_host)
                 if updates[u].num_layers]
+  rows = [(updates[u].rows_cost(), updates[u].table[1]) for u in sorted(by_rows)]
   pred = cost_model.predict(layers=layers, layer_compute_secs=total_layer * scale,
                     other_compute_secs=other_compute, updates=update_costs,
-                    overlapped=overlapped, backward_share=problem.backward_share,
+                    overlapped=overlapped, rows=rows, backward_share=problem.backward_share,
                     xla_copies=problem.fixed_costs, peak_hbm_bytes=peak, pinned_bytes=pinned,
                     profile=prof)
   fits = (budget is None or peak <= budget) and (
       problem.host_budget is None or pinned <= problem.host_budget)
   upd = {
-      u: (updates[u].best()[0] if u in on_host else Placement.DEVICE) for u in range(len(updates))
+      u: ((Placement.HOST_CPU if u in by_rows and Placement.HOST_CPU in updates[u].costs
+           else updates[u].best()[0]) if u in on_host else Placement.DEVICE)
+      for u in range(len(updates))
   }
   return Solution(params=params, updates=upd, activation_policy=act.policy if act else None,
                   prediction=pred, fits=fits,
