@@ -118,6 +118,10 @@ def child(spec: str) -> None:
     compiled = off.lower(state, batches[0]).compile()
     with open(os.path.join(_HLO_DIR.value, f"{spec.replace(':', '_')}.hlo.txt"), "w") as f:
       f.write(compiled.as_text())
+    ma = compiled.memory_analysis()
+    fields = [k for k in dir(ma) if k.endswith("_in_bytes")]
+    with open(os.path.join(_HLO_DIR.value, f"{spec.replace(':', '_')}.memory.json"), "w") as f:
+      json.dump({k: int(getattr(ma, k)) for k in fields}, f, indent=1)
   times, losses = [], []
   for k, batch in enumerate(batches):
     t0 = time.perf_counter()
@@ -155,6 +159,9 @@ def child(spec: str) -> None:
              predicted_peak_hbm_bytes=plan.predicted_peak_hbm_bytes,
              compiled_peak_hbm_bytes=plan.compiler_peak_hbm_bytes,
              table_link_bytes_per_step=link, host_rss_peak_bytes=_peak_rss_bytes(),
+             distinct_ids=int(np.unique(np.asarray(ids)).size),
+             # The table's update row by row inside the step (lowering/overlap.py).
+             rows_update=any("runs row by row" in n for n in plan.notes),
              gather_secs=gather_secs, stream_secs=stream_secs,
              gather_stream_ratio=stream_secs / gather_secs,
              # Whether the table's gradient rows were scatter-added into pinned_host (else the
