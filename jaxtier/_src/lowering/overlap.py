@@ -310,17 +310,13 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
   targets: list[int] = []
   extra: list[int] = []
   for r in cc.results:
-    if r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"):
-      spec = cc.operands[r.alias]
-      if spec.kind == "host" and tuple(r.outputs) != (spec.index,):
-        return f"the step returns {leaves[spec.index].path}'s new value more than once"
-      if spec.kind == "master" and r.outputs:
-        return "a master's new value is returned"
-      targets.append(r.alias)
+    got = _result_target(r, cc, leaves, n_state)
+    if isinstance(got, str):
+      return got
+    kind, j = got
+    if kind == "operand":
+      targets.append(j)
       continue
-    if len(r.outputs) != 1 or r.outputs[0] >= n_state:
-      return "a result is not one state leaf's new value"
-    j = r.outputs[0]
     if out_count.get(jaxpr.outvars[j], 0) != 1:
       return f"the step returns {leaves[j].path}'s new value more than once"
     leaf = leaves[j]
@@ -339,6 +335,30 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
       extra.append(j)
   if len(set(targets)) != len(targets):
     return "two results write one buffer"
+  return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
+                       buffers=_buffers(cc, targets, extra, jaxpr), sent=sent)
+
+
+def _result_target(r: Any, cc: CompiledComponent, leaves: Sequence[Any], n_state: int
+                   ) -> "tuple[str, int] | str":
+  """Where result `r` goes: ('operand', its position) when it overwrites a host leaf or a
+  master in place, ('leaf', j) when it is state leaf j's new value otherwise, or why it can
+  be neither."""
+  if r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"):
+    spec = cc.operands[r.alias]
+    if spec.kind == "host" and tuple(r.outputs) != (spec.index,):
+      return f"the step returns {leaves[spec.index].path}'s new value more than once"
+    if spec.kind == "master" and r.outputs:
+      return "a master's new value is returned"
+    return "operand", r.alias
+  if len(r.outputs) != 1 or r.outputs[0] >= n_state:
+    return "a result is not one state leaf's new value"
+  return "leaf", r.outputs[0]
+
+
+def _buffers(cc: CompiledComponent, targets: Sequence[int], extra: Sequence[int], jaxpr: Any
+             ) -> tuple[tuple[str, int], ...]:
+  """Per target, the buffer it is (`LayeredUpdate.buffers`)."""
   buffers = []
   for t in targets:
     spec = cc.operands[t] if t < len(cc.operands) else None
@@ -346,8 +366,7 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
                    else ("master", spec.index) if spec.kind == "master"
                    else ("leaf", spec.index) if spec.kind == "host"
                    else ("leaf", jaxpr.invars.index(spec.var)))
-  return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
-                       buffers=tuple(buffers), sent=sent)
+  return tuple(buffers)
 
 
 def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n_state: int,
@@ -386,17 +405,13 @@ def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any]
   targets: list[int] = []
   extra: list[int] = []
   for r in cc.results:
-    if r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"):
-      spec = cc.operands[r.alias]
-      if spec.kind == "host" and tuple(r.outputs) != (spec.index,):
-        return f"the step returns {leaves[spec.index].path}'s new value more than once"
-      if spec.kind == "master" and r.outputs:
-        return "a master's new value is returned"
-      targets.append(r.alias)
+    got = _result_target(r, cc, leaves, n_state)
+    if isinstance(got, str):
+      return got
+    kind, j = got
+    if kind == "operand":
+      targets.append(j)
       continue
-    if len(r.outputs) != 1 or r.outputs[0] >= n_state:
-      return "a result is not one state leaf's new value"
-    j = r.outputs[0]
     leaf = leaves[j]
     if (out_count.get(jaxpr.outvars[j], 0) != 1 or leaf.memory_kind != MemoryKind.PINNED_HOST
         or int(np.prod(leaf.shape)) != size or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
@@ -407,11 +422,6 @@ def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any]
     extra.append(j)
   if len(set(targets)) != len(targets):
     return "two results write one buffer"
-  buffers = []
-  for t in targets:
-    spec = cc.operands[t] if t < len(cc.operands) else None
-    buffers.append(("leaf", extra[t - len(cc.operands)]) if spec is None
-                   else ("master", spec.index) if spec.kind == "master"
-                   else ("leaf", spec.index))
   return LayeredUpdate(c, gather, shape[0], size // shape[0], {}, tuple(targets), tuple(extra),
-                       buffers=tuple(buffers), rows=TableRows(gather, scatter, grad, s))
+                       buffers=_buffers(cc, targets, extra, jaxpr),
+                       rows=TableRows(gather, scatter, grad, s))
