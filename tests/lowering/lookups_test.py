@@ -212,8 +212,9 @@ def test_the_plan_predicts_the_table_s_row_update_mostly_hidden():
   tx = optax.adamw(1e-2)
   segments = {}
   for overlap in (True, False):
+    # Planned for the CPU, whose one executor (host_cpu) runs both schedules.
     plan = jaxtier.plan(_step_fn(tx), _state(tx), *_batch(0), policy={TABLE: "host_dha"},
-                        overlap_update=overlap)
+                        overlap_update=overlap, platform="cpu")
     segments[overlap] = {name: secs for name, secs, _ in plan.segments}
   rows = segments[True]["table rows update (exposed)"]
   serial = segments[False]["host update"]

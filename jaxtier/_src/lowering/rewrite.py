@@ -196,7 +196,11 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
       if k in lookup.gathers:  # the rows of a pinned_host table, read in place
         ids = read(eqn.invars[1])[..., 0]
         outs = [dha.gather(read(eqn.invars[0]), ids)]
-        layers.untouched_rows(k, read, ids, outs)
+        token = layers.untouched_rows(k, read, ids, outs)
+        if token is not None:
+          # The forward goes on after the call is issued (on a GPU it only enqueues host work),
+          # so that XLA's scheduler cannot sink it to the join, where it would overlap nothing.
+          outs = [jax.lax.optimization_barrier((outs[0], token))[0]]
       elif k in lookup.scatters:  # its gradient rows, added into a pinned_host buffer
         s = lookup.scatters[k]
         scratch[s] = dha.scatter_add(scratch[s], read(eqn.invars[1])[..., 0],
@@ -285,16 +289,19 @@ class _LayerCalls:
                                  {pos: scratch[s] for pos, s in u.sent.items()}))
     return tokens
 
-  def untouched_rows(self, k: int, read: Any, ids: Any, outs: list[Any]) -> None:
+  def untouched_rows(self, k: int, read: Any, ids: Any, outs: list[Any]) -> Any:
     """Issues the update of the rows the step's ids do not name (gradient zero) of the tables
-    gathered by equation `k`, after the gather (`outs`, its rows) has read the table."""
+    gathered by equation `k`, after the gather (`outs`, its rows) has read the table; returns
+    its token (None where equation `k` gathers no such table)."""
+    token = None
     for u in self.ov.tables:
       if u.rows.gather == k:
         grad = {u.rows.grad: jnp.zeros((1,), jnp.float32)}
         self.ids[u.component] = ids
         self.read_values.append(ids)
-        self.early[u.component] = self._table_call(u, read, grad, ids, "others", None,
-                                                   streaming.arrays_of(outs))
+        token = self.early[u.component] = self._table_call(u, read, grad, ids, "others", None,
+                                                           streaming.arrays_of(outs))
+    return token
 
   def touched_rows(self, k: int, read: Any, scratch: list[Any]) -> None:
     """Issues the update of the rows the ids name of the table whose gradient equation `k`
