@@ -365,10 +365,11 @@ def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...
                  f"inside the backward pass, overlapped with it (their {len(leaves)} host "
                  f"leaves: {named(leaves)})")
   for u in ov.tables:
-    table = plan.leaves[plan.components[u.component].component.seeds[0]].path
-    notes.append(f"the update of {table} (read in place) runs row by row on the host CPUs: "
-                 "the rows the step's ids do not name while the step computes, the others "
-                 "once their gradient rows have landed")
+    table = plan.leaves[u.rows.table].path
+    notes.append(f"the update of {table} (host_dha: read in place) and its state runs row by "
+                 "row on the host CPUs: the rows the step's ids do not name, whose gradient is "
+                 "zero, while the step computes; the others once their gradient rows have "
+                 "landed (the same numbers as one update after the backward pass)")
   by_reason: dict[str, list[int]] = {}
   for c, why in ov.serial.items():
     by_reason.setdefault(why, []).append(c)

@@ -90,6 +90,15 @@ def test_a_clipped_gradient_is_not_served_in_place():
   assert isinstance(why, str) and "global-norm clip" in why
 
 
+def test_a_conditional_or_factored_update_is_refused_naming_why():
+  tx = optax.apply_if_finite(optax.adamw(1e-2), max_consecutive_errors=3)
+  why = lookups.table_lookup(_jaxpr(tx), _index(tx, EMB))
+  assert isinstance(why, str) and "optax.apply_if_finite" in why, why
+  tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+  why = lookups.table_lookup(_jaxpr(tx), _index(tx, EMB))
+  assert isinstance(why, str) and "Adafactor" in why, why
+
+
 def test_a_tied_table_is_not_served_in_place():
   def tied(p, ids, targets):
     x = jnp.take(p["emb"], ids, axis=0)
@@ -137,8 +146,9 @@ def test_a_table_read_in_place_trains_equal_to_the_device_one_50_steps(tx):
   assert table.placement == "host_dha" and table.memory_kind == "pinned_host"
   assert all(l.memory_kind == "pinned_host" for p, l in leaves.items() if "['emb']" in p)
   assert leaves["['params']['w']"].placement == "device"
-  # Its update runs row by row inside the compute program, not after it.
-  assert any("runs row by row" in n for n in off.plan.notes), off.plan.notes
+  # Its update runs row by row inside the compute program, not after it; the note names it.
+  assert any(f"the update of {EMB} (host_dha" in n and "runs row by row" in n
+             for n in off.plan.notes), off.plan.notes
   got_state, losses = _train(off, state, 50)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   # The table (so its gradients, summed over repeated ids) and its moments match.

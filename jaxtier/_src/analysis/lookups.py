@@ -95,8 +95,10 @@ def table_lookup(jaxpr: Any, index: int) -> "TableLookup | str":
               " (ids clamped into the table), which the DHA gather does not do (an id out of "
               "range reads zeros there): use `jnp.take`'s default mode")
     if not jaxpr_graph.elementwise_over(eqn, n):
-      return (f"the step reads it with `{eqn.primitive.name}`, not only as rows gathered by "
-              "`jnp.take(table, ids, axis=0)`")
+      why = (" (an update applied under a condition, as optax.apply_if_finite's, reads it "
+             "there)" if eqn.primitive.name in ("cond", "while") else "")
+      return (f"the step reads it with `{eqn.primitive.name}`{why}, not only as rows gathered "
+              "by `jnp.take(table, ids, axis=0)` and elementwise by its update")
   if len(gathers) != 1:
     return ("the step reads no rows of it" if not gathers else
             f"the step gathers its rows {len(gathers)} times; one lookup per step is served")
@@ -132,8 +134,10 @@ def _elementwise_uses(jaxpr: Any, var: Any, n: int) -> str:
       continue
     for o in eqn.outvars:
       if jaxpr_graph.size_of(o.aval) != n:
-        return (f"read by `{eqn.primitive.name}`, which makes {jaxpr_graph.size_of(o.aval)} "
-                f"elements of its {n} (a global-norm clip or a non-finite check reduces it)")
+        made = jaxpr_graph.size_of(o.aval)
+        return (f"read by `{eqn.primitive.name}`, which makes {made} "
+                f"element{'s' if made != 1 else ''} of its {n} (a reduction on the device: a "
+                "global-norm clip, a non-finite check, or a factored optimizer as Adafactor)")
     if not jaxpr_graph.elementwise_over(eqn, n):
       return f"read by `{eqn.primitive.name}`"
     tainted.update(o for o in eqn.outvars if not isinstance(o, jc.DropVar))

@@ -107,12 +107,14 @@ class TableRows:
     grad: the operand position of the gradient (zero in the early call; the pinned_host
       buffer in the late one, which zeroes its rows).
     scratch: the gradient buffer's scratch index.
+    table: the table's state-leaf index.
   """
 
   gather: int
   scatter: int
   grad: int
   scratch: int
+  table: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,4 +426,4 @@ def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any]
     return "two results write one buffer"
   return LayeredUpdate(c, gather, shape[0], size // shape[0], {}, tuple(targets), tuple(extra),
                        buffers=_buffers(cc, targets, extra, jaxpr),
-                       rows=TableRows(gather, scatter, grad, s))
+                       rows=TableRows(gather, scatter, grad, s, table))
