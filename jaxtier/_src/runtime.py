@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -30,6 +31,8 @@ log = logging.getLogger("jaxtier")
 # Calls 2 .. 1 + MEASURED_STEPS of an offloaded step are timed (synchronised) and reported
 # against the plan's prediction (`Plan.measured_step_secs`).
 MEASURED_STEPS = 3
+# Plans kept per OffloadedStep, one per input shapes (the most recent ones).
+PLAN_CACHE = 4
 
 
 class OffloadedStep:
@@ -39,6 +42,10 @@ class OffloadedStep:
   donated (consumed); use the returned one. Ctrl-C during a step is held from the moment the
   state is donated until the step has made its new state, then raised as KeyboardInterrupt:
   the new state is then `last_state`.
+
+  Inputs of new shapes or dtypes are traced and planned again, as `jax.jit` re-traces; the
+  plans of the last `PLAN_CACHE` (4) shapes are kept, so batches alternating between shapes
+  plan each once (`plan` is the one of the last call).
 
   Attributes:
     plan: the `Plan` (None until the first `place` or call).
@@ -60,6 +67,9 @@ class OffloadedStep:
     self.last_state: Any = None
     self.last_metrics: Any = None
     self._scratch: list[jax.Array] = []
+    # The plans of the last PLAN_CACHE inputs' shapes, most recent last (as jax.jit keeps one
+    # executable per input shape): a batch that alternates between shapes plans each once.
+    self._plan_cache: collections.OrderedDict[Any, pipeline.Planned] = collections.OrderedDict()
     functools.update_wrapper(self, fn)
 
   # -- planning ----------------------------------------------------------------------------
@@ -71,11 +81,20 @@ class OffloadedStep:
       return
     changes = "" if self._planned is None else pipeline.changes(
         self._planned.signature, sig, state, args)
-    if changes:
-      log.warning("jaxtier: the step's inputs changed since they were planned (%s): re-tracing "
-                  "and re-planning, as jax.jit re-traces", changes)
-    planned = pipeline.plan_step(self._fn, self._options, state, args, changes=changes,
-                                 abstract=abstract)
+    planned = self._plan_cache.get(sig)
+    if planned is not None:
+      log.info("jaxtier: the step's inputs changed since the last call (%s): using the plan "
+               "made for these shapes before", changes)
+    else:
+      if changes:
+        log.warning("jaxtier: the step's inputs changed since they were planned (%s): "
+                    "re-tracing and re-planning, as jax.jit re-traces", changes)
+      planned = pipeline.plan_step(self._fn, self._options, state, args, changes=changes,
+                                   abstract=abstract)
+    self._plan_cache[sig] = planned
+    self._plan_cache.move_to_end(sig)
+    while len(self._plan_cache) > PLAN_CACHE:
+      self._plan_cache.popitem(last=False)
     # The fp32 masters are state the caller does not hold: a new plan (new input shapes) keeps
     # them for the params it still keeps masters for (`_refresh_masters`), else the next step
     # would re-derive them from the rounded bf16 params.

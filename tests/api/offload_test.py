@@ -325,6 +325,29 @@ def test_replan_after_placement_with_new_batch_shape():
   assert state["opt"][0].mu["w1"].sharding.memory_kind == "pinned_host"
 
 
+def test_batches_alternating_between_two_shapes_plan_each_once(monkeypatch):
+  # As jax.jit keeps an executable per input shape, the step keeps a plan per shape: the
+  # second time a shape comes back, nothing is traced or planned again.
+  from jaxtier._src import pipeline  # pylint: disable=g-import-not-at-top
+  planned = []
+  plan_step = pipeline.plan_step
+  monkeypatch.setattr(pipeline, "plan_step",
+                      lambda *a, **k: planned.append(1) or plan_step(*a, **k))
+  step_fn = _step_fn(TX)
+  batches = [tuple(b[:32] if k % 2 else b for b in _batch(k)) for k in range(6)]
+  ref_state, ref = _mlp_state(TX), []
+  for b in batches:
+    ref_state, m = jax.jit(step_fn, donate_argnums=0)(ref_state, b)
+    ref.append(float(m["loss"]))
+  step = jaxtier.offload(step_fn, policy=ON_HOST)
+  state, got = step.place(_mlp_state(TX), batches[0]), []
+  for b in batches:
+    state, m = step(state, b)
+    got.append(float(m["loss"]))
+  assert len(planned) == 2
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
 def test_bias_broadcast_against_activations_is_a_param_without_metrics():
   # A bias is read elementwise by its own update but broadcast against activations in the
   # forward pass: it is a param (stays on device), even when the step reports no metrics.
