@@ -169,9 +169,12 @@ class Plan:
 
     if width is None:
       width = shutil.get_terminal_size((160, 24)).columns
-    table = Table(title=f"jaxtier plan ({self.platform}): device {format_bytes(self.device_bytes)}"
-                  f"{_budget(self.device_budget)}, pinned_host {format_bytes(self.pinned_bytes)}"
-                  f"{self._host_limit()}, {self.num_host_updates} fused host updates/step")
+    # The summary is a line of its own: as the table's title it would wrap at the table's
+    # width, mid-phrase.
+    header = (f"jaxtier plan ({self.platform}): device {format_bytes(self.device_bytes)}"
+              f"{_budget(self.device_budget)}, pinned_host {format_bytes(self.pinned_bytes)}"
+              f"{self._host_limit()}, {self.num_host_updates} fused host updates/step")
+    table = Table()
     columns = ("leaf", "shape", "dtype", "bytes", "role", "placement") + (
         ("reason",) if reasons else ())
     for col in columns:
@@ -183,6 +186,7 @@ class Plan:
       row = [leaf.path, str(list(leaf.shape)), leaf.dtype, size, leaf.role, leaf.placement]
       table.add_row(*(row + [leaf.reason] if reasons else row))
     console = Console(width=max(int(width), 40), record=True, file=open(os.devnull, "w"))
+    console.print(header, highlight=False, markup=False)
     console.print(table)
     for line in self.prediction_lines():
       console.print(line, highlight=False, markup=False)
