@@ -314,38 +314,27 @@ class _LayerCalls:
 
   def _table_call(self, u: overlap_lib.LayeredUpdate, read: Any, given: dict[int, Any],
                   ids: Any, rows: str, zero: "int | None", after: list[Any]) -> Any:
-    cc = self.compiled[u.component]
-    operands = []
-    for pos, spec in enumerate(cc.operands):
-      if pos in given:
-        operands.append(given[pos])
-        continue
-      x = _operand(spec, self.state, self.masters, read)
-      if pos not in u.targets and spec.kind in ("value", "const"):
-        self.read_values.append(x)  # read on the host after XLA's stream moved on
-      operands.append(x)
-    operands += [self.state[j] for j in u.extra]
-    program = dataclasses.replace(cc.program, num_operands=len(operands))
+    program, operands = self._operands(u, given, read)
     token = hu.host_update_rows(program, operands, u.targets, ids=ids, row_length=u.count,
                                 rows=rows, zero=zero, after=after)
     self.tokens.append(token)
     return token
 
-  def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
-            scratch: dict[int, Any]) -> Any:
+  def _operands(self, u: overlap_lib.LayeredUpdate, given: dict[int, Any],
+                value: Callable[[Any], Any]) -> tuple[hu.Program, list[Any]]:
+    """The program and operands of one call of `u`: `given[pos]` where given (a pinned_host
+    buffer read in place, or a gradient stand-in), else the component's operand (`value` for a
+    jaxpr var), then the extra state leaves its results are written into."""
     cc = self.compiled[u.component]
     targets = set(u.targets)
-    # This layer's gradient slices in place of the stacked gradients.
-    slices = {cc.operands[pos].var: outs[j] for pos, j in u.grads.items() if pos not in scratch}
     operands = []
     for pos, spec in enumerate(cc.operands):
-      if pos in scratch:
-        # A pinned_host scratch buffer whose window `layer` has landed: read in place. Not
-        # kept for the join: the next send writes the buffer in place, after this call.
-        operands.append(scratch[pos])
+      if pos in given:
+        # Not kept for the join: a scratch buffer is written in place after this call, and a
+        # stand-in is this call's own.
+        operands.append(given[pos])
         continue
-      x = _operand(spec, self.state, self.masters,
-                   lambda v: slices[v] if v in slices else read(v))
+      x = _operand(spec, self.state, self.masters, value)
       if pos not in targets and spec.kind in ("value", "const"):
         # The GPU call reads it after XLA's stream has moved on (the gradient slice, a
         # scalar, a device leaf it only reads): alive until the join. Not a written buffer:
@@ -353,7 +342,16 @@ class _LayerCalls:
         self.read_values.append(x)
       operands.append(x)
     operands += [self.state[j] for j in u.extra]
-    program = dataclasses.replace(cc.program, num_operands=len(operands))
+    return dataclasses.replace(cc.program, num_operands=len(operands)), operands
+
+  def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
+            scratch: dict[int, Any]) -> Any:
+    cc = self.compiled[u.component]
+    # This layer's gradient slices in place of the stacked gradients; a pinned_host scratch
+    # buffer whose window `layer` has landed is read in place.
+    slices = {cc.operands[pos].var: outs[j] for pos, j in u.grads.items() if pos not in scratch}
+    program, operands = self._operands(u, scratch,
+                                       lambda v: slices[v] if v in slices else read(v))
     token = hu.host_update_layer(
         program, operands, u.targets, offset=layer * u.count, count=u.count,
         after=streaming.arrays_of(outs), executor=cc.executor, dha_fraction=cc.dha_fraction)

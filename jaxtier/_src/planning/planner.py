@@ -140,7 +140,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
         step_costs=costs, streamable=frozenset(streamable) - user_fixed,
         dha_readable=({i: b for i, b in dict(dha_readable or {}).items() if i not in user_fixed}
                       if platform == "gpu" else {}),
-        tables=dict(dha_readable or {}), activations=activations, device_budget=solver_budget, host_budget=host_limit,
+        tables=dict(dha_readable or {}), activations=activations,
+        device_budget=solver_budget, host_budget=host_limit,
         profile=hardware, platform=platform, overlap_update=overlap_update,
         layered_dha_fraction=layered_dha_fraction)
 
