@@ -46,7 +46,7 @@ back the table, its state and the gradient buffer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -309,16 +309,7 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
   for spec in cc.operands:
     if spec.kind == "host" and not scan_only(jaxpr.invars[spec.index], own, k):
       return f"host leaf {leaves[spec.index].path} is read outside its update"
-  targets: list[int] = []
-  extra: list[int] = []
-  for r in cc.results:
-    got = _result_target(r, cc, leaves, n_state)
-    if isinstance(got, str):
-      return got
-    kind, j = got
-    if kind == "operand":
-      targets.append(j)
-      continue
+  def over_device_leaf(r: Any, j: int) -> "int | str | None":
     if out_count.get(jaxpr.outvars[j], 0) != 1:
       return f"the step returns {leaves[j].path}'s new value more than once"
     leaf = leaves[j]
@@ -330,15 +321,40 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
       return (f"{leaves[j].path}'s old value is read outside the layer loops (for example "
               "cast or scaled before the scan)")
     at = [p for p, spec in enumerate(cc.operands) if spec.kind == "value" and spec.var is old]
-    if at:
-      targets.append(at[0])
-    else:
-      targets.append(len(cc.operands) + len(extra))
-      extra.append(j)
-  if len(set(targets)) != len(targets):
-    return "two results write one buffer"
+    return at[0] if at else None
+
+  got = _targets(cc, leaves, n_state, over_device_leaf)
+  if isinstance(got, str):
+    return got
+  targets, extra = got
   return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
                        buffers=_buffers(cc, targets, extra, jaxpr), sent=sent)
+
+
+def _targets(cc: CompiledComponent, leaves: Sequence[Any], n_state: int,
+             over_leaf: Callable[[Any, int], "int | str | None"]
+             ) -> "tuple[list[int], list[int]] | str":
+  """(per result the operand position it is written into, the extra state leaves appended as
+  operands), or why the results cannot be written in place. A result that is state leaf j's
+  new value without overwriting an operand goes where `over_leaf(result, j)` says: an operand
+  position, None for a new extra operand (leaf j itself), or a reason it cannot."""
+  targets: list[int] = []
+  extra: list[int] = []
+  for r in cc.results:
+    got = _result_target(r, cc, leaves, n_state)
+    if isinstance(got, str):
+      return got
+    kind, j = got
+    at = j if kind == "operand" else over_leaf(r, j)
+    if isinstance(at, str):
+      return at
+    if at is None:
+      at = len(cc.operands) + len(extra)
+      extra.append(j)
+    targets.append(at)
+  if len(set(targets)) != len(targets):
+    return "two results write one buffer"
+  return targets, extra
 
 
 def _result_target(r: Any, cc: CompiledComponent, leaves: Sequence[Any], n_state: int
@@ -404,26 +420,19 @@ def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any]
       readers = set(uses.get(jaxpr.invars[spec.index], ())) - own
       if readers - ({gather} if spec.index == table else set()):
         return f"host leaf {leaves[spec.index].path} is read outside its update"
-  targets: list[int] = []
-  extra: list[int] = []
-  for r in cc.results:
-    got = _result_target(r, cc, leaves, n_state)
-    if isinstance(got, str):
-      return got
-    kind, j = got
-    if kind == "operand":
-      targets.append(j)
-      continue
+  def over_host_leaf(r: Any, j: int) -> "str | None":
     leaf = leaves[j]
     if (out_count.get(jaxpr.outvars[j], 0) != 1 or leaf.memory_kind != MemoryKind.PINNED_HOST
         or int(np.prod(leaf.shape)) != size or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
       return f"the new value of {leaf.path} is not written over that host leaf"
     if set(uses.get(jaxpr.invars[j], ())) - own - ({gather} if j == table else set()):
       return f"host leaf {leaf.path} is read outside its update"
-    targets.append(len(cc.operands) + len(extra))
-    extra.append(j)
-  if len(set(targets)) != len(targets):
-    return "two results write one buffer"
+    return None
+
+  got = _targets(cc, leaves, n_state, over_host_leaf)
+  if isinstance(got, str):
+    return got
+  targets, extra = got
   return LayeredUpdate(c, gather, shape[0], size // shape[0], {}, tuple(targets), tuple(extra),
                        buffers=_buffers(cc, targets, extra, jaxpr),
                        rows=TableRows(gather, scatter, grad, s, table))
