@@ -21,6 +21,10 @@ def test_profile_rates_and_validation():
   assert profile.split_fraction(P) == pytest.approx(0.75)
   with pytest.raises(ValueError, match="expected dha_read_gbps > 0"):
     profile.HardwareProfile(dha_read_gbps=-1.0)
+  with pytest.raises(ValueError, match=r"expected dha_layer_grid in \(0, 1\], got 1.5"):
+    profile.HardwareProfile(dha_layer_grid=1.5)
+  with pytest.raises(ValueError, match="expected dha_layer_grid > 0"):
+    profile.HardwareProfile(dha_layer_grid=0.0)
   with pytest.raises(ValueError, match="expected device_kind to be a string"):
     profile.HardwareProfile(device_kind=3)
   d = profile.DEFAULT_PROFILE

@@ -174,8 +174,12 @@ def test_compute_program_reads_host_leaves_in_place():
   # Neither the layer calls nor the joins get a host leaf through a copy or a slice.
   assert hlo_lib.hlo_violations(hlo, target=hu.LAYER_TARGET) == []
   assert hlo_lib.hlo_violations(hlo, target=hu.JOIN_TARGET) == []
-  # One call per layer per stacked leaf (kernel, bias).
+  # One call per layer per stacked leaf (kernel, bias), each with the profile's share of the
+  # GPU's blocks for its kernel part (the CPU handler ignores it).
   assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 2 * LAYERS
+  grid = f"dha_grid = {profile.DEFAULT_PROFILE.dha_layer_grid:.6e} : f32"
+  calls = [l for l in hlo.splitlines() if f'custom_call_target="{hu.LAYER_TARGET}"' in l]
+  assert all(grid in l for l in calls), (grid, calls[0][-600:])
   # One join per written buffer: the stacked kernel's and bias's mu and nu (pinned_host), and
   # the kernel and bias themselves (device, written over their old values).
   assert hlo.count(f'custom_call_target="{hu.JOIN_TARGET}"') == 6

@@ -170,8 +170,9 @@ def _host(x):
                                                              memory_kind="pinned_host"))
 
 
-@pytest.mark.parametrize("executor", ["host_cpu", "split", "host_dha"])
-def test_layer_calls_write_their_windows_and_join_hands_the_buffers_back(executor):
+@pytest.mark.parametrize("executor,dha_grid", [("host_cpu", 1.0), ("split", 1.0),
+                                               ("host_dha", 1.0), ("host_dha", 0.01)])
+def test_layer_calls_write_their_windows_and_join_hands_the_buffers_back(executor, dha_grid):
   layers, n = 5, 1000
   rng = np.random.default_rng(0)
   m0 = rng.normal(size=(layers, n)).astype(np.float32)
@@ -181,8 +182,10 @@ def test_layer_calls_write_their_windows_and_join_hands_the_buffers_back(executo
 
   def step(m, p, g):
     slices = [g[t] for t in (4, 2, 0)]  # layers 1 and 3 untouched
+    # dha_grid 0.01: on a GPU a few blocks stride over the whole window.
     tokens = [hu.host_update_layer(_LAYER_PROGRAM, [m, g_t, p, lr], [0, 2], offset=t * n,
-                                   count=n, executor=executor, dha_fraction=0.5)
+                                   count=n, executor=executor, dha_fraction=0.5,
+                                   dha_grid=dha_grid)
               for t, g_t in zip((4, 2, 0), slices)]
     # The slices stay alive until the joins: a GPU call reads them after XLA's stream moved on.
     m, = hu.join([m], after=tokens + slices)
@@ -344,6 +347,10 @@ def test_layer_call_refuses_bad_operands():
   with pytest.raises(ValueError, match="executor"):
     hu.host_update_layer(_LAYER_PROGRAM, [m, m[0], m, jnp.ones(())], [0, 2], offset=0,
                          count=8, executor="gpu")
+  for bad in (0.0, 1.5, float("nan")):
+    with pytest.raises(ValueError, match=r"expected dha_grid in \(0, 1\]"):
+      hu.host_update_layer(_LAYER_PROGRAM, [m, m[0], m, jnp.ones(())], [0, 2], offset=0,
+                           count=8, executor="host_dha", dha_grid=bad)
   # The handler checks the window too (the Python check bypassed by a direct call).
   ffi.ensure_registered()
   call = jax.ffi.ffi_call(hu.LAYER_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
@@ -353,6 +360,13 @@ def test_layer_call_refuses_bad_operands():
         a, b, program=np.asarray(_LAYER_PROGRAM.code.reshape(-1), np.int32),
         consts=_LAYER_PROGRAM.consts, num_regs=np.int32(9), executor=np.int32(1),
         dha_fraction=np.float32(0.5), offset=np.int64(32), count=np.int64(8),
+        targets=np.asarray([0, 0], np.int32), num_operands=np.int32(2)))(
+            jnp.zeros(12), jnp.zeros(8)).block_until_ready()
+  with pytest.raises(Exception, match="attribute dha_grid"):
+    jax.jit(lambda a, b: call(
+        a, b, program=np.asarray(_LAYER_PROGRAM.code.reshape(-1), np.int32),
+        consts=_LAYER_PROGRAM.consts, num_regs=np.int32(9), executor=np.int32(0),
+        dha_grid=np.float32(0.0), offset=np.int64(0), count=np.int64(8),
         targets=np.asarray([0, 0], np.int32), num_operands=np.int32(2)))(
             jnp.zeros(12), jnp.zeros(8)).block_until_ready()
 

@@ -121,11 +121,19 @@ ffi::Error ResidentBlocks(int* blocks) {
   return ffi::Error::Success();
 }
 
-// Launches the kernel over elements [0, params.n) on `stream`.
-ffi::Error LaunchKernel(cudaStream_t stream, const HostUpdateParams& params) {
+// Launches the kernel over elements [0, params.n) on `stream`, on at most `grid_share` of the
+// blocks the device holds at once (at least one). Each block strides over its elements until
+// the range is done, so a full grid holds every SM until then and kernels on other streams
+// wait; a layer call's smaller share leaves XLA's compute the other SMs.
+ffi::Error LaunchKernel(cudaStream_t stream, const HostUpdateParams& params,
+                        double grid_share = 1.0) {
   if (params.n == 0 || params.num_instructions == 0) return ffi::Error::Success();
   int resident = 0;
   JT_RETURN_IF_ERROR(ResidentBlocks(&resident));
+  if (grid_share < 1.0) {
+    resident = static_cast<int>(resident * grid_share);
+    if (resident < 1) resident = 1;
+  }
   const int64_t needed = (params.n + kThreadsPerBlock - 1) / kThreadsPerBlock;
   const int grid = static_cast<int>(needed < resident ? needed : resident);
   HostUpdateKernel<<<grid, kThreadsPerBlock, 0, stream>>>(params);
@@ -813,7 +821,7 @@ ffi::Error HostUpdateLayerCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
     JT_CUDA_CHECK(kLayerOpName, cudaStreamWaitEvent(dev->kernel_stream, dev->start, 0), "");
     HostUpdateParams head = params;
     head.n = k;
-    JT_RETURN_IF_ERROR(LaunchKernel(dev->kernel_stream, head));
+    JT_RETURN_IF_ERROR(LaunchKernel(dev->kernel_stream, head, a.dha_grid));
     JT_CUDA_CHECK(kLayerOpName, cudaEventRecord(dev->kernel_done, dev->kernel_stream),
                   "the end of the kernel part");
   }

@@ -743,6 +743,7 @@ struct LayerAttrs {
   int32_t rows = kWindow;    // kWindow, kRowsOfIds or kRowsNotInIds
   int64_t row_length = 0;    // elements per row (rows calls)
   int32_t zero_operand = -1;  // rows calls: an operand whose picked rows are zeroed after use
+  float dha_grid = 1.0f;      // the share of the device's resident blocks the kernel part takes
 };
 
 // A rows call's ids (operand num_operands, int32) as the handler found them.
@@ -756,18 +757,19 @@ struct LayerRows {
 // Decodes and checks a layer call's attributes; an unknown name is an error.
 inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, LayerAttrs* out) {
   using internal::GetAttr;
-  static constexpr const char* kKnown[] = {"consts",  "count",      "dha_fraction",
-                                           "executor", "num_operands", "num_regs",
-                                           "offset",  "program",    "row_length",
-                                           "rows",    "targets",    "zero_operand"};
+  static constexpr const char* kKnown[] = {"consts",     "count",        "dha_fraction",
+                                           "dha_grid",   "executor",     "num_operands",
+                                           "num_regs",   "offset",       "program",
+                                           "row_length", "rows",         "targets",
+                                           "zero_operand"};
   for (auto it = attrs.begin(); it != attrs.end(); ++it) {
     const std::string_view name = *it;
     bool known = false;
     for (const char* k : kKnown) known = known || name == k;
     if (!known) {
       return Invalid(kLayerOpName, "attribute", "the call",
-                     "one of consts, count, dha_fraction, executor, num_operands, num_regs, "
-                     "offset, program, row_length, rows, targets, zero_operand",
+                     "one of consts, count, dha_fraction, dha_grid, executor, num_operands, "
+                     "num_regs, offset, program, row_length, rows, targets, zero_operand",
                      "`" + std::string(name) + "`");
     }
   }
@@ -777,6 +779,7 @@ inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, Layer
   JT_RETURN_IF_ERROR(GetAttr(attrs, "num_regs", "an int32 scalar", true, &b.num_regs));
   JT_RETURN_IF_ERROR(GetAttr(attrs, "executor", "an int32 scalar", false, &b.executor));
   JT_RETURN_IF_ERROR(GetAttr(attrs, "dha_fraction", "a float32 scalar", false, &b.dha_fraction));
+  JT_RETURN_IF_ERROR(GetAttr(attrs, "dha_grid", "a float32 scalar", false, &out->dha_grid));
   JT_RETURN_IF_ERROR(GetAttr(attrs, "offset", "an int64 scalar", true, &out->offset));
   JT_RETURN_IF_ERROR(GetAttr(attrs, "count", "an int64 scalar", true, &out->count));
   JT_RETURN_IF_ERROR(GetAttr(attrs, "targets", "an int32 array", true, &out->targets));
@@ -806,6 +809,10 @@ inline xla::ffi::Error DecodeLayerAttrs(const xla::ffi::Dictionary& attrs, Layer
   if (!(b.dha_fraction >= 0.0f && b.dha_fraction <= 1.0f)) {
     return Invalid(kLayerOpName, "value", "attribute dha_fraction", "a value in [0, 1]",
                    std::to_string(b.dha_fraction));
+  }
+  if (!(out->dha_grid > 0.0f && out->dha_grid <= 1.0f)) {
+    return Invalid(kLayerOpName, "value", "attribute dha_grid", "a share of the blocks in (0, 1]",
+                   std::to_string(out->dha_grid));
   }
   if (out->offset < 0 || out->count < 0) {
     return Invalid(kLayerOpName, "value", "attributes offset and count", "values >= 0",

@@ -72,7 +72,8 @@ class CompiledComponent:
   """A component ready to run: its program, operands, results and executor.
 
   `executor` is 'host_dha', 'host_cpu' or 'split' (with `dha_fraction` of the elements on the
-  DHA kernel); the planner sets them.
+  DHA kernel); `dha_grid` is the share of the device's thread blocks the kernel takes in a layer
+  call (`host_update_layer`), beside the compute. The planner sets them.
   """
 
   component: jaxpr_graph.Component
@@ -81,6 +82,7 @@ class CompiledComponent:
   results: tuple[ResultSpec, ...]
   executor: str = "host_dha"
   dha_fraction: float = 0.5
+  dha_grid: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)

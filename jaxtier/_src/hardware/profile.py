@@ -60,6 +60,8 @@ class HardwareProfile:
       and moments in pinned_host: 24 bytes per param over the link).
     dha_update_gbps: the DHA update kernel's marginal rate per byte of host traffic, GB/s:
       its time per call is elements x t + bytes / this rate (`dha_update_secs`).
+    dha_layer_grid: the share of the device's resident thread blocks a layer call's DHA kernel
+      runs on, beside XLA's compute, in (0, 1] (`host_update_layer`'s `dha_grid`).
     dha_gather_gbps: the DHA gather's rate, bytes of gathered rows per second, GB/s (8,192
       random rows of a pinned_host fp32 table, 8 KiB each): what reading an embedding table's
       rows in place costs (`cost_model.stream_stage`).
@@ -103,6 +105,11 @@ class HardwareProfile:
   # t = 0.167 ns plus bytes at 121 GB/s: that fits W2 and the 16 B runs of W5, and predicts
   # the 28 B run within 3% (W5, benchmarks/results/).
   dha_update_gbps: float = 121.0
+  # The kernel's blocks hold their SMs until a layer's update is done. W3 (1b, batch 8, AdamW
+  # moments in pinned_host, the split at 0.8; w3/*_dec02c_call*): 345.8 ms per step on the
+  # whole grid, 310.8 on a quarter of it; alone, a quarter still runs AdamW at 9.0e9 elements/s
+  # from HBM (diagnostics/dha_update_rate.json), above the link's rate for its 16 B/element.
+  dha_layer_grid: float = 0.25
   # W6 (w6_dha.json, H200): 8,192 rows of a 131,072 x 2,048 fp32 table in 1.43 ms, 47 GB/s.
   dha_gather_gbps: float = 47.0
   # diagnostics/dha_crossover.json (H200): an 8192 x 8192 bf16 weight read in place at 49.1
@@ -136,6 +143,9 @@ class HardwareProfile:
       if (isinstance(value, bool) or not isinstance(value, (int, float))
           or not math.isfinite(value) or value <= 0):
         raise ValueError(f"HardwareProfile: expected {field.name} > 0 (finite), got {value!r}")
+    if self.dha_layer_grid > 1:
+      raise ValueError(f"HardwareProfile: expected dha_layer_grid in (0, 1], got "
+                       f"{self.dha_layer_grid!r}")
 
   @property
   def is_default(self) -> bool:

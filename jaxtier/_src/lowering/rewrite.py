@@ -354,7 +354,8 @@ class _LayerCalls:
                                        lambda v: slices[v] if v in slices else read(v))
     token = hu.host_update_layer(
         program, operands, u.targets, offset=layer * u.count, count=u.count,
-        after=streaming.arrays_of(outs), executor=cc.executor, dha_fraction=cc.dha_fraction)
+        after=streaming.arrays_of(outs), executor=cc.executor, dha_fraction=cc.dha_fraction,
+        dha_grid=cc.dha_grid)
     self.tokens.append(token)
     return token
 

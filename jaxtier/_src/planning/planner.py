@@ -176,6 +176,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
                 if item.num_layers and item.fixed is None
                 and Executor(cc.executor).placement == Placement.HOST_SPLIT else cc
                 for item, cc in zip(final.updates, compiled)]
+  # A layer call's kernel shares the GPU with the compute: it takes the profile's share of it.
+  compiled = [dataclasses.replace(cc, dha_grid=hardware.dha_layer_grid) for cc in compiled]
   final_updates = {
       u:
           next((placement[i] for i in item.seeds if i not in served),

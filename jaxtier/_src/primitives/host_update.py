@@ -220,7 +220,8 @@ def host_update(program: Program, operands: Sequence[jax.Array],
 
 def host_update_layer(program: Program, operands: Sequence[jax.Array], targets: Sequence[int],
                       *, offset: int, count: int, after: Sequence[jax.Array] = (),
-                      executor: str = Executor.HOST_CPU, dha_fraction: float = 0.5) -> jax.Array:
+                      executor: str = Executor.HOST_CPU, dha_fraction: float = 0.5,
+                      dha_grid: float = 1.0) -> jax.Array:
   """Runs `program` over elements [offset, offset + count) and writes result r into that window
   of operand ``targets[r]``, in place; returns a token (f32[1], not written).
 
@@ -244,14 +245,17 @@ def host_update_layer(program: Program, operands: Sequence[jax.Array], targets: 
       the split's share) on a lowest-priority stream beside XLA's compute, whose SMs it
       shares.
     dha_fraction: the kernel's share for 'split', in [0, 1].
+    dha_grid: the share of the device's resident thread blocks the kernel part runs on, in
+      (0, 1]. Its blocks hold their SMs until the window is done, so a share below 1 leaves
+      XLA's compute the rest (`HardwareProfile.dha_layer_grid`).
 
   Returns:
     The token.
 
   Raises:
     ValueError: a dtype outside float32/bfloat16/float16, an operand of another element count,
-      a target that is not a distinct vector operand, an unknown executor, or a dha_fraction
-      outside [0, 1].
+      a target that is not a distinct vector operand, an unknown executor, a dha_fraction
+      outside [0, 1], or a dha_grid outside (0, 1].
     NotImplementedError: under `JAXTIER_DISABLE_FFI=1` (the lowering then keeps the serial
       update).
   """
@@ -280,12 +284,15 @@ def host_update_layer(program: Program, operands: Sequence[jax.Array], targets: 
                      f"{executor!r}")
   if not 0.0 <= float(dha_fraction) <= 1.0:
     raise ValueError(f"host_update_layer: expected dha_fraction in [0, 1], got {dha_fraction!r}")
+  if not 0.0 < float(dha_grid) <= 1.0:
+    raise ValueError(f"host_update_layer: expected dha_grid in (0, 1], got {dha_grid!r}")
   if ffi_disabled():
     raise NotImplementedError("host_update_layer: needs the FFI handlers "
                               "(JAXTIER_DISABLE_FFI is set)")
   return _bind_layer(program, operands, targets, after, executor, dha_fraction,
                      f"jaxtier.host_update_layer[{offset // count if count else 0}]",
-                     offset=np.int64(offset), count=np.int64(count))
+                     offset=np.int64(offset), count=np.int64(count),
+                     dha_grid=np.float32(dha_grid))
 
 
 def _bind_layer(program: Program, operands: list[Any], targets: list[int], after: list[Any],
