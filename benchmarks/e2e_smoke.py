@@ -49,11 +49,13 @@ _STACK_EVERY = flags.DEFINE_integer(
     "(faulthandler), to show where a slow variant spends its time.")
 _VARIANTS = flags.DEFINE_list(
     "variants", ["fp32:none", "fp32:auto", "bf16:none", "bf16:auto"],
-    "dtype:offload[:serial][:host_cpu|:host_split[@F]] variants; dtype fp32/bf16, offload in "
+    "dtype:offload[:serial][:host_cpu|:host_split[@F]][:grid@S] variants; dtype fp32/bf16, "
+    "offload in "
     "none/auto/stream (stream: the layers' params host_stream); ':serial' runs every host "
     "update after the backward pass (--nooverlap_update); ':host_cpu' / ':host_split' put every "
     "moment on that executor, the split at the profile's DHA share, or with '@F' at the share "
-    "F (0 < F < 1) of the elements for the DHA kernel.")
+    "F (0 < F < 1) of the elements for the DHA kernel; ':grid@S' runs layer calls' DHA "
+    "kernel on the share S (0 < S <= 1) of the GPU's blocks (the profile's dha_layer_grid).")
 
 DTYPES = ("fp32", "bf16")
 OFFLOADS = ("none", "auto", "stream")
@@ -69,15 +71,17 @@ def _layered_updates(made: list) -> "int | None":
 
 
 def parse_variant(variant: str) -> dict:
-  """The parts of a `--variants` entry 'dtype:offload[:serial][:host_cpu|:host_split[@F]]'.
+  """The parts of a `--variants` entry
+  'dtype:offload[:serial][:host_cpu|:host_split[@F]][:grid@S]'.
 
   Returns:
     {"dtype", "offload", "serial": bool, "executor": None or one of EXECUTORS,
-     "dha_share": None or F (only with host_split)}.
+     "dha_share": None or F (only with host_split), "dha_grid": None or S}.
 
   Raises:
     ValueError: an unknown dtype, offload or suffix, two executors, an executor with offload
-      'none' (nothing is offloaded there), or a share that is not a number in (0, 1).
+      'none' (nothing is offloaded there), a share that is not a number in (0, 1), or a grid
+      share that is not a number in (0, 1].
   """
   parts = variant.split(":")
   if len(parts) < 2:
@@ -88,11 +92,20 @@ def parse_variant(variant: str) -> dict:
   if offload not in OFFLOADS:
     raise ValueError(f"variant {variant!r}: expected offload in {OFFLOADS}, got {offload!r}")
   spec = {"dtype": dtype, "offload": offload, "serial": False, "executor": None,
-          "dha_share": None}
+          "dha_share": None, "dha_grid": None}
   for part in rest:
     name, at, share = part.partition("@")
     if part == "serial":
       spec["serial"] = True
+    elif name == "grid" and at:
+      try:
+        g = float(share)
+      except ValueError:
+        g = float("nan")
+      if not 0.0 < g <= 1.0:
+        raise ValueError(f"variant {variant!r}: expected grid@S with 0 < S <= 1 (the share of "
+                         f"the GPU's blocks for a layer call's DHA kernel), got {share!r}")
+      spec["dha_grid"] = g
     elif name in EXECUTORS and (not at or name == "host_split"):
       if spec["executor"] is not None:
         raise ValueError(f"variant {variant!r}: expected one executor, got "
@@ -110,7 +123,7 @@ def parse_variant(variant: str) -> dict:
         spec["dha_share"] = f
     else:
       raise ValueError(f"variant {variant!r}: unknown part {part!r}; expected 'serial', "
-                       "'host_cpu', 'host_split' or 'host_split@F'")
+                       "'host_cpu', 'host_split', 'host_split@F' or 'grid@S'")
   if spec["executor"] and offload == "none":
     raise ValueError(f"variant {variant!r}: {spec['executor']} with offload 'none' (nothing "
                      "is on the host there)")
@@ -130,18 +143,24 @@ def split_share_profile(base, share: float):
              f"share is {share:g}")
 
 
-def _fix_split_share(share: float) -> None:
-  """Makes the planner of this (child) process read a profile whose split share is `share`:
-  this machine's stored profile (or the defaults) adjusted by `split_share_profile`, saved
+def _fix_profile(share: "float | None", grid: "float | None") -> None:
+  """Makes the planner of this (child) process read a profile whose split share is `share`
+  and whose layer calls' kernel takes the share `grid` of the GPU's blocks (each where given):
+  this machine's stored profile (or the defaults) adjusted (`split_share_profile`), saved
   under a fresh XDG_CACHE_HOME (where `jaxtier.load_profile` looks)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
-  base = jaxtier.load_profile(warn=False)
-  prof = split_share_profile(base, share)
+  prof = jaxtier.load_profile(warn=False)
+  if share is not None:
+    prof = split_share_profile(prof, share)
+  if grid is not None:
+    prof = dataclasses.replace(prof, dha_layer_grid=grid,
+                               source=f"{prof.source}; e2e_smoke: dha_layer_grid {grid:g}")
   os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="e2e_smoke_profile_")
   path = jaxtier.save_profile(prof)
-  print(f"host_split: the DHA kernel's share fixed at {jaxtier.split_fraction(prof):.3f} "
-        f"(profile {path}: CPU AdamW {prof.cpu_adamw_params_per_sec:.4g} params/s, DHA "
-        f"{prof.dha_adamw_params_per_sec:.4g})", flush=True)
+  print(f"profile {path}: the split's DHA share {jaxtier.split_fraction(prof):.3f} (CPU AdamW "
+        f"{prof.cpu_adamw_params_per_sec:.4g} params/s, DHA {prof.dha_adamw_params_per_sec:.4g});"
+        f" layer calls' kernel on {prof.dha_layer_grid:g} of the blocks", flush=True)
 
 
 def child(variant: str) -> None:
@@ -159,12 +178,12 @@ def child(variant: str) -> None:
   # 'auto' here names the run with AdamW moments in pinned_host: since the cost-model planner,
   # policy 'auto' keeps a state that fits on the device, so ask for the rule by name.
   offload = "optimizer_state_on_host" if spec["offload"] == "auto" else spec["offload"]
+  if spec["dha_share"] is not None or spec["dha_grid"] is not None:
+    _fix_profile(spec["dha_share"], spec["dha_grid"])
   if spec["executor"]:
     # Every moment on one executor (a policy dict: the trainer's flags name modes); a split
     # placed so runs at the profile's DHA share (the planner's own choice weighs others), or
     # at the variant's '@F' through a profile of that share.
-    if spec["dha_share"] is not None:
-      _fix_split_share(spec["dha_share"])
     offload_step = train._offload_step  # pylint: disable=protected-access
     moments = r"opt_state.*\]\['(mu|nu)'\]"
 

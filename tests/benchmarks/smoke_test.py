@@ -74,9 +74,11 @@ import json
 import e2e_smoke as e, jaxtier
 p = e.parse_variant
 assert p("fp32:none") == dict(dtype="fp32", offload="none", serial=False, executor=None,
-                              dha_share=None)
+                              dha_share=None, dha_grid=None)
 assert p("bf16:auto:serial") == dict(dtype="bf16", offload="auto", serial=True, executor=None,
-                                     dha_share=None)
+                                     dha_share=None, dha_grid=None)
+assert p("fp32:auto:grid@0.25")["dha_grid"] == 0.25
+assert p("fp32:auto:host_split@0.8:grid@1")["dha_grid"] == 1.0
 assert p("fp32:auto:host_cpu")["executor"] == "host_cpu"
 s = p("fp32:auto:serial:host_split@0.9")
 assert (s["executor"], s["dha_share"], s["serial"]) == ("host_split", 0.9, True), s
@@ -84,7 +86,8 @@ assert p("fp32:auto:host_split")["dha_share"] is None
 bad = {}
 for v in ("fp32", "fp16:auto", "fp32:fast", "fp32:auto:host_split@1", "fp32:auto:host_split@0",
           "fp32:auto:host_split@x", "fp32:auto:host_cpu@0.5", "fp32:auto:host_cpu:host_split",
-          "fp32:none:host_split@0.9", "fp32:auto:overlap"):
+          "fp32:none:host_split@0.9", "fp32:auto:overlap", "fp32:auto:grid@0",
+          "fp32:auto:grid@1.5", "fp32:auto:grid"):
   try:
     p(v)
   except ValueError as err:
@@ -105,8 +108,9 @@ def test_e2e_smoke_variants_share_profile_and_table(tmp_path):
   p = _run_bench(["-c", _E2E_UNITS], tmp_path, cwd=BENCH)
   assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
   out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[7:])
-  assert len(out["bad"]) == 10, out["bad"]  # every malformed variant refused
+  assert len(out["bad"]) == 13, out["bad"]  # every malformed variant refused
   assert "0 < F < 1" in out["bad"]["fp32:auto:host_split@1"]
+  assert "0 < S <= 1" in out["bad"]["fp32:auto:grid@1.5"]
   assert "offload 'none'" in out["bad"]["fp32:none:host_split@0.9"]
   assert abs(out["share"] - 0.9) < 1e-12
   assert out["dha_rate"][0] == out["dha_rate"][1]  # only the CPU executor's rate moves
