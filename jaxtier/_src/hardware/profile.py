@@ -105,10 +105,12 @@ class HardwareProfile:
   # t = 0.167 ns plus bytes at 121 GB/s: that fits W2 and the 16 B runs of W5, and predicts
   # the 28 B run within 3% (W5, benchmarks/results/).
   dha_update_gbps: float = 121.0
-  # The kernel's blocks hold their SMs until a layer's update is done. W3 (1b, batch 8, AdamW
-  # moments in pinned_host, the split at 0.8; w3/*_dec02c_call*): 345.8 ms per step on the
-  # whole grid, 310.8 on a quarter of it; alone, a quarter still runs AdamW at 9.0e9 elements/s
-  # from HBM (diagnostics/dha_update_rate.json), above the link's rate for its 16 B/element.
+  # The kernel's blocks hold their SMs until a layer's update is done. Alone, a layer call of
+  # AdamW with its moments in pinned_host (16 B per element over the link) runs at 4.96e9
+  # elements/s on the whole grid and 4.99e9 on a quarter of it (79.8 GB/s: the link), 2.90e9
+  # on an eighth (diagnostics/dha_update_rate.json). W3 (1b, batch 8, the split at 0.8,
+  # w3/w3_1b_b8_dec02c_call3.json): 315.6 ms per step on a quarter, 352.3 on the whole grid,
+  # 420.6 on an eighth.
   dha_layer_grid: float = 0.25
   # W6 (w6_dha.json, H200): 8,192 rows of a 131,072 x 2,048 fp32 table in 1.43 ms, 47 GB/s.
   dha_gather_gbps: float = 47.0
