@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import sys
 
 from absl import app, flags
 import jax
@@ -32,6 +32,9 @@ import numpy as np
 from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.primitives import programs as op_programs
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench_util
+import bench_util  # noqa: E402  (benchmarks/bench_util.py)
+
 _ELEMENTS = flags.DEFINE_integer("elements", 1 << 28, "Elements per case (fp32: 4 B each).")
 _REPS = flags.DEFINE_integer("reps", 5, "Timed calls per case, after one warm-up.")
 _CASES = flags.DEFINE_list("cases", ["hbm", "moments_host", "state_host", "copy_host",
@@ -41,16 +44,6 @@ _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "."), "Folder for the JS
 
 # Bytes per element that cross the link in each case (reads + writes of pinned_host).
 LINK_BYTES = {"hbm": 0, "moments_host": 16, "state_host": 24, "copy_host": 8, "copy_hbm": 0}
-
-
-def _median(fn, reps):
-  fn()
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
 
 
 def run_case(case: str, n: int, reps: int, grid: float) -> dict:
@@ -100,7 +93,7 @@ def run_case(case: str, n: int, reps: int, grid: float) -> dict:
     def run():
       state["s"] = list(f(*state["s"], g, *scalars))
       jax.block_until_ready(state["s"])
-  secs = _median(run, reps)
+  secs, _ = bench_util.median_secs(run, reps)
   return {"secs": secs, "elements_per_sec": n / secs,
           "link_gbps": LINK_BYTES[case] * n / secs / 1e9, "link_bytes_per_element": LINK_BYTES[case]}
 

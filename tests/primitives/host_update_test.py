@@ -352,24 +352,22 @@ def test_layer_call_refuses_bad_operands():
     with pytest.raises(ValueError, match=r"expected dha_grid in \(0, 1\]"):
       hu.host_update_layer(_LAYER_PROGRAM, [m, m[0], m, jnp.ones(())], [0, 2], offset=0,
                            count=8, executor="host_dha", dha_grid=bad)
-  # The handler checks the window too (the Python check bypassed by a direct call).
+  # The handler checks the window and the grid share too (the Python checks bypassed by a
+  # direct call).
   ffi.ensure_registered()
   call = jax.ffi.ffi_call(hu.LAYER_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
                           has_side_effect=True)
+
+  def direct(**attrs):
+    jax.jit(lambda a, b: call(
+        a, b, program=np.asarray(_LAYER_PROGRAM.code.reshape(-1), np.int32),
+        consts=_LAYER_PROGRAM.consts, num_regs=np.int32(9), count=np.int64(8),
+        targets=np.asarray([0, 0], np.int32), num_operands=np.int32(2), **attrs))(
+            jnp.zeros(12), jnp.zeros(8)).block_until_ready()
   with pytest.raises(Exception, match="jaxtier_host_update_layer.*at least 40"):
-    jax.jit(lambda a, b: call(
-        a, b, program=np.asarray(_LAYER_PROGRAM.code.reshape(-1), np.int32),
-        consts=_LAYER_PROGRAM.consts, num_regs=np.int32(9), executor=np.int32(1),
-        dha_fraction=np.float32(0.5), offset=np.int64(32), count=np.int64(8),
-        targets=np.asarray([0, 0], np.int32), num_operands=np.int32(2)))(
-            jnp.zeros(12), jnp.zeros(8)).block_until_ready()
+    direct(executor=np.int32(1), dha_fraction=np.float32(0.5), offset=np.int64(32))
   with pytest.raises(Exception, match="attribute dha_grid"):
-    jax.jit(lambda a, b: call(
-        a, b, program=np.asarray(_LAYER_PROGRAM.code.reshape(-1), np.int32),
-        consts=_LAYER_PROGRAM.consts, num_regs=np.int32(9), executor=np.int32(0),
-        dha_grid=np.float32(0.0), offset=np.int64(0), count=np.int64(8),
-        targets=np.asarray([0, 0], np.int32), num_operands=np.int32(2)))(
-            jnp.zeros(12), jnp.zeros(8)).block_until_ready()
+    direct(executor=np.int32(0), dha_grid=np.float32(0.0), offset=np.int64(0))
 
 
 # ---- the CPU executor's plan rewrites (fusion, in-place loads, folded stores) -----------------
