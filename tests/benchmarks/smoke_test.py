@@ -54,7 +54,7 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
     assert data["runs"]["fp32:auto:host_split@0.9"]["dha_share"] == 0.9
     assert data["runs"]["fp32:none"]["dha_share"] is None
     assert "host RSS GiB" in p.stdout
-    assert "DHA kernel's share fixed at 0.900" in p.stdout
+    assert "the split's DHA share 0.900" in p.stdout
   for name, case in data.get("cases", {}).items():  # planner_bench: one entry per case
     assert "error" not in case, (name, case["error"])
 
