@@ -70,6 +70,14 @@ def _layered_updates(made: list) -> "int | None":
     return None
 
 
+def _number(text: str) -> float:
+  """`text` as a float, NaN where it is not one (so that every range check refuses it)."""
+  try:
+    return float(text)
+  except ValueError:
+    return float("nan")
+
+
 def parse_variant(variant: str) -> dict:
   """The parts of a `--variants` entry
   'dtype:offload[:serial][:host_cpu|:host_split[@F]][:grid@S]'.
@@ -98,10 +106,7 @@ def parse_variant(variant: str) -> dict:
     if part == "serial":
       spec["serial"] = True
     elif name == "grid" and at:
-      try:
-        g = float(share)
-      except ValueError:
-        g = float("nan")
+      g = _number(share)
       if not 0.0 < g <= 1.0:
         raise ValueError(f"variant {variant!r}: expected grid@S with 0 < S <= 1 (the share of "
                          f"the GPU's blocks for a layer call's DHA kernel), got {share!r}")
@@ -112,10 +117,7 @@ def parse_variant(variant: str) -> dict:
                          f"{spec['executor']!r} and {name!r}")
       spec["executor"] = name
       if at:
-        try:
-          f = float(share)
-        except ValueError:
-          f = float("nan")
+        f = _number(share)
         if not 0.0 < f < 1.0:
           raise ValueError(f"variant {variant!r}: expected host_split@F with 0 < F < 1 (the "
                            f"DHA kernel's share of the elements), got {share!r}; the whole "

@@ -11,8 +11,9 @@ Beside them the copy program in place on a pinned_host buffer (8 B per element: 
 read + write rate as this kernel reaches it) and on the device.
 
 Each case runs once per share of the device's blocks in `--grids` (`host_update_layer`'s
-`dha_grid`: the share a layer call's kernel takes, the profile's `dha_layer_grid`). Prints, and writes `$OUT/dha_update_rate.json` (or `--out`):
-per case and share the median seconds, elements/s and GB/s over the link.
+`dha_grid`: the share a layer call's kernel takes, the profile's `dha_layer_grid`). Prints, and
+writes `$OUT/dha_update_rate.json` (or `--out`): per case and share the median seconds,
+elements/s and GB/s over the link.
 
   python3 benchmarks/diagnostics/dha_update_rate.py --elements=268435456 --reps=5
 """
@@ -76,12 +77,12 @@ def run_case(case: str, n: int, reps: int, grid: float) -> dict:
       token = hu.host_update_layer(prog, [*state, g, lr, bc1, bc2], [0, 1, 2], offset=0,
                                    count=n, executor=hu.Executor.HOST_DHA, dha_grid=grid)
       # One join per memory kind: a call's results all take its host results' memory space.
-      out = {}
-      for kind in {id(k): k for k in kinds}.values():
-        idx = [i for i in range(3) if kinds[i] is kind]
+      out = list(state)
+      for kind in ("device", "pinned_host"):
+        idx = [i for i in range(3) if kinds[i].memory_kind == kind]
         for i, x in zip(idx, hu.join([state[i] for i in idx], after=[token, g, lr, bc1, bc2])):
           out[i] = x
-      return tuple(out[i] for i in range(3))
+      return tuple(out)
     f = jax.jit(step, donate_argnums=(0, 1, 2), in_shardings=(*kinds, dev, dev, dev, dev),
                 out_shardings=kinds)
     init = jax.jit(lambda: (jnp.full((n,), 0.5, jnp.float32), jnp.zeros((n,), jnp.float32),
