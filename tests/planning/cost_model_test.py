@@ -19,21 +19,27 @@ def test_update_cost_formulas():
   # = max(0.01, 0.02, 0.0333, 0.025) s.
   assert dha.secs == pytest.approx(2 / 60) and dha.bound == "dha"
   assert (dha.h2d_bytes, dha.d2h_bytes) == (GB, GB)
-  # With the elements: the kernel's time N * t + (R + W) / u, t from the AdamW rate at 24
-  # bytes per element: t = 1 / 3e9 - 24 / u. 125e6 elements (16 B each), u = 121 GB/s.
+  # With the elements: the kernel's time max(N / E, (R + W) / u) on the whole grid, E and u the
+  # profile's 16.3e9 elements/s and 78 GB/s. 125e6 elements: max(7.7 ms, 25.6 ms).
   n = 125 * 10**6
   t_n = dataclasses.replace(t, elements=n)
-  per_elem = 1 / 3e9 - 24 / 121e9
-  kernel = n * per_elem + 2 * GB / 121e9
+  kernel = max(n / 16.3e9, 2 * GB / 78e9)
   assert cost_model.update_cost("host_dha", t_n, P).secs == pytest.approx(max(2 / 60, kernel))
-  # The fitted default reproduces W2's AdamW rate (24 B/param) and the H200's 16 B/param one.
+  # The default reproduces one layer call of the H200 (diagnostics/dha_update_rate.json): AdamW
+  # moments in pinned_host (16 B per element) near the link's 78 GB/s on the whole grid and on a
+  # quarter (measured 4.96e9 and 4.99e9 elements/s), below it on an eighth (2.90e9); every
+  # operand in HBM 16.3e9 and 9.0e9 elements/s on the whole grid and a quarter.
   d = profile.DEFAULT_PROFILE
-  w2 = cost_model.UpdateTraffic(host_read_bytes=12 * n, host_write_bytes=12 * n, device_in_bytes=0,
-                                device_out_bytes=0, elements=n)
-  assert n / cost_model.update_cost("host_dha", w2, d).secs == pytest.approx(
-      d.dha_adamw_params_per_sec)
-  moments = dataclasses.replace(w2, host_read_bytes=8 * n, host_write_bytes=8 * n)
-  assert n / cost_model.update_cost("host_dha", moments, d).secs == pytest.approx(3.34e9, rel=0.01)
+  moments = cost_model.UpdateTraffic(host_read_bytes=8 * n, host_write_bytes=8 * n,
+                                     device_in_bytes=0, device_out_bytes=0, elements=n)
+  rate = lambda traffic, grid: n / cost_model.update_cost("host_dha", traffic, d, grid=grid).secs
+  assert rate(moments, 1.0) == pytest.approx(4.96e9, rel=0.02)
+  assert rate(moments, 0.25) == pytest.approx(4.99e9, rel=0.03)
+  assert rate(moments, 0.125) == pytest.approx(2.90e9, rel=0.02)
+  assert n / d.dha_update_secs(n, 0) == pytest.approx(16.3e9)
+  assert n / d.dha_update_secs(n, 0, grid=0.25) == pytest.approx(9.0e9, rel=0.03)
+  with pytest.raises(ValueError, match=r"expected grid in \(0, 1\], got 0"):
+    d.dha_update_secs(n, 0, grid=0)
   cpu = cost_model.update_cost("host_cpu", t, P)
   # M = R + W + 1.5 (D_in + D_out) = 3.125 GB at 30 GB/s (1e9 params/s x 30 B); links:
   # 0.5 GB / 40, 0.25 GB / 50.
@@ -111,7 +117,12 @@ def test_layered_updates_hide_under_the_backward_pass():
   # A split's kernel shares the GPU with the compute: its busy seconds slow the step.
   split = cost_model.Cost(secs=0.3, cpu_secs=0.3, dha_secs=0.2, bound="dha")
   slowed = cost_model.predict(**common, overlapped=[(split, 10)])
-  assert slowed.step_secs == pytest.approx(0.6 + 0.03 + cost_model.DHA_CONTENTION * 0.2)
+  # On the profile's share of the blocks (0.25: 0.14 + 0.43 / 4 of each kernel second).
+  assert cost_model.dha_contention(P.dha_layer_grid) == pytest.approx(0.2475)
+  assert slowed.step_secs == pytest.approx(0.6 + 0.03 + 0.2475 * 0.2)
+  whole = cost_model.predict(**{**common, "profile": dataclasses.replace(P, dha_layer_grid=1.0)},
+                             overlapped=[(split, 10)])
+  assert whole.step_secs == pytest.approx(0.6 + 0.03 + 0.57 * 0.2)
   # The serial schedule adds the whole update.
   serial = cost_model.predict(**{**common, "updates": [cpu(0.3)]})
   assert serial.step_secs == pytest.approx(0.9)

@@ -25,14 +25,25 @@ DHA_LINK_BYTES_PER_PARAM = 24
 #   at half (1 + 1: `cost_model.STAGING_DRAM_FACTOR`).
 CPU_DRAM_BYTES_PER_PARAM = 30
 
+# Shares of the GPU's resident blocks at which the DHA update kernel's rates saturate
+# (`HardwareProfile.dha_update_secs`), from one layer call on the H200
+# (diagnostics/dha_update_rate.json). Compute: all operands in HBM, 16.3e9 elements/s on the
+# whole grid, 9.0e9 on a quarter, 4.8e9 on an eighth: about 37e9 per whole grid's worth of
+# blocks up to 16.3e9, so 0.44. Link: moments in pinned_host, 79.4 GB/s on the whole grid and
+# 79.8 on a quarter, 46.5 on an eighth: about 372 GB/s per whole grid's worth of blocks up to
+# the link's rate, so 0.21.
+DHA_COMPUTE_GRID = 0.44
+DHA_LINK_GRID = 0.21
+
 
 
 
 # The format of a stored profile, kept in its JSON as "format_version". A stored profile of an
 # older format (or none: before versioning) is ignored by `load`: its figures may come from an
 # older calibration (e.g. version 1 stored no CPU compute figures, so a CPU plan used an H200's
-# 700 TFLOP/s). Bump it whenever what `calibrate` measures, or how, changes.
-PROFILE_FORMAT_VERSION = 3
+# 700 TFLOP/s; version 3 read `dha_update_gbps` as a per-byte rate added to a per-element
+# cost). Bump it whenever what `calibrate` measures, or how, or what a field means, changes.
+PROFILE_FORMAT_VERSION = 4
 
 
 _STR_FIELDS = ("device_kind", "source")
@@ -58,8 +69,10 @@ class HardwareProfile:
       moments on the host, bf16 gradient and param staged), params/s.
     dha_adamw_params_per_sec: AdamW update rate of the DHA kernel, params/s (fp32 master
       and moments in pinned_host: 24 bytes per param over the link).
-    dha_update_gbps: the DHA update kernel's marginal rate per byte of host traffic, GB/s:
-      its time per call is elements x t + bytes / this rate (`dha_update_secs`).
+    dha_update_gbps: the DHA update kernel's rate in host bytes read + written per second,
+      GB/s, on enough of the GPU's blocks to keep the link busy (`dha_update_secs`).
+    dha_update_elements_per_sec: the DHA update kernel's rate with every operand in HBM, on
+      the whole grid, elements/s: its own cost per element, apart from the link.
     dha_layer_grid: the share of the device's resident thread blocks a layer call's DHA kernel
       runs on, beside XLA's compute, in (0, 1] (`host_update_layer`'s `dha_grid`).
     dha_gather_gbps: the DHA gather's rate, bytes of gathered rows per second, GB/s (8,192
@@ -99,12 +112,13 @@ class HardwareProfile:
   cpu_adamw_params_per_sec: float = 2.73e9
   # W2 (w2_host_update.json): host_dha 2.739e9 params/s.
   dha_adamw_params_per_sec: float = 2.739e9
-  # The DHA update kernel's time per call is not bytes over one rate: on the H200 it moved
-  # 16 B/param (moments only) at 53 GB/s, 24 B/param (W2) at 66 GB/s and 28 B/param (a
-  # streamed param, its gradient and moments) at 72 GB/s. Per param it costs a fixed
-  # t = 0.167 ns plus bytes at 121 GB/s: that fits W2 and the 16 B runs of W5, and predicts
-  # the 28 B run within 3% (W5, benchmarks/results/).
-  dha_update_gbps: float = 121.0
+  # One layer call of the DHA update kernel on the H200 (diagnostics/dha_update_rate.json):
+  # AdamW moments in pinned_host (16 B per element) 79.4 GB/s on the whole grid and 79.8 on a
+  # quarter; master and moments there (24 B) 69.6 and 76.3; all operands in HBM 16.3e9
+  # elements/s on the whole grid. 78 GB/s is within 12% of each host case, and of W3's serial
+  # update (1b, two calls a component: 355 ms measured, 374 predicted).
+  dha_update_gbps: float = 78.0
+  dha_update_elements_per_sec: float = 16.3e9
   # The kernel's blocks hold their SMs until a layer's update is done. Alone, a layer call of
   # AdamW with its moments in pinned_host (16 B per element over the link) runs at 4.96e9
   # elements/s on the whole grid and 4.99e9 on a quarter of it (79.8 GB/s: the link), 2.90e9
@@ -158,16 +172,25 @@ class HardwareProfile:
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
             if f.name not in _STR_FIELDS + _DICT_FIELDS}
 
-  def dha_update_secs(self, elements: float, host_bytes: float) -> float:
+  def dha_update_secs(self, elements: float, host_bytes: float, grid: float = 1.0) -> float:
     """Seconds of the DHA update kernel for a call over `elements` elements moving
-    `host_bytes` (read + written) of pinned host memory: elements x t + host_bytes / rate.
+    `host_bytes` (read + written) of pinned host memory, on the share `grid` of the GPU's
+    resident blocks (1: the whole grid; a layer call's is `dha_layer_grid`).
 
-    t, the per-element time, follows from the measured AdamW rate (24 bytes per param):
-    t = 1 / dha_adamw_params_per_sec - 24 / (dha_update_gbps * 1e9) (at least 0). The link's
-    caps apply separately (`cost_model.update_cost`).
+      secs = max(elements / (dha_update_elements_per_sec * min(1, grid / DHA_COMPUTE_GRID)),
+                 host_bytes / (dha_update_gbps * min(1, grid / DHA_LINK_GRID)))
+
+    The kernel's blocks work through the call's elements at a rate that grows with their
+    number until it saturates (DHA_COMPUTE_GRID), and keep enough zero-copy loads in flight to
+    fill the link only from DHA_LINK_GRID of the blocks up. The link's caps apply separately
+    (`cost_model.update_cost`).
     """
-    per_elem = max(0.0, 1.0 / self.dha_adamw_params_per_sec - 24.0 / (self.dha_update_gbps * 1e9))
-    return float(elements) * per_elem + float(host_bytes) / (self.dha_update_gbps * 1e9)
+    if not 0 < grid <= 1:
+      raise ValueError(f"dha_update_secs: expected grid in (0, 1], got {grid!r}")
+    compute = float(elements) / (self.dha_update_elements_per_sec
+                                 * min(1.0, grid / DHA_COMPUTE_GRID))
+    link = float(host_bytes) / (self.dha_update_gbps * 1e9 * min(1.0, grid / DHA_LINK_GRID))
+    return max(compute, link)
 
   def cpu_update_gbps(self) -> float:
     """The CPU executor's effective host-DRAM streaming rate, GB/s.

@@ -119,17 +119,18 @@ STAGING_DRAM_FACTOR = 1.5
 
 
 def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile, *,
-                platform: str = "gpu", dha_fraction: "float | None" = None) -> Cost:
+                platform: str = "gpu", dha_fraction: "float | None" = None,
+                grid: float = 1.0) -> Cost:
   """Seconds and bytes of one fused host-update call, run after the backward pass.
 
   GPU platform:
   - `host_dha`: the kernel reads the host operands and writes the host results over the link,
     zero-copy; device operands are read from HBM (free here).
-      secs = max(R / dha_read, W / dha_write, (R + W) / link_duplex, N * t + (R + W) / u)
-    with R, W = host read / write bytes, N the call's elements, and the kernel's own time
-    N * t + (R + W) / u (`HardwareProfile.dha_update_secs`: a per-element cost plus bytes at
-    the marginal rate u, fitted to H200 runs at 16, 24 and 28 bytes per element; without N,
-    (R + W) / dha_rw). Link: R host->device, W device->host.
+      secs = max(R / dha_read, W / dha_write, (R + W) / link_duplex, kernel)
+    with R, W = host read / write bytes, N the call's elements, and the kernel's own time on
+    the share `grid` of the GPU's blocks (`HardwareProfile.dha_update_secs`: N at its
+    per-element rate or R + W at its link rate, whichever is slower, both lower on a small
+    grid; without N, (R + W) / dha_rw). Link: R host->device, W device->host.
   - `host_cpu`: the gradients (device_in, D_in) go down and the new params (device_out, D_out)
     up through pinned staging buffers, pipelined with the CPU's pass; the CPU streams
       M = R + W + STAGING_DRAM_FACTOR * (D_in + D_out) bytes of host DRAM
@@ -148,6 +149,8 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     profile: the rates.
     platform: 'gpu' or 'cpu'.
     dha_fraction: the split's DHA share (None: from the profile).
+    grid: the share of the GPU's resident blocks the DHA kernel runs on, in (0, 1] (a layer
+      call's: `profile.dha_layer_grid`).
 
   Returns:
     The `Cost` (secs add to the step: the update is not overlapped with compute).
@@ -161,7 +164,7 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     return Cost(secs=secs, cpu_secs=secs, bound="host_cpu" if secs else "")
 
   def dha() -> Cost:
-    kernel = (profile.dha_update_secs(traffic.elements, r + w) if traffic.elements
+    kernel = (profile.dha_update_secs(traffic.elements, r + w, grid) if traffic.elements
               else (r + w) / bytes_per_sec(profile.dha_rw_gbps))
     secs = max(r / bytes_per_sec(profile.dha_read_gbps), w / bytes_per_sec(profile.dha_write_gbps),
                (r + w) / bytes_per_sec(profile.link_duplex_gbps), kernel)
@@ -382,10 +385,20 @@ class Prediction:
 # The backward pass's share of the layer stages' time when it is not measured (two matmuls per
 # forward one; a layer rematerialised in the backward pass makes it about 3/4).
 BACKWARD_SHARE = 2.0 / 3.0
-# Seconds of compute lost per second of a layered split update's DHA kernel running beside it:
-# H200, W3 1b batch 32 (`w3_1b_b32.json`): host_split 716.5 ms per step, host_cpu 620.1, for
-# 178 ms of predicted kernel time (0.54).
-DHA_CONTENTION = 0.54
+# Seconds of compute lost per second of a layered update's DHA kernel running beside it, on
+# the share g of the GPU's blocks: DHA_CONTENTION + DHA_CONTENTION_PER_GRID * g
+# (`dha_contention`). H200, W3 1b batch 8, AdamW moments in pinned_host, the split at 0.8
+# (w3/w3_1b_b8_dec02c_call3.json; 171.2 ms device-only): 315.6 ms per step on a quarter of
+# the blocks and 352.3 on the whole grid, where the update without the kernel's slowing would
+# show 115.7 ms over the device step: 0.25 and 0.57 of the 114 ms backward it overlaps.
+DHA_CONTENTION = 0.14
+DHA_CONTENTION_PER_GRID = 0.43
+
+
+def dha_contention(grid: float) -> float:
+  """Seconds of compute lost per second of DHA kernel beside it, on the share `grid` of the
+  GPU's blocks (`DHA_CONTENTION`)."""
+  return DHA_CONTENTION + DHA_CONTENTION_PER_GRID * grid
 
 
 def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: float,
@@ -405,8 +418,9 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
     another, so with b the backward's share of t_layers (`backward_share`: measured from the
     timed scan bodies where the planner has them, else BACKWARD_SHARE) and U their total,
     max(U / L, U + b / L - b), the last layer's update at least, plus
-    DHA_CONTENTION * min(D, b) for the DHA kernel's busy seconds D (a split's kernel runs
-    beside the compute on the GPU's SMs and HBM, and slows it);
+    dha_contention(g) * min(D, b) for the DHA kernel's busy seconds D on the share g of the
+    GPU's blocks (`profile.dha_layer_grid`: the kernel runs beside the compute on the GPU's
+    SMs and HBM, and slows it);
   - t_rows: the updates of tables read in place, row by row on the host CPUs (`rows`: (cost,
     f) each, f the fraction of rows the step's ids name at most): the other rows' share
     (1 - f) runs while the step computes, so what it adds is f * cost, plus what of the rest
@@ -428,7 +442,7 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
     backward = backward_share * layers.secs
     kernel = sum(c.dha_secs for c, _ in overlapped)
     exposed = (max(total / num_layers, total + backward / num_layers - backward)
-               + DHA_CONTENTION * min(kernel, backward))
+               + dha_contention(profile.dha_layer_grid) * min(kernel, backward))
     segments.append(("layered host update (exposed)", exposed,
                      _dominant([c for c, _ in overlapped])))
     up_all = up + sum((c for c, _ in overlapped), ZERO)

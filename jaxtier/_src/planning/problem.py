@@ -330,7 +330,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
         cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call, sent),
                                profile,
                                platform=platform,
-                               dha_fraction=layered_dha_fraction if num_layers else None)
+                               dha_fraction=layered_dha_fraction if num_layers else None,
+                               grid=profile.dha_layer_grid if num_layers else 1.0)
         for call in calls]) for e in names}
     table = None
     if overlap_update and not num_layers:
