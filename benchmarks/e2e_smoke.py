@@ -70,6 +70,11 @@ def _layered_updates(made: list) -> "int | None":
     return None
 
 
+def _plan_figure(made: list, name: str) -> "float | None":
+  """The offloaded step's plan's figure `name` (None: no offload, or the plan has none)."""
+  return getattr(getattr(made[-1], "plan", None), name, None) if made else None
+
+
 def _number(text: str) -> float:
   """`text` as a float, NaN where it is not one (so that every range check refuses it)."""
   try:
@@ -219,7 +224,9 @@ def child(variant: str) -> None:
              peak_hbm_bytes=int(stats.get("peak_bytes_in_use", -1)),
              hbm_limit_bytes=int(stats.get("bytes_limit", -1)),
              host_rss_peak_bytes=bench_util.host_rss_peak_bytes(),
-             dha_share=spec["dha_share"], layered_updates=_layered_updates(made))
+             dha_share=spec["dha_share"], layered_updates=_layered_updates(made),
+             predicted_step_secs=_plan_figure(made, "predicted_step_secs"),
+             compiled_peak_hbm_bytes=_plan_figure(made, "compiler_peak_hbm_bytes"))
   print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -246,6 +253,16 @@ def summarize(runs):
     ratio[f"{v} / {dtype}:none step time"] = f["step_secs_median"] / b["step_secs_median"]
     if f["peak_hbm_bytes"] > 0 and b["peak_hbm_bytes"] > 0:  # -1: no memory stats (CPU)
       ratio[f"{v} / {dtype}:none peak HBM"] = f["peak_hbm_bytes"] / b["peak_hbm_bytes"]
+  # The planner's figures against the run's (W5's bars: 10% step time, 5% peak HBM).
+  for v, r in runs.items():
+    if "error" in r:
+      continue
+    if r.get("predicted_step_secs"):
+      ratio[f"{v} step time predicted / measured"] = (r["predicted_step_secs"]
+                                                      / r["step_secs_median"])
+    if r.get("compiled_peak_hbm_bytes") and r["peak_hbm_bytes"] > 0:
+      ratio[f"{v} peak HBM compiled / measured"] = (r["compiled_peak_hbm_bytes"]
+                                                    / r["peak_hbm_bytes"])
   return figures, baseline, ratio
 
 
