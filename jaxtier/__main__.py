@@ -138,11 +138,39 @@ def plan_main() -> None:
         "without --nostream (the planner may stream the layers' params from pinned_host)"]
     hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
     if platform == "gpu":
-      hints.append("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> to raise XLA's pinned pool (64 GiB "
-                   "by default) where the host has the memory")
+      hints.append(_xla_settings_hint(plan))
     hints.append("a smaller --batch_size or --config")
     print("from the command line: " + "; ".join(hints))
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
+
+
+def _xla_settings_hint(plan) -> str:
+  """The XLA settings under which `plan` (for a GPU) would get the pinned pool and the allocator
+  fraction it needs, as `train` sets them itself where the machine has the memory."""
+  import math  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
+  settings = {}
+  need = plan.pinned_bytes + (plan.compiler_host_extra_bytes or 0)
+  if plan.pinnable_bytes is not None and need > plan.pinnable_bytes:
+    settings[admission.POOL_SETTING] = str(math.ceil(need / 2**30))
+  peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes
+  limit, _ = admission.allocator_bytes(jaxtier.load_profile(platform="gpu", warn=False))
+  whole = limit / host.xla_mem_fraction()  # the GPU's memory as the allocator's fractions see it
+  if peak and peak > limit * (1 - admission.DEVICE_MARGIN):
+    wanted = math.ceil(100 * peak / ((1 - admission.DEVICE_MARGIN) * whole)) / 100 + 0.02
+    if wanted <= host.MAX_MEM_FRACTION:
+      settings[admission.FRACTION_SETTING] = f"{wanted:.2f}"
+  settings = {k: v for k, v in settings.items() if k not in os.environ}
+  if not settings:
+    return (f"{admission.POOL_SETTING}=<GiB> to raise XLA's pinned pool (64 GiB by default) "
+            "where the host has the memory")
+  said = " ".join(f"{k}={v}" for k, v in settings.items())
+  return (f"{said} before this command, as `python -m jaxtier train` sets them itself where the "
+          "machine has the memory (XLA reads them when JAX starts; this plan was made without "
+          "them)")
 
 
 def _unwritable(path: str) -> "str | None":

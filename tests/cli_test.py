@@ -41,6 +41,28 @@ def test_plan_json_refused_exits_1_with_verdict(tmp_path):
   assert plan["device_budget"] == 10 * 2**30 and plan["leaves"] and plan["notes"]
 
 
+@pytest.mark.slow
+def test_plan_names_the_xla_settings_train_would_run_it_with(tmp_path):
+  # The 14b decoder at batch 1 for an absent H200: over XLA's default pinned pool (64 GiB) and
+  # its default allocator fraction (0.75), which `train` raises itself on the GPU. The plan
+  # names the values; planned again under them, it fits.
+  flags = ["plan", "--config=14b", "--platform=gpu", "--batch_size=1"]
+  first = _cli(tmp_path, *flags, timeout=300)
+  assert first.returncode == 1, first.stderr[-2000:]
+  said = re.search(r"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)=(\d+) (XLA_PYTHON_CLIENT_MEM_FRACTION)="
+                   r"(0\.\d\d) before this command, as `python -m jaxtier train` sets them",
+                   first.stdout)
+  assert said, first.stdout[-3000:]
+  assert 100 <= int(said.group(2)) <= 125 and 0.75 < float(said.group(4)) <= 0.95
+  env = {said.group(1): said.group(2), said.group(3): said.group(4)}
+  again = subprocess.run([sys.executable, "-m", "jaxtier", *flags], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=300,
+                         env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"),
+                                  JAX_PLATFORMS="cpu", **env))
+  assert again.returncode == 0, again.stdout[-3000:]
+  assert f"at XLA_PYTHON_CLIENT_MEM_FRACTION={said.group(4).rstrip('0')}" in again.stdout
+
+
 def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
   # 8 MiB holds the tiny decoder's state but not its step's peak: DOES NOT FIT, not refused.
   out = _cli(tmp_path, "plan", "--config=tiny", "--device_budget=8MiB", "--json")

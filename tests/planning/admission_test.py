@@ -7,6 +7,8 @@ from planning._toy import HOST_EXEC, STEP, mlp_state, toy_batch
 import pytest
 
 import jaxtier
+from jaxtier._src.hardware import profile
+from jaxtier._src.planning import admission
 
 
 def test_infeasible_budget_names_the_largest_leaves():
@@ -35,7 +37,24 @@ def test_refusal_names_the_host_limit_when_it_binds_and_budget_above_the_gpu_is_
                      r"pin [0-9.]+ GiB, over the host limit of 64\.00 GiB"):
     jaxtier.plan(step, state, batch, device_budget="10GiB", platform="gpu")
   plan = jaxtier.plan(step, state, batch, device_budget="200GiB", platform="gpu")
-  assert any("device budget 200.00 GiB is above this GPU's memory" in n for n in plan.notes)
+  assert any("device budget 200.00 GiB is above what JAX's allocator may use (105.30 GiB" in n
+             for n in plan.notes), plan.notes
+
+
+def test_an_absent_gpus_allocator_follows_the_fraction_set(monkeypatch):
+  # Planning for an H200 that is not here: the profile's HBM is what the allocator holds at
+  # XLA's default fraction (0.75); XLA_PYTHON_CLIENT_MEM_FRACTION scales it, as on that GPU.
+  if jax.default_backend() == "gpu":
+    pytest.skip("here the GPU's own allocator limit is the figure")
+  d = profile.DEFAULT_PROFILE
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  assert admission.allocator_bytes(d)[0] == d.hbm_bytes
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+  limit, where = admission.allocator_bytes(d)
+  assert limit == int(d.hbm_bytes * 0.9 / 0.75)
+  assert where == "the profile's HBM (NVIDIA H200) at XLA_PYTHON_CLIENT_MEM_FRACTION=0.9"
+  budget, why = admission.default_device_budget(d)
+  assert budget == int(limit * 0.95) and why.endswith("less 5%")
 
 
 def test_admission_counts_the_compiled_steps_pinned_bytes_beyond_the_state(monkeypatch):

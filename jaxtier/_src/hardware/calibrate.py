@@ -220,7 +220,9 @@ def measure_gpu(device: Any, *, nbytes: int = 1 << 30, reps: int = 5,
   out["cpu_adamw_params_per_sec"] = rates[Executor.HOST_CPU]
   stats = device.memory_stats() or {}
   if stats.get("bytes_limit"):
-    out["hbm_bytes"] = int(stats["bytes_limit"])
+    # Stored as at XLA's default fraction, whatever this process runs under (`hbm_bytes`).
+    out["hbm_bytes"] = int(stats["bytes_limit"] * host_lib.XLA_MEM_FRACTION_DEFAULT
+                           / host_lib.xla_mem_fraction())
   return out
 
 

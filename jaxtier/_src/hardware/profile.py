@@ -83,7 +83,8 @@ class HardwareProfile:
       copy engines' `link_h2d_gbps` (the planner's note says which).
     matmul_tflops: achieved bf16 matmul throughput (8192^3 GEMM), TFLOP/s.
     hbm_gbps: achieved HBM bandwidth (device-to-device copy, read + write counted), GB/s.
-    hbm_bytes: device memory JAX's allocator may use (`memory_stats()['bytes_limit']`), bytes.
+    hbm_bytes: device memory JAX's allocator may use (`memory_stats()['bytes_limit']`) at
+      XLA's default fraction (XLA_PYTHON_CLIENT_MEM_FRACTION=0.75), bytes.
     pinnable_bytes: pinned host memory the host can give (MemAvailable, capped by XLA's pinned
       pool `XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`), bytes.
     inter_gpu_gbps: GPU-to-GPU bandwidth (NVLink) one direction, GB/s (not measured with one

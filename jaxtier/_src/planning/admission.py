@@ -17,17 +17,27 @@ from jaxtier._src.units import format_bytes
 DEVICE_MARGIN = 0.05
 
 
-def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str]:
-  """(bytes, why) of the device budget planned against when none is given, on a GPU.
+def allocator_bytes(hardware: "profile.HardwareProfile") -> tuple[int, str]:
+  """(bytes, where from) of the device memory JAX's allocator may use on the GPU planned for.
 
-  What JAX's allocator may use on this machine's GPU (`memory_stats()['bytes_limit']`), or
-  the profile's `hbm_bytes` when planning for a GPU that is not here, less DEVICE_MARGIN for
-  fragmentation and compiler workspace the model does not see.
+  This machine's GPU: its allocator's limit (`memory_stats()['bytes_limit']`). A GPU that is not
+  here: the profile's `hbm_bytes` (what the allocator holds at XLA's default fraction, 0.75)
+  scaled to XLA_PYTHON_CLIENT_MEM_FRACTION where it is set, as it would be on that GPU.
   """
-  limit, where = hardware.hbm_bytes, f"the profile's HBM ({hardware.device_kind})"
   here = host_lib.allocator_limit_bytes()
   if here is not None:
-    limit, where = here, "what JAX's allocator may use on this GPU"
+    return here, "what JAX's allocator may use on this GPU"
+  fraction = host_lib.xla_mem_fraction()
+  limit = int(hardware.hbm_bytes * fraction / host_lib.XLA_MEM_FRACTION_DEFAULT)
+  return limit, (f"the profile's HBM ({hardware.device_kind}) at {FRACTION_SETTING}="
+                 f"{fraction:g}")
+
+
+def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str]:
+  """(bytes, why) of the device budget planned against when none is given, on a GPU: what JAX's
+  allocator may use there (`allocator_bytes`), less DEVICE_MARGIN for fragmentation and
+  compiler workspace the model does not see."""
+  limit, where = allocator_bytes(hardware)
   return int(limit * (1 - DEVICE_MARGIN)), f"{where} less {DEVICE_MARGIN:.0%}"
 
 

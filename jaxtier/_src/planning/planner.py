@@ -27,7 +27,7 @@ from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
 from jaxtier._src.planning import cost_model, solver
 from jaxtier._src.planning import problem as problem_lib
-from jaxtier._src.planning.admission import admit, default_device_budget
+from jaxtier._src.planning.admission import admit, allocator_bytes, default_device_budget
 from jaxtier._src.planning.cut import cut_updates, gathered_tables
 from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
@@ -119,11 +119,12 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
            f"transient device bytes (gradients, activations, workspace): "
            f"{costs.transient_source}",
            costs.compute_source(hardware)]
-  if (device_budget is not None and platform == "gpu"
-      and device_budget > hardware.hbm_bytes):
-    notes.append(f"device budget {format_bytes(device_budget)} is above this GPU's memory "
-                 f"({format_bytes(hardware.hbm_bytes)}, profile: {hardware.source}): the plan "
-                 "may fit the budget and still not fit the device")
+  if device_budget is not None and platform == "gpu":
+    limit, where = allocator_bytes(hardware)
+    if device_budget > limit:
+      notes.append(f"device budget {format_bytes(device_budget)} is above what JAX's allocator "
+                   f"may use ({format_bytes(limit)}: {where}; profile: {hardware.source}): the "
+                   "plan may fit the budget and still not fit the device")
   if solver_budget is None and platform == "gpu":
     solver_budget, why = default_device_budget(hardware)
     notes.append(f"device budget: none given; planned against {format_bytes(solver_budget)} "
