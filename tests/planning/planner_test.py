@@ -135,11 +135,13 @@ def test_does_not_fit_note_describes_the_plan_made():
                        ("auto", f"optimizer-state leaves ({HOST_EXEC}) in pinned_host, the "
                         "rest on the device")):
     # The serial schedule: on a GPU the layered updates' executor is the planner's own choice.
+    # Under auto no parameter streams: on a GPU the planner would stream some to fit.
+    kw = dict(overlap_update=False, streamable=frozenset() if policy == "auto" else None)
     state_only = jaxtier.plan(step_fn, abstract, tokens, policy=policy, device_budget=10**9,
-                              overlap_update=False).device_bytes
+                              **kw).device_bytes
     # Room for the device state, not for the step's transient buffers.
     plan = jaxtier.plan(step_fn, abstract, tokens, policy=policy, device_budget=state_only + 1,
-                        overlap_update=False)
+                        **kw)
     assert not plan.fits
     note = plan.verdicts[0]
     assert "this is its fallback plan: " in note and host in note, note

@@ -36,7 +36,10 @@ def test_host_stream_pattern_matching_optimizer_state_puts_it_on_the_host():
   layers = [l for l in plan.leaves if "['layers']" in l.path]
   assert {l.placement for l in layers if l.role == "param"} == {"host_stream"}
   states = [l for l in layers if l.role == "optimizer_state"]
-  assert states and {l.placement for l in states} == {HOST_EXEC}
+  # (On a GPU the planner picks the executor of these layered updates: host_cpu or the split.)
+  want = {HOST_EXEC} if jax.default_backend() != "gpu" else {"host_cpu", "host_split"}
+  assert states and len({l.placement for l in states}) == 1
+  assert {l.placement for l in states} <= want, [(l.path, l.placement) for l in states]
   assert all("optimizer state is not streamed" in l.reason for l in states)
   assert {l.placement for l in plan.leaves if "['layers']" not in l.path
           and l.role == "param"} == {"device"}
