@@ -254,6 +254,10 @@ def main(argv: list[str]) -> None:
               "come on top of the state: `python -m jaxtier plan` with the same flags shows "
               "the peak), or a smaller --config, --batch_size or --seq_len",
               file=sys.stderr)
+        if "allow_over_budget" in flags.FLAGS and flags.FLAGS.allow_over_budget:
+          print("note: --allow_over_budget runs a plan whose step may peak over the budget; "
+                "it cannot run one whose state alone is over it (the state is placed before "
+                "the first step)", file=sys.stderr)
       sys.exit(1)
   elif argv[1] == "plan":
     try:

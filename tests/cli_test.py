@@ -206,6 +206,12 @@ def test_train_over_budget_runs_with_allow_over_budget_and_within_budget(tmp_pat
   out = _train(tmp_path, "--offload=auto", "--device_budget=1GiB")
   assert out.returncode == 0, out.stderr[-2000:]
   assert "done: loss" in out.stdout and "error" not in out.stderr
+  # A state alone over the budget cannot be placed: the flag does not apply, and says so.
+  out = _train(tmp_path, "--offload=auto", "--device_budget=1KB", "--allow_over_budget")
+  assert out.returncode == 1 and "done: loss" not in out.stdout, out.stderr[-2000:]
+  assert "error: PlanError: the state needs" in out.stderr
+  assert ("note: --allow_over_budget runs a plan whose step may peak over the budget; it cannot "
+          "run one whose state alone is over it") in out.stderr
 
 
 def _plan_on_this_backend(tmp_path, *args):

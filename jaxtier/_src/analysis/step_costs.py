@@ -253,8 +253,9 @@ class MemoryFigures:
     """One line of the figures, in bytes."""
     return (f"argument {self.argument_bytes} (host, as XLA reports it: "
             f"{self.host_argument_bytes}), output {self.output_bytes}, alias "
-            f"{self.alias_bytes}, temp {self.temp_bytes}, XLA peak {self.xla_peak_bytes}: peak "
-            f"{self.peak_bytes} bytes; pinned_host output {self.host_output_bytes}, alias "
+            f"{self.alias_bytes}, temp {self.temp_bytes}; XLA's own peak {self.xla_peak_bytes}"
+            f"{' (host buffers included)' if self.host_argument_bytes else ''}; device peak "
+            f"taken: {self.peak_bytes} bytes; pinned_host output {self.host_output_bytes}, alias "
             f"{self.host_alias_bytes}, temp {self.host_temp_bytes}")
 
 
