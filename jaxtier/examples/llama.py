@@ -56,6 +56,18 @@ __all__ = [
 ]
 
 
+# The per-layer rematerialisation policies the decoder takes by name: the jax.checkpoint_policies
+# entries that are policies, and the factory the planner's `offload` option names, built to
+# send the projections' outputs from the device to pinned_host.
+REMAT_POLICIES = {
+    name: (lambda name=name: getattr(jax.checkpoint_policies, name))
+    for name in ("everything_saveable", "nothing_saveable", "dots_saveable",
+                 "checkpoint_dots", "dots_with_no_batch_dims_saveable",
+                 "checkpoint_dots_with_no_batch_dims")
+} | {"offload_dot_with_no_batch_dims": lambda: (
+    jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"))}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
   """Shape and numerics of a Llama-style decoder.
@@ -105,11 +117,12 @@ class LlamaConfig:
       raise ValueError(
           f"LlamaConfig: expected an even head_dim for RoPE, got "
           f"d_model / num_heads = {self.head_dim}.")
-    if (self.remat_policy is not None
-        and not hasattr(jax.checkpoint_policies, self.remat_policy)):
+    if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
       raise ValueError(
-          f"LlamaConfig: expected remat_policy to be None or a name in "
-          f"jax.checkpoint_policies, got {self.remat_policy!r}.")
+          f"LlamaConfig: expected remat_policy to be None or one of "
+          f"{', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}. (The "
+          f"other jax.checkpoint_policies names take arguments; pass such a "
+          f"policy to nnx.remat in a model of your own.)")
 
   @property
   def head_dim(self) -> int:
@@ -162,7 +175,8 @@ def param_count(config: LlamaConfig) -> int:
 
 # How the traced step's remat policy maps to the planner's activation options.
 _TRACED_POLICY = {None: "keep", "everything_saveable": "keep",
-                  "dots_with_no_batch_dims_saveable": "save_dots", "nothing_saveable": "remat"}
+                  "dots_with_no_batch_dims_saveable": "save_dots", "nothing_saveable": "remat",
+                  "offload_dot_with_no_batch_dims": "offload"}
 
 
 def activation_model(config: LlamaConfig, batch_size: int, seq_len: int):
@@ -369,8 +383,7 @@ class Llama(nnx.Module):
       return layer(x, cos, sin)
 
     if config.remat_policy is not None:
-      layer_fn = nnx.remat(
-          layer_fn, policy=getattr(jax.checkpoint_policies, config.remat_policy))
+      layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[config.remat_policy]())
     scan_layers = nnx.scan(layer_fn, in_axes=(nnx.Carry, 0, None, None),
                            out_axes=nnx.Carry)
     x = self.embed(tokens)

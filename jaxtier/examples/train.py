@@ -440,8 +440,9 @@ flags.register_validator("device_budget", _valid_size)
 flags.register_validator("host_budget", _valid_size)
 
 _REMAT_POLICY = flags.DEFINE_string(
-    "remat_policy", None, "Per-layer rematerialisation: 'none', or a "
-    "jax.checkpoint_policies name; default: the config's.")
+    "remat_policy", None, "Per-layer rematerialisation: 'none', or one of "
+    f"{', '.join(llama.REMAT_POLICIES)} (jax.checkpoint_policies; the last sends the "
+    "projections' outputs to pinned_host); default: the config's.")
 _ALLOW_OVER_BUDGET = flags.DEFINE_bool(
     "allow_over_budget", False, "Train even when the plan does not fit the --device_budget / "
     "--host_budget given (by default that is an error before the first step).")

@@ -1,6 +1,7 @@
 """The example decoder (jaxtier/examples/llama.py): shapes, parameter counts, init, loss, bf16,
 config errors (CPU, seconds)."""
 
+import dataclasses
 import math
 
 from examples._micro import MICRO
@@ -70,3 +71,23 @@ def test_config_errors():
   with pytest.raises(ValueError, match="remat_policy"):
     llama.LlamaConfig(d_model=32, num_layers=1, num_heads=2, d_ff=8,
                       max_seq_len=8, remat_policy="nope")
+  # A jax.checkpoint_policies factory needs arguments: refused by name, not crashed on.
+  with pytest.raises(ValueError, match=r"got 'save_only_these_names'\. \(The other "
+                     r"jax\.checkpoint_policies names take arguments"):
+    llama.LlamaConfig(d_model=32, num_layers=1, num_heads=2, d_ff=8,
+                      max_seq_len=8, remat_policy="save_only_these_names")
+
+
+@pytest.mark.parametrize("policy", ["nothing_saveable", "offload_dot_with_no_batch_dims"])
+def test_remat_policies_give_the_same_loss_and_gradients(policy):
+  # Each policy the planner may name (`activation_model`) runs and changes no value: the
+  # offload one sends the projections' outputs to pinned_host and back.
+  base = llama.LlamaConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=16)
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
+  grad = nnx.jit(nnx.value_and_grad(llama.loss_fn))
+  want_loss, want = grad(llama.init_model(base, seed=0), batch)
+  loss, got = grad(llama.init_model(dataclasses.replace(base, remat_policy=policy), seed=0),
+                   batch)
+  np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
