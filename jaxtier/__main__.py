@@ -136,7 +136,11 @@ def plan_main() -> None:
     # The library's fixes name Python policies; these are the command line's.
     hints = [] if _STREAM.value or flags.FLAGS.offload == "stream" else [
         "without --nostream (the planner may stream the layers' params from pinned_host)"]
-    hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
+    if any(v.limit == "device_memory" for v in plan.violations):
+      hints.append("a --device_budget within the GPU's memory, or none (the planner then moves "
+                   "more state to pinned_host)")
+    else:
+      hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
     if platform == "gpu":
       hints.append(_xla_settings_hint(plan))
     hints.append("a smaller --batch_size or --config")

@@ -63,6 +63,20 @@ def test_plan_names_the_xla_settings_train_would_run_it_with(tmp_path):
   assert f"at XLA_PYTHON_CLIENT_MEM_FRACTION={said.group(4).rstrip('0')}" in again.stdout
 
 
+def test_plan_over_an_absent_gpus_memory_does_not_fit(tmp_path):
+  # A device budget above the H200's memory makes no room on it: the plan of a state that
+  # needs more than the GPU says so and exits 1, and the hint is not "a larger budget".
+  out = _cli(tmp_path, "plan", "--config=8b", "--platform=gpu", "--batch_size=1",
+             "--device_budget=500GiB")
+  assert out.returncode == 1, out.stdout[-3000:]
+  said = " ".join(out.stdout.split())
+  assert re.search(r"DOES NOT FIT: predicted peak device memory [\d.]+ GiB exceeds what JAX's "
+                   r"allocator may use on the GPU planned for, less 5%: 100\.04 GiB", said), (
+                       said[-3000:])
+  assert "a --device_budget within the GPU's memory, or none" in said
+  assert "a larger --device_budget" not in said
+
+
 def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
   # 8 MiB holds the tiny decoder's state but not its step's peak: DOES NOT FIT, not refused.
   out = _cli(tmp_path, "plan", "--config=tiny", "--device_budget=8MiB", "--json")

@@ -27,7 +27,8 @@ from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
 from jaxtier._src.planning import cost_model, solver
 from jaxtier._src.planning import problem as problem_lib
-from jaxtier._src.planning.admission import admit, allocator_bytes, default_device_budget
+from jaxtier._src.planning.admission import (DEVICE_MARGIN, admit, allocator_bytes,
+                                              default_device_budget)
 from jaxtier._src.planning.cut import cut_updates, gathered_tables
 from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
@@ -195,6 +196,19 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
                     "placements as given (the policy's fixed placements included)")
     violations.append(BudgetViolation(limit="device_budget", need_bytes=pred.peak_hbm_bytes,
                                       limit_bytes=solver_budget))
+  if (platform == "gpu" and device_budget is not None and not verdicts
+      and host_lib.allocator_limit_bytes() is None):
+    # A budget above the memory of a GPU that is not here makes no room on it (on a GPU here,
+    # admission checks the compiled peak against its allocator).
+    limit, where = allocator_bytes(hardware)
+    usable = int(limit * (1 - DEVICE_MARGIN))
+    if pred.peak_hbm_bytes > usable:
+      verdicts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} "
+                      f"exceeds what JAX's allocator may use on the GPU planned for, less "
+                      f"{DEVICE_MARGIN:.0%}: {format_bytes(usable)} ({where}); the device "
+                      "budget given is above that")
+      violations.append(BudgetViolation(limit="device_memory",
+                                        need_bytes=pred.peak_hbm_bytes, limit_bytes=usable))
   if solver_budget is None and platform == "cpu" and jax.default_backend() == "cpu":
     # No device budget on the CPU backend, but its device and pinned_host memory are both this
     # host's RAM: a plan that needs more than is available is said not to fit.
