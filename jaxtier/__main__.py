@@ -245,8 +245,12 @@ def main(argv: list[str]) -> None:
       if isinstance(e, jaxtier.AdmissionError):
         # Over the host's (or --host_budget's) pinned memory: moving more state to the host
         # makes it worse.
-        print("from the command line: raise --host_budget (where the host has the memory), "
-              "--offload=auto (keeps on the device what fits there), or a smaller --config",
+        offload = flags.FLAGS["offload"].value if "offload" in flags.FLAGS else None
+        fixes = ["raise --host_budget (where the host has the memory)"]
+        if offload != "auto":
+          fixes.append("--offload=auto (keeps on the device what fits there)")
+        fixes.append("a smaller --batch_size, --seq_len or --config")
+        print("from the command line: " + ", ".join(fixes[:-1]) + ", or " + fixes[-1],
               file=sys.stderr)
       elif isinstance(e, jaxtier.PlanError):
         # What has not been tried yet: under auto or optimizer_state_on_host the planner has
