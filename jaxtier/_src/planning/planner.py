@@ -202,7 +202,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     # admission checks the compiled peak against its allocator).
     limit, where = allocator_bytes(hardware)
     usable = int(limit * (1 - DEVICE_MARGIN))
-    if pred.peak_hbm_bytes > usable:
+    if device_budget > usable and pred.peak_hbm_bytes > usable:
       verdicts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} "
                       f"exceeds what JAX's allocator may use on the GPU planned for, less "
                       f"{DEVICE_MARGIN:.0%}: {format_bytes(usable)} ({where}); the device "
