@@ -121,13 +121,13 @@ def plan_main() -> None:
   print(plan.format(reasons=_VERBOSE.value))
   if not _VERBOSE.value:
     print("(--verbose: each leaf's reason)")
-  # The plan may fit only with another activation policy than the model's: `train` runs the
-  # model's unless told (its fit is checked against the step it compiles).
+  # The planner may pick another activation policy than the model's (to fit, or for speed):
+  # `train` runs the model's unless told (its fit is checked against the step it compiles).
   other = plan.assumed_checkpoint_policy
-  if other:
+  if other and refused is None and plan.fits:
     print(f"note: this plan assumes the activation policy {other}, not the model's: "
-          f"train with --remat_policy={other} to run it (the model's own policy holds "
-          "more activations than planned)")
+          f"train with --remat_policy={other} to run it as planned (its predicted peak and "
+          "step time are that policy's)")
   if _PLOT.value:
     print(f"plot: {path}")
   if refused:
@@ -136,10 +136,8 @@ def plan_main() -> None:
     # The library's fixes name Python policies; these are the command line's.
     hints = [] if _STREAM.value or flags.FLAGS.offload == "stream" else [
         "without --nostream (the planner may stream the layers' params from pinned_host)"]
-    if any(v.limit == "device_memory" for v in plan.violations):
-      hints.append("a --device_budget within the GPU's memory, or none (the planner then moves "
-                   "more state to pinned_host)")
-    else:
+    if not any(v.limit == "device_memory" for v in plan.violations):
+      # (Over the device's own memory a larger budget is no fix.)
       hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
     if platform == "gpu":
       hints.append(_xla_settings_hint(plan))

@@ -119,7 +119,7 @@ class LlamaConfig:
           f"d_model / num_heads = {self.head_dim}.")
     if self.remat_policy is not None and self.remat_policy not in REMAT_POLICIES:
       raise ValueError(
-          f"LlamaConfig: expected remat_policy to be None or one of "
+          f"LlamaConfig: expected remat_policy to be None (--remat_policy=none) or one of "
           f"{', '.join(REMAT_POLICIES)}, got {self.remat_policy!r}. (The "
           f"other jax.checkpoint_policies names take arguments; pass such a "
           f"policy to nnx.remat in a model of your own.)")

@@ -249,7 +249,7 @@ def run(
                     for x in jax.tree.leaves(shapes))
   vocab = f" (bpe, vocab {config.vocab_size:,})" if tokenizer == "bpe" else ""
   print(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens{vocab} of "
-        f"data, batch {batch_size} x seq {seq_len}, {steps} steps, "
+        f"data, batch {batch_size} x seq {seq_len}, {steps} step{'s' if steps != 1 else ''}, "
         f"offload={offload}")
 
   first_batch = jnp.asarray(next(batch_iter))

@@ -45,9 +45,9 @@ class BudgetViolation:
   Attributes:
     limit: which limit: 'device_budget' (peak device memory), 'host_limit' (pinned bytes:
       the smaller of host_budget and what the host can pin), 'host_memory' (the CPU backend's
-      RAM, which holds device and pinned_host memory alike), 'device_memory' (what JAX's
-      allocator may use on a GPU planned for that is not here, where the device budget given
-      is above it).
+      RAM, which holds device and pinned_host memory alike), 'device_memory' (peak device
+      memory, where the device budget given is above what JAX's allocator may use, less 5%:
+      the plan is made against that instead).
     need_bytes: what the plan needs of it.
     limit_bytes: what the limit allows.
     binding: the limit that decides the plan: a host limit that binds before the device budget

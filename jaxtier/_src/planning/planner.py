@@ -120,12 +120,16 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
            f"transient device bytes (gradients, activations, workspace): "
            f"{costs.transient_source}",
            costs.compute_source(hardware)]
+  capped = False
   if device_budget is not None and platform == "gpu":
     limit, where = allocator_bytes(hardware)
-    if device_budget > limit:
+    usable = int(limit * (1 - DEVICE_MARGIN))
+    if device_budget > usable:
+      # Room above the device is no room: plan against what its allocator holds.
+      capped, solver_budget = True, usable
       notes.append(f"device budget {format_bytes(device_budget)} is above what JAX's allocator "
-                   f"may use ({format_bytes(limit)}: {where}; profile: {hardware.source}): the "
-                   "plan may fit the budget and still not fit the device")
+                   f"may use ({format_bytes(limit)}: {where}; profile: {hardware.source}): "
+                   f"planned against {format_bytes(usable)}, that less {DEVICE_MARGIN:.0%}")
   if solver_budget is None and platform == "gpu":
     solver_budget, why = default_device_budget(hardware)
     notes.append(f"device budget: none given; planned against {format_bytes(solver_budget)} "
@@ -196,19 +200,10 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
                     "placements as given (the policy's fixed placements included)")
     violations.append(BudgetViolation(limit="device_budget", need_bytes=pred.peak_hbm_bytes,
                                       limit_bytes=solver_budget))
-  if (platform == "gpu" and device_budget is not None and not verdicts
-      and host_lib.allocator_limit_bytes() is None):
-    # A budget above the memory of a GPU that is not here makes no room on it (on a GPU here,
-    # admission checks the compiled peak against its allocator).
-    limit, where = allocator_bytes(hardware)
-    usable = int(limit * (1 - DEVICE_MARGIN))
-    if device_budget > usable and pred.peak_hbm_bytes > usable:
-      verdicts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} "
-                      f"exceeds what JAX's allocator may use on the GPU planned for, less "
-                      f"{DEVICE_MARGIN:.0%}: {format_bytes(usable)} ({where}); the device "
-                      "budget given is above that")
-      violations.append(BudgetViolation(limit="device_memory",
-                                        need_bytes=pred.peak_hbm_bytes, limit_bytes=usable))
+  if capped:
+    # Over the capped budget is over the device's memory, whatever budget was given.
+    violations = [dataclasses.replace(v, limit="device_memory") if v.limit == "device_budget"
+                  else v for v in violations]
   if solver_budget is None and platform == "cpu" and jax.default_backend() == "cpu":
     # No device budget on the CPU backend, but its device and pinned_host memory are both this
     # host's RAM: a plan that needs more than is available is said not to fit.
