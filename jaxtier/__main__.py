@@ -160,11 +160,9 @@ def _xla_settings_hint(plan) -> str:
     settings[admission.POOL_SETTING] = str(math.ceil(need / 2**30))
   peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes
   limit, _ = admission.allocator_bytes(jaxtier.load_profile(platform="gpu", warn=False))
-  whole = limit / host.xla_mem_fraction()  # the GPU's memory as the allocator's fractions see it
-  if peak and peak > limit * (1 - admission.DEVICE_MARGIN):
-    wanted = math.ceil(100 * peak / ((1 - admission.DEVICE_MARGIN) * whole)) / 100 + 0.02
-    if wanted <= host.MAX_MEM_FRACTION:
-      settings[admission.FRACTION_SETTING] = f"{wanted:.2f}"
+  fraction = host.fraction_that_holds(peak, admission.DEVICE_MARGIN, limit) if peak else None
+  if fraction is not None:
+    settings[admission.FRACTION_SETTING] = fraction
   settings = {k: v for k, v in settings.items() if k not in os.environ}
   if not settings:
     return (f"{admission.POOL_SETTING}=<GiB> to raise XLA's pinned pool (64 GiB by default) "

@@ -152,6 +152,12 @@ def mem_fraction_that_fits(need_bytes: int, margin: float) -> "str | None":
   limit = allocator_limit_bytes()
   if limit is None:
     return None
+  return fraction_that_holds(need_bytes, margin, limit)
+
+
+def fraction_that_holds(need_bytes: int, margin: float, limit: int) -> "str | None":
+  """`mem_fraction_that_fits` for an allocator whose limit is `limit` bytes under the current
+  XLA_PYTHON_CLIENT_MEM_FRACTION (this GPU's, or the one of a GPU that is not here)."""
   fraction = xla_mem_fraction()
   if need_bytes <= limit * (1 - margin):
     return None
