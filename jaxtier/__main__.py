@@ -239,13 +239,17 @@ def main(argv: list[str]) -> None:
       # would only hide it.
       print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
       if isinstance(e, jaxtier.AdmissionError):
-        # Over the host's (or --host_budget's) pinned memory: moving more state to the host
-        # makes it worse.
+        # Over the host's (or --host_budget's) pinned memory, where moving more state to the
+        # host makes it worse, or over the CPU backend's RAM.
         offload = flags.FLAGS["offload"].value if "offload" in flags.FLAGS else None
-        fixes = ["raise --host_budget (where the host has the memory)"]
-        if offload != "auto":
-          fixes.append("--offload=auto (keeps on the device what fits there)")
-        fixes.append("a smaller --batch_size, --seq_len or --config")
+        if getattr(e, "reason", "").startswith("on the CPU backend"):
+          # The step's activations share this RAM with the state: the batch decides it.
+          fixes = ["a smaller --batch_size", "--seq_len", "--config"]
+        else:  # pinned bytes of the state, which the batch does not change
+          fixes = ["raise --host_budget (where the host has the memory)"]
+          if offload != "auto":
+            fixes.append("--offload=auto (keeps on the device what fits there)")
+          fixes.append("a smaller --config")
         print("from the command line: " + ", ".join(fixes[:-1]) + ", or " + fixes[-1],
               file=sys.stderr)
       elif isinstance(e, jaxtier.PlanError):
