@@ -157,7 +157,7 @@ def _xla_settings_hint(plan) -> str:
   settings = {}
   need = plan.pinned_bytes + (plan.compiler_host_extra_bytes or 0)
   if plan.pinnable_bytes is not None and need > plan.pinnable_bytes:
-    settings[admission.POOL_SETTING] = str(math.ceil(need / 2**30))
+    settings.update(admission.pool_settings(math.ceil(need / 2**30)))
   peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes
   limit, _ = admission.allocator_bytes(jaxtier.load_profile(platform="gpu", warn=False))
   fraction = host.fraction_that_holds(peak, admission.DEVICE_MARGIN, limit) if peak else None

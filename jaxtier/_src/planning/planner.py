@@ -124,18 +124,17 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   if device_budget is not None and platform == "gpu":
     limit, where = allocator_bytes(hardware)
     usable = int(limit * (1 - DEVICE_MARGIN))
+    above = (f"device budget {format_bytes(device_budget)} is above what JAX's allocator may "
+             f"use ({format_bytes(limit)}: {where}; profile: {hardware.source}): ")
     if device_budget > usable and host_lib.allocator_limit_bytes() is None:
       # Room above an absent GPU's memory is no room: plan against what its allocator holds.
       # (On a GPU here, admission checks the compiled peak against the allocator, and names
       # the fraction that would hold it: `train` runs itself again with it.)
       capped, solver_budget = True, usable
-      notes.append(f"device budget {format_bytes(device_budget)} is above what JAX's allocator "
-                   f"may use ({format_bytes(limit)}: {where}; profile: {hardware.source}): "
-                   f"planned against {format_bytes(usable)}, that less {DEVICE_MARGIN:.0%}")
+      notes.append(above + f"planned against {format_bytes(usable)}, that less "
+                   f"{DEVICE_MARGIN:.0%}")
     elif device_budget > limit:
-      notes.append(f"device budget {format_bytes(device_budget)} is above what JAX's allocator "
-                   f"may use ({format_bytes(limit)}: {where}; profile: {hardware.source}): the "
-                   "compiled step is admitted against that")
+      notes.append(above + "the compiled step is admitted against that")
   if solver_budget is None and platform == "gpu":
     solver_budget, why = default_device_budget(hardware)
     notes.append(f"device budget: none given; planned against {format_bytes(solver_budget)} "
