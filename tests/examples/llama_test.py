@@ -91,3 +91,49 @@ def test_remat_policies_give_the_same_loss_and_gradients(policy):
   np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_logits_gradients(dtype):
+  # The head's backward multiplies in the compute dtype: its gradients are the products of the
+  # cotangent rounded to that dtype, computed here with numpy in float64; in float32 they are
+  # autodiff's.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((2, 3, 8)), dtype)
+  kernel = jnp.asarray(rng.standard_normal((8, 5)), dtype)
+  g = jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.float32)
+  logits, vjp = jax.vjp(llama.head_logits, x, kernel)
+  dx, dk = vjp(g)
+  assert logits.dtype == jnp.float32 and dx.dtype == dtype and dk.dtype == dtype
+  x64, k64 = np.asarray(x, np.float64), np.asarray(kernel, np.float64)
+  g64 = np.asarray(g.astype(dtype), np.float64)
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(logits), np.einsum("btd,dv->btv", x64, k64), rtol=tol)
+  np.testing.assert_allclose(np.asarray(dx, np.float64), np.einsum("btv,dv->btd", g64, k64),
+                             rtol=tol, atol=tol)
+  np.testing.assert_allclose(np.asarray(dk, np.float64), np.einsum("btd,btv->dv", x64, g64),
+                             rtol=tol, atol=tol)
+  if dtype == jnp.float32:
+    plain = lambda a, b: jnp.einsum("btd,dv->btv", a, b, preferred_element_type=jnp.float32)
+    for got, want in zip((dx, dk), jax.vjp(plain, x, kernel)[1](g)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+  with pytest.raises(ValueError, match="one dtype, got float32 and bfloat16"):
+    llama.head_logits(x.astype(jnp.float32), kernel.astype(jnp.bfloat16))
+
+
+def test_head_backward_makes_no_float32_kernel():
+  # In bf16 compute the head's backward reads the bf16 kernel and a bf16 cotangent: the step's
+  # HLO converts no [vocab-sized] kernel to float32 beyond the param's own gradient.
+  config = llama.LlamaConfig(vocab_size=384, d_model=32, num_layers=1, num_heads=2, d_ff=64,
+                             max_seq_len=16, dtype=jnp.bfloat16)
+  model = llama.init_model(config, seed=0)
+  batch = jnp.ones((2, 9), jnp.int32)
+  graphdef, state = nnx.split(model)
+
+  def loss(state):
+    return llama.loss_fn(nnx.merge(graphdef, state), batch)
+
+  hlo = jax.jit(jax.grad(loss)).lower(state).as_text()
+  dots = [line for line in hlo.splitlines() if "dot_general" in line and "384" in line]
+  assert dots, hlo
+  assert not [line for line in dots if "tensor<32x384xf32>" in line.split("->")[0]], dots
