@@ -66,6 +66,10 @@ def parse_args(argv):
   p.add_argument("--stream_budget_ratio", type=float, default=0.8)
   p.add_argument("--cases", default=",".join(CASES))
   p.add_argument("--skip_cli", action="store_true", help="skip the no-GPU `jaxtier plan` runs")
+  p.add_argument("--serial", action="store_true",
+                 help="also time each case whose plan updates layer by layer with the same "
+                      "placements and every update after the backward pass "
+                      "(overlap_update=False): the update's own time, to fit the overlap")
   p.add_argument("--cpu_dry_run", action="store_true",
                  help="toy sizes on the CPU backend (checks the logic; no figures worth keeping)")
   p.add_argument("--child", default="", help="internal: run one case and print its JSON")
@@ -236,7 +240,33 @@ def child(args) -> dict:
   if budget is not None and rec["measured_peak_hbm_bytes"]:
     rec["measured_peak_within_budget"] = rec["measured_peak_hbm_bytes"] <= budget
   rec["ran_without_oom"] = True
+  if args.serial and any("layer by layer" in n for n in plan.notes):
+    rec["serial"] = serial_run(args, step_fn, plan, state, batches)
   return rec
+
+
+def serial_run(args, step_fn, plan, state, batches) -> dict:
+  """The plan's placements, every host update after the backward pass: its predicted and
+  measured step (median of `--steps` after `--warmup`)."""
+  import re  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jaxtier  # pylint: disable=g-import-not-at-top
+  policy = {"^" + re.escape(leaf.path) + "$": leaf.placement for leaf in plan.leaves}
+  step = jaxtier.offload(step_fn, policy=policy, overlap_update=False)
+  state = step.place(state, batches[0])
+  times = []
+  for i in range(args.warmup + args.steps):
+    t1 = time.perf_counter()
+    state, metrics = step(state, batches[i % 2])
+    float(metrics["loss"])  # synchronises
+    if i >= args.warmup:
+      times.append(time.perf_counter() - t1)
+  return {"predicted_step_secs": step.plan.predicted_step_secs,
+          "segments": [list(s) for s in step.plan.segments],
+          "resource_secs": step.plan.resource_secs,
+          "measured_step_secs": float(np.median(times)), "measured_step_secs_all": times,
+          "placements_equal": [(l.path, l.placement) for l in step.plan.leaves]
+                              == [(l.path, l.placement) for l in plan.leaves]}
 
 
 def run_child(args, case: str) -> dict:
@@ -244,6 +274,8 @@ def run_child(args, case: str) -> dict:
          f"--num_layers={args.num_layers}", f"--batch_size={args.batch_size}",
          f"--seq_len={args.seq_len}", f"--steps={args.steps}", f"--warmup={args.warmup}",
          f"--stream_budget_ratio={args.stream_budget_ratio}"]
+  if args.serial:
+    cmd.append("--serial")
   if args.cpu_dry_run:
     cmd.append("--cpu_dry_run")
   t0 = time.perf_counter()
