@@ -70,6 +70,9 @@ def parse_args(argv):
                  help="also time each case whose plan updates layer by layer with the same "
                       "placements and every update after the backward pass "
                       "(overlap_update=False): the update's own time, to fit the overlap")
+  p.add_argument("--hlo_dir", default="",
+                 help="where each case writes its compiled compute program's HLO text "
+                      "(CASE.hlo.txt: the scheduled order of its layer calls); '' for none")
   p.add_argument("--cpu_dry_run", action="store_true",
                  help="toy sizes on the CPU backend (checks the logic; no figures worth keeping)")
   p.add_argument("--child", default="", help="internal: run one case and print its JSON")
@@ -240,6 +243,10 @@ def child(args) -> dict:
   if budget is not None and rec["measured_peak_hbm_bytes"]:
     rec["measured_peak_within_budget"] = rec["measured_peak_hbm_bytes"] <= budget
   rec["ran_without_oom"] = True
+  if args.hlo_dir:
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    with open(os.path.join(args.hlo_dir, f"{case}.hlo.txt"), "w") as f:
+      f.write(step.lower(state, batches[0]).compile().as_text())
   if args.serial and any("layer by layer" in n for n in plan.notes):
     rec["serial"] = serial_run(args, step_fn, plan, state, batches)
   return rec
@@ -276,6 +283,8 @@ def run_child(args, case: str) -> dict:
          f"--stream_budget_ratio={args.stream_budget_ratio}"]
   if args.serial:
     cmd.append("--serial")
+  if args.hlo_dir:
+    cmd.append(f"--hlo_dir={args.hlo_dir}")
   if args.cpu_dry_run:
     cmd.append("--cpu_dry_run")
   t0 = time.perf_counter()
