@@ -143,3 +143,7 @@ def test_layered_updates_hide_under_the_measured_backward_share():
   assert exposed(backward_share=0.75) == pytest.approx(0.5 + 0.045 - 0.45)
   assert exposed(backward_share=0.5) == pytest.approx(0.5 + 0.03 - 0.3)
   assert exposed(backward_share=1.0) == pytest.approx(0.05)
+  # Gradients a streamed scan sends land one iteration late: the chain starts after two
+  # layers' backward, and at least the last two layers' updates show.
+  assert exposed(sent_lag_layers=1) == pytest.approx(0.5 + 0.08 - 0.4)
+  assert exposed(sent_lag_layers=1, backward_share=1.0) == pytest.approx(0.1)

@@ -406,7 +406,7 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
             pinned_bytes: int, profile: HardwareProfile,
             overlapped: Iterable[tuple[Cost, int]] = (),
             rows: Iterable[tuple[Cost, float]] = (),
-            backward_share: float = BACKWARD_SHARE) -> Prediction:
+            backward_share: float = BACKWARD_SHARE, sent_lag_layers: int = 0) -> Prediction:
   """Step time as the sum of the step's serial phases, each bounded by its slowest resource.
 
     step = t_layers + t_other + t_exposed + t_rows + sum(t_update) + sum(t_xla)
@@ -416,8 +416,11 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
   - t_exposed: what the updates run layer by layer inside the backward pass (`overlapped`:
     (cost, L) each) add: they start once the first layer's gradient exists and run one after
     another, so with b the backward's share of t_layers (`backward_share`: measured from the
-    timed scan bodies where the planner has them, else BACKWARD_SHARE) and U their total,
-    max(U / L, U + b / L - b), the last layer's update at least, plus
+    timed scan bodies where the planner has them, else BACKWARD_SHARE), U their total and
+    k = 1 + `sent_lag_layers`, max(k U / L, U + k b / L - b), the last k layers' updates at
+    least (k = 2 where a streamed scan sends the gradients to pinned_host: XLA schedules the
+    wait that lands iteration t's gradient after iteration t + 1's compute, and the call
+    after that wait), plus
     dha_contention(g) * min(D, b) for the DHA kernel's busy seconds D on the share g of the
     GPU's blocks (`profile.dha_layer_grid`: the kernel runs beside the compute on the GPU's
     SMs and HBM, and slows it);
@@ -441,7 +444,8 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
     num_layers = max(n for _, n in overlapped)
     backward = backward_share * layers.secs
     kernel = sum(c.dha_secs for c, _ in overlapped)
-    exposed = (max(total / num_layers, total + backward / num_layers - backward)
+    k = min(num_layers, 1 + max(0, int(sent_lag_layers)))
+    exposed = (max(k * total / num_layers, total + k * backward / num_layers - backward)
                + dha_contention(profile.dha_layer_grid) * min(kernel, backward))
     segments.append(("layered host update (exposed)", exposed,
                      _dominant([c for c, _ in overlapped])))
