@@ -147,3 +147,36 @@ def test_does_not_fit_note_describes_the_plan_made():
     assert "this is its fallback plan: " in note and host in note, note
     assert "every optimizer-state leaf on the host" not in note
     assert f"exceeds the device budget of {units.format_bytes(state_only + 1)}" in note
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="plans for an absent GPU")
+def test_layered_updates_beside_a_streamed_stack_start_a_layer_later(monkeypatch):
+  # A streamed scan's gradients land in pinned_host one iteration late (XLA schedules the
+  # wait after the next iteration's compute): the plan's tail counts two layers, a plan
+  # without a streamed stack one.
+  from jaxtier._src.planning import solver  # pylint: disable=g-import-not-at-top
+  from jaxtier.examples import llama, train_state  # pylint: disable=g-import-not-at-top
+  seen = []
+  predict = solver.cost_model.predict
+
+  def spy(**kw):
+    seen.append(kw.get("sent_lag_layers", 0))
+    return predict(**kw)
+
+  monkeypatch.setattr(solver.cost_model, "predict", spy)
+  config = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=4)
+  _, state, step = train_state.make_train_state(config, 1e-3, abstract=True)
+  tokens = jax.ShapeDtypeStruct((2, 33), jnp.int32)
+  streamed = jaxtier.plan(step, state, tokens, platform="gpu", policy={
+      r"\['w_down'\]": "host_stream", r"(mu|nu).*w_down": "host_cpu"})
+  assert {l.placement for l in streamed.leaves if "w_down" in l.path} == {"host_stream",
+                                                                          "host_cpu"}
+  assert seen[-1] == 1
+  tail = dict((n, s) for n, s, _ in streamed.segments)["layered host update (exposed)"]
+  u = streamed.resource_secs["host_cpu"]
+  assert tail >= 2 * u / 4 * (1 - 1e-9)
+  seen.clear()
+  on_host = jaxtier.plan(step, state, tokens, platform="gpu", policy={
+      r"(mu|nu).*w_down": "host_cpu"})
+  assert not any(l.placement == "host_stream" for l in on_host.leaves)
+  assert seen[-1] == 0

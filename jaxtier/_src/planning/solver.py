@@ -225,8 +225,8 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
   pred = cost_model.predict(layers=layers, layer_compute_secs=total_layer * scale,
                     other_compute_secs=other_compute, updates=update_costs,
                     overlapped=overlapped, rows=rows, backward_share=problem.backward_share,
-                    sent_lag_layers=int(any(v == Placement.HOST_STREAM
-                                            for v in params.values())),
+                    sent_lag_layers=int(problem.fixed_buffer_bytes > 0 or any(
+                        v == Placement.HOST_STREAM for v in params.values())),
                     xla_copies=problem.fixed_costs, peak_hbm_bytes=peak, pinned_bytes=pinned,
                     profile=prof)
   fits = (budget is None or peak <= budget) and (
