@@ -158,3 +158,20 @@ def test_host_rss_peak_bytes_reads_vmhwm_else_getrusage(monkeypatch):
   assert fallback > 0
   if os.path.exists("/proc/self/status"):  # both are this process's peak, in bytes
     assert abs(fallback - peak) <= max(peak // 10, 16 * 2**20), (fallback, peak)
+
+
+def test_layer_call_order_reads_the_schedule():
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks",
+                                  "diagnostics"))
+  import layer_call_order  # pylint: disable=g-import-not-at-top
+  hlo = "\n".join([
+      "HloModule m", "", "ENTRY %main (a: f32[4]) -> f32[4] {",
+      '  %d = f32[4] custom-call(%a), custom_call_target="__cublas$lt$matmul"',
+      "  %f1 = f32[4] fusion(%d), kind=kLoop", "  %f2 = f32[4] fusion(%f1), kind=kLoop",
+      '  %s = f32[4] custom-call(%f2), custom_call_target="jaxtier_stream_send_ffi"',
+      '  %w = f32[4] custom-call(%s), custom_call_target="jaxtier_stream_wait_ffi"',
+      '  %l = u8[] custom-call(%w), custom_call_target="jaxtier_host_update_layer_ffi"',
+      "  %f3 = f32[4] fusion(%w), kind=kLoop",
+      '  ROOT %j = f32[4] custom-call(%f3, %l), custom_call_target="jaxtier_host_update_join_ffi"',
+      "}"])
+  assert layer_call_order.order(hlo) == "m(2)SwL.J"

@@ -152,8 +152,8 @@ def test_does_not_fit_note_describes_the_plan_made():
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="plans for an absent GPU")
 def test_layered_updates_beside_a_streamed_stack_start_a_layer_later(monkeypatch):
   # A streamed scan's gradients land in pinned_host one iteration late (XLA schedules the
-  # wait after the next iteration's compute): the plan's tail counts two layers, a plan
-  # without a streamed stack one.
+  # send and its wait after the next iteration's compute): the plan's tail counts two
+  # layers, a plan without a streamed stack one.
   from jaxtier._src.planning import solver  # pylint: disable=g-import-not-at-top
   from jaxtier.examples import llama, train_state  # pylint: disable=g-import-not-at-top
   seen = []

@@ -419,8 +419,8 @@ def predict(*, layers: Cost, layer_compute_secs: float, other_compute_secs: floa
     timed scan bodies where the planner has them, else BACKWARD_SHARE), U their total and
     k = 1 + `sent_lag_layers`, max(k U / L, U + k b / L - b), the last k layers' updates at
     least (k = 2 where a streamed scan sends the gradients to pinned_host: XLA schedules the
-    wait that lands iteration t's gradient after iteration t + 1's compute, and the call
-    after that wait), plus
+    send of iteration t's gradient, its wait and the call after iteration t + 1's compute;
+    `benchmarks/diagnostics/layer_call_order.py`), plus
     dha_contention(g) * min(D, b) for the DHA kernel's busy seconds D on the share g of the
     GPU's blocks (`profile.dha_layer_grid`: the kernel runs beside the compute on the GPU's
     SMs and HBM, and slows it);
