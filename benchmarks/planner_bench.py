@@ -211,16 +211,7 @@ def child(args) -> dict:
   rec["compiler_peak_hbm_bytes"] = compiler_peak
   rec["plan_notes"] = list(plan.notes)
   rec["plan_text"] = str(plan)
-  times, losses = [], []
-  t0 = time.perf_counter()
-  for i in range(args.warmup + args.steps):
-    t1 = time.perf_counter()
-    state, metrics = step(state, batches[i % 2])
-    losses.append(float(metrics["loss"]))  # synchronises
-    if i == 0:
-      rec["first_step_secs"] = time.perf_counter() - t1
-    if i >= args.warmup:
-      times.append(time.perf_counter() - t1)
+  state, times, losses, rec["first_step_secs"] = time_steps(args, step, state, batches)
   rec["losses"] = losses
   rec["measured_step_secs"] = float(np.median(times))
   rec["measured_step_secs_all"] = times
@@ -252,6 +243,24 @@ def child(args) -> dict:
   return rec
 
 
+def time_steps(args, step, state, batches):
+  """Runs `--warmup` + `--steps` steps on the two batches in turn, each synchronised.
+
+  Returns:
+    (the last state, the timed steps' seconds, every step's loss, the first step's seconds).
+  """
+  times, losses, first = [], [], None
+  for i in range(args.warmup + args.steps):
+    t1 = time.perf_counter()
+    state, metrics = step(state, batches[i % 2])
+    losses.append(float(metrics["loss"]))  # synchronises
+    if i == 0:
+      first = time.perf_counter() - t1
+    if i >= args.warmup:
+      times.append(time.perf_counter() - t1)
+  return state, times, losses, first
+
+
 def serial_run(args, step_fn, plan, state, batches) -> dict:
   """The plan's placements, every host update after the backward pass: its predicted and
   measured step (median of `--steps` after `--warmup`)."""
@@ -260,14 +269,7 @@ def serial_run(args, step_fn, plan, state, batches) -> dict:
   import jaxtier  # pylint: disable=g-import-not-at-top
   policy = {"^" + re.escape(leaf.path) + "$": leaf.placement for leaf in plan.leaves}
   step = jaxtier.offload(step_fn, policy=policy, overlap_update=False)
-  state = step.place(state, batches[0])
-  times = []
-  for i in range(args.warmup + args.steps):
-    t1 = time.perf_counter()
-    state, metrics = step(state, batches[i % 2])
-    float(metrics["loss"])  # synchronises
-    if i >= args.warmup:
-      times.append(time.perf_counter() - t1)
+  _, times, _, _ = time_steps(args, step, step.place(state, batches[0]), batches)
   return {"predicted_step_secs": step.plan.predicted_step_secs,
           "segments": [list(s) for s in step.plan.segments],
           "resource_secs": step.plan.resource_secs,
