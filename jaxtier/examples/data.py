@@ -68,8 +68,20 @@ def _is_token_file(path) -> bool:
   return str(path).endswith(_TOKEN_FILE_SUFFIXES)
 
 
+def _read_bytes(path, caller: str) -> bytes:
+  """The bytes of the data file `path`; ValueError naming it where it cannot be read."""
+  try:
+    return pathlib.Path(path).read_bytes()
+  except OSError as e:
+    why = "it is a directory" if isinstance(e, IsADirectoryError) else (
+        "no such file" if isinstance(e, FileNotFoundError) else e.strerror or str(e))
+    raise ValueError(
+        f"{caller}: cannot read the data file {str(path)!r} ({why}); pass --data as "
+        f"comma-separated text files, or one uint16 token file (.bin, .u16).") from e
+
+
 def _read_token_file(path) -> np.ndarray:
-  raw = pathlib.Path(path).read_bytes()
+  raw = _read_bytes(path, "load_tokens")
   if len(raw) % 2:
     raise ValueError(
         f"load_tokens: expected an even number of bytes in the uint16 token file "
@@ -144,7 +156,7 @@ def load_tokens(
             f"{str(path)!r}, got id {int(tokens[bad])} at index {bad}; use a "
             f"model config with a larger vocab_size.")
     else:
-      raw = pathlib.Path(path).read_bytes()
+      raw = _read_bytes(path, "load_tokens")
       if require_text:
         _check_text(path, raw)
       if max_bytes is not None:
@@ -243,7 +255,7 @@ def load_texts(
       raise ValueError(
           f"load_texts: {str(path)!r} is a uint16 token file (already token ids); a "
           f"tokenizer trains on text: pass UTF-8 text files (or use --tokenizer=byte).")
-    raw = pathlib.Path(path).read_bytes()
+    raw = _read_bytes(path, "load_texts")
     if require_text:
       _check_text(path, raw, "load_texts")
     if max_bytes is not None:

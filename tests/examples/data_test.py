@@ -43,8 +43,13 @@ def test_load_errors(tmp_path):
   np.array([5, 256], "<u2").tofile(big)
   with pytest.raises(ValueError, match=r"big\.u16.*256"):
     data.load_tokens([big], vocab_size=256)
-  with pytest.raises(FileNotFoundError):
+  with pytest.raises(ValueError, match=r"load_tokens: cannot read the data file .*missing\.txt' "
+                     r"\(no such file\); pass --data as comma-separated text files"):
     data.load_tokens([tmp_path / "missing.txt"])
+  with pytest.raises(ValueError, match=r"cannot read the data file .* \(it is a directory\)"):
+    data.load_tokens([tmp_path])
+  with pytest.raises(ValueError, match=r"load_texts: cannot read .*missing\.txt' \(no such"):
+    data.load_texts([tmp_path / "missing.txt"])
 
 
 def test_batches(corpus):
