@@ -211,8 +211,12 @@ def main(argv: list[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.getLogger("jaxtier").setLevel(logging.WARNING)
   if len(argv) < 2 or argv[1] not in COMMANDS:
-    raise app.UsageError(f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags]; got "
-                         f"{argv[1:]!r}")
+    # A short answer, not absl's UsageError: that prints every flag's help before its line.
+    got = f"unknown command {argv[1]!r}" if len(argv) > 1 else "no command given"
+    print(f"python -m jaxtier: {got}; expected one of {', '.join(COMMANDS)}.\n"
+          f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags] "
+          f"(python -m jaxtier --help lists the flags)", file=sys.stderr)
+    sys.exit(2)
   if len(argv) > 2:
     raise app.UsageError(f"unexpected arguments {argv[2:]!r}")
   if argv[1] == "train":

@@ -420,3 +420,12 @@ def test_help_exits_0_and_lists_the_trainers_flags(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   for flag in ("--[no]overlap_update", "--[no]clip", "--[no]verbose", "--[no]stream", "--config"):
     assert flag in out.stdout, flag
+
+
+def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
+  for args, got in ((["bogus"], "unknown command 'bogus'"), ([], "no command given")):
+    out = _cli(tmp_path, *args)
+    assert out.returncode == 2
+    assert out.stderr.startswith(f"python -m jaxtier: {got}; expected one of train, plan, "
+                                 "calibrate.\nusage: python -m jaxtier {train|plan|calibrate}")
+    assert len(out.stderr.splitlines()) == 2, out.stderr
