@@ -356,8 +356,12 @@ def head_logits(x, kernel):
   is autodiff's result.
 
   Raises:
-    ValueError: ``x`` and ``kernel`` of different dtypes.
+    ValueError: ``x`` not 3-d, ``kernel`` not 2-d, their ``d_model`` unequal, or the two of
+      different dtypes.
   """
+  if x.ndim != 3 or kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f"head_logits: expected x [batch, seq, d_model] and kernel [d_model, "
+                     f"vocab], got {tuple(x.shape)} and {tuple(kernel.shape)}.")
   if x.dtype != kernel.dtype:
     raise ValueError(f"head_logits: expected x and kernel of one dtype, got {x.dtype} and "
                      f"{kernel.dtype}; cast both to the compute dtype.")

@@ -119,6 +119,11 @@ def test_head_logits_gradients(dtype):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
   with pytest.raises(ValueError, match="one dtype, got float32 and bfloat16"):
     llama.head_logits(x.astype(jnp.float32), kernel.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match=r"expected x \[batch, seq, d_model\] and kernel "
+                     r"\[d_model, vocab\], got \(2, 3, 8\) and \(9, 5\)"):
+    llama.head_logits(x, jnp.zeros((9, 5), dtype))
+  with pytest.raises(ValueError, match=r"got \(6, 8\) and \(8, 5\)"):
+    llama.head_logits(x.reshape(6, 8), kernel)
 
 
 def test_head_backward_makes_no_float32_kernel():
