@@ -139,6 +139,10 @@ def plan_main() -> None:
     if not any(v.limit == "device_memory" for v in plan.violations):
       # (Over the device's own memory a larger budget is no fix.)
       hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
+    if config.remat_policy != "nothing_saveable" and any(
+        v.limit in ("device_budget", "device_memory") for v in plan.violations):
+      hints.append("--remat_policy=nothing_saveable (the layers' activations recomputed in "
+                   "the backward pass, not kept)")
     if platform == "gpu":
       hints.append(_xla_settings_hint(plan))
     hints.append("a smaller --batch_size or --config")

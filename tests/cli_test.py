@@ -429,3 +429,17 @@ def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
     assert out.stderr.startswith(f"python -m jaxtier: {got}; expected one of train, plan, "
                                  "calibrate.\nusage: python -m jaxtier {train|plan|calibrate}")
     assert len(out.stderr.splitlines()) == 2, out.stderr
+
+
+@pytest.mark.slow
+def test_a_plan_over_the_device_budget_names_the_remat_policy(tmp_path):
+  # The 1b step's activations are most of an 8 GiB budget's overrun: the fixes name the policy
+  # that recomputes them, unless it is the one planned.
+  flags = ["plan", "--config=1b", "--platform=gpu", "--device_budget=8GiB"]
+  kept = _cli(tmp_path, *flags, timeout=300)
+  assert kept.returncode == 1, kept.stderr[-2000:]
+  assert "; --remat_policy=nothing_saveable (the layers' activations recomputed in the " \
+         "backward pass, not kept);" in kept.stdout
+  remat = _cli(tmp_path, *flags, "--remat_policy=nothing_saveable", timeout=300)
+  assert remat.returncode == 1, remat.stderr[-2000:]
+  assert "from the command line: " in remat.stdout and "--remat_policy=" not in remat.stdout
