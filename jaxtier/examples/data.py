@@ -30,6 +30,7 @@ __all__ = [
     "load_corpus",
     "load_texts",
     "load_tokens",
+    "unreadable",
 ]
 
 # The default corpus is capped so that loading it takes well under a second.
@@ -68,16 +69,22 @@ def _is_token_file(path) -> bool:
   return str(path).endswith(_TOKEN_FILE_SUFFIXES)
 
 
+def unreadable(path, caller: str, error: OSError) -> ValueError:
+  """The ValueError for a data file `path` that `error` kept `caller` from reading: it names
+  the file, why, and what --data takes."""
+  why = "it is a directory" if isinstance(error, IsADirectoryError) else (
+      "no such file" if isinstance(error, FileNotFoundError) else error.strerror or str(error))
+  return ValueError(
+      f"{caller}: cannot read the data file {str(path)!r} ({why}); pass --data as "
+      f"comma-separated text files, or one uint16 token file (.bin, .u16).")
+
+
 def _read_bytes(path, caller: str) -> bytes:
-  """The bytes of the data file `path`; ValueError naming it where it cannot be read."""
+  """The bytes of the data file `path` (ValueError: `unreadable`)."""
   try:
     return pathlib.Path(path).read_bytes()
   except OSError as e:
-    why = "it is a directory" if isinstance(e, IsADirectoryError) else (
-        "no such file" if isinstance(e, FileNotFoundError) else e.strerror or str(e))
-    raise ValueError(
-        f"{caller}: cannot read the data file {str(path)!r} ({why}); pass --data as "
-        f"comma-separated text files, or one uint16 token file (.bin, .u16).") from e
+    raise unreadable(path, caller, e) from e
 
 
 def _read_token_file(path) -> np.ndarray:

@@ -242,13 +242,16 @@ def train_bpe(texts: Sequence[str], vocab_size: int, *, progress: bool = False) 
 
 
 def _corpus_entries(paths, max_bytes) -> list[list[Any]]:
-  """[absolute path, size, mtime_ns] of each file `data.load_texts` reads (a missing file:
-  FileNotFoundError)."""
+  """[absolute path, size, mtime_ns] of each file `data.load_texts` reads (a file that cannot
+  be read: ValueError, `data.unreadable`)."""
   entries, total = [], 0
   for path in paths:
     if max_bytes is not None and total >= max_bytes:
       break
-    st = os.stat(path)
+    try:
+      st = os.stat(path)
+    except OSError as e:
+      raise data_lib.unreadable(path, "--tokenizer=bpe", e) from e
     entries.append([os.path.abspath(path), st.st_size, st.st_mtime_ns])
     total += st.st_size
   return entries

@@ -4,7 +4,7 @@ files, their errors, and the batches drawn from them."""
 import numpy as np
 import pytest
 
-from jaxtier.examples import data
+from jaxtier.examples import data, tokenizer
 
 
 def test_default_corpus_files_sorted_stdlib():
@@ -50,6 +50,9 @@ def test_load_errors(tmp_path):
     data.load_tokens([tmp_path])
   with pytest.raises(ValueError, match=r"load_texts: cannot read .*missing\.txt' \(no such"):
     data.load_texts([tmp_path / "missing.txt"])
+  with pytest.raises(ValueError, match=r"--tokenizer=bpe: cannot read the data file "
+                     r".*missing\.txt' \(no such file\)"):
+    tokenizer.load_bpe(str(tmp_path / "missing.txt"), 32768, cache_dir=tmp_path / "cache")
 
 
 def test_batches(corpus):
