@@ -214,15 +214,15 @@ def main(argv: list[str]) -> None:
   # would print them by default, mixed into the commands' output.
   if not flags.FLAGS["verbosity"].present:
     logging.getLogger("jaxtier").setLevel(logging.WARNING)
-  if len(argv) < 2 or argv[1] not in COMMANDS:
+  if len(argv) < 2 or argv[1] not in COMMANDS or len(argv) > 2:
     # A short answer, not absl's UsageError: that prints every flag's help before its line.
-    got = f"unknown command {argv[1]!r}" if len(argv) > 1 else "no command given"
+    got = (f"unknown command {argv[1]!r}" if len(argv) > 1 and argv[1] not in COMMANDS else
+           f"unexpected arguments {argv[2:]!r} after {argv[1]!r} (flags take --name=value)"
+           if len(argv) > 2 else "no command given")
     print(f"python -m jaxtier: {got}; expected one of {', '.join(COMMANDS)}.\n"
           f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags] "
           f"(python -m jaxtier --help lists the flags)", file=sys.stderr)
     sys.exit(2)
-  if len(argv) > 2:
-    raise app.UsageError(f"unexpected arguments {argv[2:]!r}")
   if argv[1] == "train":
     try:
       train_lib.main(argv[:1])

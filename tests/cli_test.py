@@ -423,7 +423,9 @@ def test_help_exits_0_and_lists_the_trainers_flags(tmp_path):
 
 
 def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
-  for args, got in ((["bogus"], "unknown command 'bogus'"), ([], "no command given")):
+  for args, got in ((["bogus"], "unknown command 'bogus'"), ([], "no command given"),
+                    (["train", "extra"], "unexpected arguments ['extra'] after 'train' "
+                                         "(flags take --name=value)")):
     out = _cli(tmp_path, *args)
     assert out.returncode == 2
     assert out.stderr.startswith(f"python -m jaxtier: {got}; expected one of train, plan, "
