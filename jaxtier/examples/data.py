@@ -143,7 +143,7 @@ def load_tokens(
   """
   paths = list(paths)
   if not paths:
-    raise ValueError("load_tokens: expected at least one path, got none.")
+    raise ValueError("load_tokens: expected at least one path (--data), got none.")
   if max_bytes is not None and max_bytes <= 0:
     raise ValueError(f"load_tokens: expected max_bytes > 0 or None, got {max_bytes}.")
   chunks = []
@@ -252,7 +252,7 @@ def load_texts(
   """
   paths = list(paths)
   if not paths:
-    raise ValueError("load_texts: expected at least one path, got none.")
+    raise ValueError("load_texts: expected at least one path (--data), got none.")
   texts = []
   total_bytes = 0
   for path in paths:

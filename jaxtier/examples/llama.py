@@ -357,14 +357,14 @@ def head_logits(x, kernel):
 
   Raises:
     ValueError: ``x`` not 3-d, ``kernel`` not 2-d, their ``d_model`` unequal, or the two of
-      different dtypes.
+      different dtypes or of a dtype that is not floating.
   """
   if x.ndim != 3 or kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
     raise ValueError(f"head_logits: expected x [batch, seq, d_model] and kernel [d_model, "
                      f"vocab], got {tuple(x.shape)} and {tuple(kernel.shape)}.")
-  if x.dtype != kernel.dtype:
-    raise ValueError(f"head_logits: expected x and kernel of one dtype, got {x.dtype} and "
-                     f"{kernel.dtype}; cast both to the compute dtype.")
+  if x.dtype != kernel.dtype or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"head_logits: expected x and kernel of one floating dtype, got "
+                     f"{x.dtype} and {kernel.dtype}; cast both to the compute dtype.")
   return jnp.einsum("btd,dv->btv", x, kernel, preferred_element_type=jnp.float32)
 
 

@@ -33,7 +33,7 @@ def test_load_errors(tmp_path):
   empty.write_bytes(b"")
   with pytest.raises(ValueError, match="empty.txt"):
     data.load_tokens([empty])
-  with pytest.raises(ValueError, match="at least one path"):
+  with pytest.raises(ValueError, match=r"at least one path \(--data\), got none"):
     data.load_tokens([])
   odd = tmp_path / "odd.bin"
   odd.write_bytes(b"abc")

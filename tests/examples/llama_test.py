@@ -117,8 +117,10 @@ def test_head_logits_gradients(dtype):
     plain = lambda a, b: jnp.einsum("btd,dv->btv", a, b, preferred_element_type=jnp.float32)
     for got, want in zip((dx, dk), jax.vjp(plain, x, kernel)[1](g)):
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
-  with pytest.raises(ValueError, match="one dtype, got float32 and bfloat16"):
+  with pytest.raises(ValueError, match="one floating dtype, got float32 and bfloat16"):
     llama.head_logits(x.astype(jnp.float32), kernel.astype(jnp.bfloat16))
+  with pytest.raises(ValueError, match="one floating dtype, got int32 and int32"):
+    llama.head_logits(x.astype(jnp.int32), kernel.astype(jnp.int32))
   with pytest.raises(ValueError, match=r"expected x \[batch, seq, d_model\] and kernel "
                      r"\[d_model, vocab\], got \(2, 3, 8\) and \(9, 5\)"):
     llama.head_logits(x, jnp.zeros((9, 5), dtype))
