@@ -214,11 +214,16 @@ def main(argv: list[str]) -> None:
   # would print them by default, mixed into the commands' output.
   if not flags.FLAGS["verbosity"].present:
     logging.getLogger("jaxtier").setLevel(logging.WARNING)
-  if len(argv) < 2 or argv[1] not in COMMANDS or len(argv) > 2:
+  if len(argv) < 2:
+    got = "no command given"
+  elif argv[1] not in COMMANDS:
+    got = f"unknown command {argv[1]!r}"
+  elif len(argv) > 2:
+    got = f"unexpected arguments {argv[2:]!r} after {argv[1]!r} (flags take --name=value)"
+  else:
+    got = None
+  if got:
     # A short answer, not absl's UsageError: that prints every flag's help before its line.
-    got = (f"unknown command {argv[1]!r}" if len(argv) > 1 and argv[1] not in COMMANDS else
-           f"unexpected arguments {argv[2:]!r} after {argv[1]!r} (flags take --name=value)"
-           if len(argv) > 2 else "no command given")
     print(f"python -m jaxtier: {got}; expected one of {', '.join(COMMANDS)}.\n"
           f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags] "
           f"(python -m jaxtier --help lists the flags)", file=sys.stderr)
