@@ -69,6 +69,19 @@ def inner_jaxpr(eqn: Any) -> "ClosedJaxpr | Jaxpr | None":
   return None
 
 
+# jax.checkpoint's primitive: named 'remat2' in jax 0.10, 'checkpoint' in 0.11.
+_CHECKPOINT_NAMES = ("remat2", "checkpoint", "remat")
+
+
+def call_body(eqn: Any) -> "ClosedJaxpr | Jaxpr | None":
+  """The body of a call-like equation (`inner_jaxpr`) or of a jax.checkpoint equation, whose
+  outvars are the equation's outvars in order; None for any other primitive."""
+  inner = inner_jaxpr(eqn)
+  if inner is None and eqn.primitive.name in _CHECKPOINT_NAMES:
+    inner = eqn.params.get("jaxpr")
+  return inner
+
+
 def open_jaxpr(j: Any) -> tuple[Any, list[Any]]:
   """(jaxpr, consts) for a ClosedJaxpr or an open Jaxpr (which then has no consts)."""
   if isinstance(j, ClosedJaxpr):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
@@ -105,6 +106,53 @@ def scan_xs_positions(eqn: Any) -> range:
   """Positions in a `scan` equation's invars that are its `xs` (sliced per iteration)."""
   start = sum(jc.scan_counts(eqn))
   return range(start, len(eqn.invars))
+
+
+# Dtypes a gradient may be sent in when it is exactly a widening of one (`narrow_source_dtype`):
+# the host update's LOAD widens them back to fp32 (`primitives/host_update.py`).
+_NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Nested calls followed, at most.
+_MAX_CALL_DEPTH = 16
+
+
+def narrow_source_dtype(jaxpr: Any, var: Any) -> "jnp.dtype | None":
+  """The narrower float dtype of which `var` (a float value of the open `jaxpr`) is exactly a
+  widening, or None.
+
+  That is where `var` is made by `convert_element_type` from a bfloat16 or float16 value,
+  directly or as an output of a call or jax.checkpoint body (followed into the body). Such a
+  value rounds to that dtype and back unchanged: the gradient of an fp32 weight that a layer
+  casts to bf16 is the bf16 cotangent widened (the cast's transpose), and so sending it down in
+  bf16 loses nothing and moves half the bytes. A sum of such values is not one, and gives None.
+  """
+  for _ in range(_MAX_CALL_DEPTH):
+    if not isinstance(var, jc.Var):
+      return None
+    eqn = next((e for e in reversed(jaxpr.eqns) if any(o is var for o in e.outvars)), None)
+    if eqn is None:
+      return None
+    if eqn.primitive.name == "convert_element_type":
+      src, dst = eqn.invars[0], jnp.dtype(var.aval.dtype)
+      if not isinstance(src, jc.Var):
+        return None
+      narrow = jnp.dtype(src.aval.dtype)
+      ok = (narrow in _NARROW and jnp.issubdtype(dst, jnp.floating)
+            and narrow.itemsize < dst.itemsize)
+      return narrow if ok else None
+    inner = jc.call_body(eqn)
+    if inner is None:
+      return None
+    at = next(k for k, o in enumerate(eqn.outvars) if o is var)
+    jaxpr = jc.open_jaxpr(inner)[0]
+    var = jaxpr.outvars[at]
+  return None
+
+
+def scan_ys_narrow_dtype(eqn: Any, position: int) -> "jnp.dtype | None":
+  """`narrow_source_dtype` of output `position` of the `scan` equation `eqn` (a `ys` output:
+  one slice per iteration, made by the body)."""
+  body = jc.open_jaxpr(eqn.params["jaxpr"])[0]
+  return narrow_source_dtype(body, body.outvars[position])
 
 
 # Gather modes whose in-range rows the DHA gather reproduces (an id outside [0, V) reads a row

@@ -156,15 +156,6 @@ _LAYOUT = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "t
                      "optimization_barrier", "stop_gradient", "device_put"})
 
 
-def _call_body(eqn: Any) -> Any:
-  """The body of a call-like equation (`jax_compat.inner_jaxpr`, or jax.checkpoint's: named
-  'remat2' in jax 0.10), else None."""
-  inner = jc.inner_jaxpr(eqn)
-  if inner is None and eqn.primitive.name in ("remat2", "checkpoint", "remat"):
-    inner = eqn.params.get("jaxpr")
-  return inner
-
-
 def jaxpr_costs(jaxpr: Any, multiplier: float = 1.0) -> tuple[float, float]:
   """(matmul FLOP, elementwise bytes) of one run of `jaxpr` (open or closed).
 
@@ -198,7 +189,7 @@ def jaxpr_costs(jaxpr: Any, multiplier: float = 1.0) -> tuple[float, float]:
                  key=lambda t: t[0] + t[1], default=(0.0, 0.0))
       flops, ew = flops + best[0], ew + best[1]
       continue
-    inner = _call_body(eqn)
+    inner = jc.call_body(eqn)
     if inner is not None:
       f, b = jaxpr_costs(inner, multiplier)
       flops, ew = flops + f, ew + b
@@ -340,7 +331,7 @@ def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
         if eqn.params["length"] >= 2:
           scans.append(eqn)
         continue
-      inner = _call_body(eqn)
+      inner = jc.call_body(eqn)
       if inner is not None:
         walk(inner)
 
