@@ -17,6 +17,7 @@ import pytest
 
 import jaxtier
 from jaxtier._src.lowering import streaming
+from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.primitives import stream
 from jaxtier._src.lowering import hlo as hlo_lib
 
@@ -30,9 +31,20 @@ def _loss(W, x, y):
   return jnp.mean((h - y) ** 2)
 
 
-def _step_fn(tx):
+def _loss_bf16(W, x, y):
+  # fp32 weights, each layer computed in bf16 and rematerialised (as the example decoder's):
+  # the backward scan reads W, and W's gradient is the bf16 cotangent widened.
+  @jax.checkpoint
+  def body(h, w):
+    z = h.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)
+    return jnp.tanh(z.astype(jnp.float32)), None
+  h, _ = jax.lax.scan(body, x, W)
+  return jnp.mean((h - y) ** 2)
+
+
+def _step_fn(tx, loss_fn=_loss):
   def step(state, x, y):
-    loss, g = jax.value_and_grad(_loss)(state["W"], x, y)
+    loss, g = jax.value_and_grad(loss_fn)(state["W"], x, y)
     u, opt = tx.update(g, state["opt"], state["W"])
     return {"W": optax.apply_updates(state["W"], u), "opt": opt}, {"loss": loss}
   return step
@@ -81,6 +93,7 @@ def test_gradient_of_streamed_param_goes_to_a_host_buffer():
   state = step.place(_state(tx), x, y)
   (scratch,) = step._planned.programs.stream.scratch
   assert scratch.shape == (4, 32, 32)
+  assert jnp.dtype(scratch.dtype) == jnp.float32  # an fp32 layer's gradient stays fp32
   # Admission counts the gradient buffer as pinned_host bytes beyond the state.
   assert step.plan.compiler_host_extra_bytes >= 4 * 32 * 32 * 4
   w0 = np.array(state["W"])  # a copy: a view of the host buffer would block its donation
@@ -93,16 +106,44 @@ def test_gradient_of_streamed_param_goes_to_a_host_buffer():
                              atol=1e-7)
 
 
-def test_hlo_guard_stream_calls():
+def test_gradient_of_a_bf16_layer_goes_down_in_bf16():
+  # The gradient is exactly a bf16 value: it is sent and kept in bf16 (half the bytes), and
+  # the host update widens it as it loads it, so training equals jax.jit's.
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  x, y = _data()
+  step_fn = _step_fn(tx, _loss_bf16)
+  ref_state, ref = _train(jax.jit(step_fn), _state(tx), 10, x, y)
+  step = jaxtier.offload(step_fn, policy=STREAM_W)
+  state = step.place(_state(tx), x, y)
+  (scratch,) = step._planned.programs.stream.scratch
+  assert (scratch.shape, jnp.dtype(scratch.dtype)) == ((4, 32, 32), jnp.bfloat16)
+  w0 = np.array(state["W"])
+  state, first = step(state, x, y)
+  (g,) = step._scratch
+  assert g.dtype == jnp.bfloat16 and g.sharding.memory_kind == "pinned_host"
+  want = jax.grad(_loss_bf16)(jnp.asarray(w0), x, y)
+  np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want))
+  state, rest = _train(step, state, 9, x, y)
+  np.testing.assert_allclose(np.concatenate([[float(first["loss"])], rest]), ref, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(state["W"]), np.asarray(ref_state["W"]), rtol=1e-6,
+                             atol=1e-7)
+
+
+@pytest.mark.parametrize("loss_fn", [_loss, _loss_bf16])
+def test_hlo_guard_stream_calls(loss_fn):
   # The host leaf reaches each fetch whole: no copy, slice or dynamic-slice of it first; the
-  # gradient's host buffer reaches the sends the same way.
+  # gradient's host buffer reaches the sends, and the layer updates that read it, the same
+  # way (a bf16 buffer for the bf16 layers: no host-side convert either).
   tx = optax.sgd(0.1)
   x, y = _data()
-  step = jaxtier.offload(_step_fn(tx), policy=STREAM_W)
+  step = jaxtier.offload(_step_fn(tx, loss_fn), policy=STREAM_W)
   state = step.place(_state(tx), x, y)
   hlo = step.lower(state, x, y).compile().as_text()
-  for target in (stream.FETCH_TARGET, stream.SEND_TARGET):
+  for target in (stream.FETCH_TARGET, stream.SEND_TARGET, hu.LAYER_TARGET):
     assert hlo_lib.hlo_violations(hlo, target=target) == [], target
+  assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 4
+  dtype = "bf16" if loss_fn is _loss_bf16 else "f32"
+  assert re.search(rf"%scratch_leaves[\w.\-]* = {dtype}\[4,32,32\]", hlo), dtype
   assert hlo.count(f'custom_call_target="{stream.FETCH_TARGET}"') == 2 * 4  # fwd + bwd
   # XLA's GPU passes host-offload-legalize and host-offloader follow each pinned_host
   # parameter through the custom calls that alias it; at a call with several results they

@@ -17,7 +17,9 @@ before layer t's, so the copy runs under layer t's compute; at most two layers' 
 the device at a time (plus the first fetch, issued early). A `ys` output of the scan that only a
 fused host update reads (the gradient of a host-resident parameter) is sent slice by slice into
 a donated `pinned_host` scratch buffer as soon as each slice exists, in the other direction of
-the link (duplex), and the host update reads it there; the device never holds it whole.
+the link (duplex), and the host update reads it there; the device never holds it whole. Where
+the gradient is a bf16 value widened (an fp32 weight that the layer casts to bf16), it is sent
+and kept in bf16: exactly the same values in half the bytes, widened as the update loads them.
 
 Why unroll rather than keep the loop: a copy engine needs the slice's host address when the copy
 is issued, and a loop's index lives on the device; unrolled, each fetch has its index as a
@@ -63,7 +65,8 @@ class Scratch:
 
   Attributes:
     shape: [L, ...] of the gradient.
-    dtype: its dtype.
+    dtype: its dtype, or the narrower float dtype it exactly widens
+      (`jaxpr_graph.narrow_source_dtype`: bf16 for a weight a bf16 layer casts), sent so.
     leaf: index of the streamed state leaf whose sharding it follows.
   """
 
@@ -131,7 +134,10 @@ def schedule(jaxpr: Any, streamed: Sequence[int], host_eqns: "set[int]") -> Stre
         continue
       sent_vars[ov] = len(scratch)
       sent.append((j, len(scratch)))
-      scratch.append(Scratch(tuple(ov.aval.shape), ov.aval.dtype, seed))
+      # A gradient that is a bf16 value widened goes down in bf16, exactly (half the bytes
+      # over the link and in host DRAM); the host update widens it back as it loads it.
+      dtype = jaxpr_graph.scan_ys_narrow_dtype(eqn, j) or ov.aval.dtype
+      scratch.append(Scratch(tuple(ov.aval.shape), dtype, seed))
     scans[k] = StreamedScan(k, pos, tuple(sent))
   return StreamSchedule(scans, tuple(scratch), sent_vars)
 
@@ -241,6 +247,10 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
           scratch[s], = stream.wait([scratch[s]], after=pending + arrays_of(outs),
                                     direction="d2h")
         _landed(on_landed, order[t - 1], prev_outs, scratch, idx, reorder=True)
+      # A narrowed buffer takes the slice in its dtype: exact (`Scratch`), and XLA folds the
+      # round trip into the body's widening.
+      sends = [(s, y if y.dtype == scratch[s].dtype else y.astype(scratch[s].dtype))
+               for s, y in sends]
       for s, y in sends:
         scratch[s], = stream.send([scratch[s]], [y], layer)
       pending = [y for _, y in sends]
