@@ -129,6 +129,16 @@ def test_gradient_of_a_bf16_layer_goes_down_in_bf16():
                              atol=1e-7)
 
 
+def test_planner_costs_the_bf16_gradient_as_sent():
+  # The layered AdamW update of W on host_cpu moves 28 B per param with an fp32 gradient
+  # (gradient, param, moments read; param, moments written) and 26 with a bf16 one.
+  tx = optax.adamw(1e-2)
+  x, y = _data()
+  secs = [jaxtier.plan(_step_fn(tx, f), _state(tx), x, y, policy=STREAM_W,
+                       platform="gpu").resource_secs["host_cpu"] for f in (_loss, _loss_bf16)]
+  assert secs[1] / secs[0] == pytest.approx(26 / 28, rel=1e-3)
+
+
 @pytest.mark.parametrize("loss_fn", [_loss, _loss_bf16])
 def test_hlo_guard_stream_calls(loss_fn):
   # The host leaf reaches each fetch whole: no copy, slice or dynamic-slice of it first; the

@@ -52,10 +52,14 @@ STREAM_PINNED_PER_BYTE = 3
 # buffer its gradient rows are scatter-added into.
 DHA_PINNED_PER_BYTE = 2
 
-def pinned_per_byte(placement: str) -> int:
-  """Pinned host bytes per byte of a parameter placed `placement` off the device."""
-  return {Placement.HOST_STREAM: STREAM_PINNED_PER_BYTE,
-          Placement.HOST_DHA: DHA_PINNED_PER_BYTE}.get(placement, 1)
+
+def placed_pinned_bytes(placement: str, nbytes: int, sent_grad_nbytes: int) -> int:
+  """Pinned host bytes of a parameter of `nbytes` placed `placement` off the device; a
+  `host_stream` one's two gradient buffers hold `sent_grad_nbytes` each (its gradient as sent:
+  in bf16 where it is a bf16 value widened)."""
+  if placement == Placement.HOST_STREAM:
+    return nbytes + (STREAM_PINNED_PER_BYTE - 1) * sent_grad_nbytes
+  return nbytes * (DHA_PINNED_PER_BYTE if placement == Placement.HOST_DHA else 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

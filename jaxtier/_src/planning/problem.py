@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import jaxpr_graph
 from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis import program_compiler
 from jaxtier._src.analysis import step_costs as step_costs_lib
@@ -39,6 +40,9 @@ class ParamItem:
     dha_nbytes: bytes the zero-copy path moves per step each way when it is `host_dha`: the
       rows an embedding lookup gathers (and their gradient rows, sent down); None: the whole
       leaf is read (a weight multiplied in place).
+    sent_grad_nbytes: its gradient's bytes sent down and held in pinned_host per step when it
+      is `host_stream` (None: `grad_nbytes`; half of it where the gradient is a bf16 value
+      widened and goes down in bf16, `lowering/streaming.py`).
   """
 
   index: int
@@ -52,6 +56,12 @@ class ParamItem:
   options: tuple[str, ...] = (Placement.DEVICE,)
   update: "int | None" = None
   dha_nbytes: "int | None" = None
+  sent_grad_nbytes: "int | None" = None
+
+  @property
+  def stream_grad_nbytes(self) -> int:
+    """Gradient bytes sent down (and held in pinned_host) per step when placed `host_stream`."""
+    return self.grad_nbytes if self.sent_grad_nbytes is None else self.sent_grad_nbytes
 
   @property
   def dha_read_nbytes(self) -> int:
@@ -179,18 +189,20 @@ def stage_key(path: str) -> "tuple[str, int] | None":
 
 
 def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, int],
-                   call: Any = None, on_host: "frozenset[int]" = frozenset()
+                   call: Any = None, on_host: "Mapping[int, int] | None" = None
                    ) -> cost_model.UpdateTraffic:
   """The bytes one host-update call of `cc` moves, per device.
 
   `call` is one of `program_compiler.calls_of(cc)` (None: the whole component as one call).
   Host operands (state leaves, fp32 masters, and the operand positions `on_host`: gradients a
-  streamed layer loop sends to pinned_host) are read from pinned_host; results that alias
+  streamed layer loop sends to pinned_host, each mapped to the itemsize it is sent in) are read
+  from pinned_host; results that alias
   them are written back there; other operands (gradients, device params) are device reads and
   other results (new params) device writes. Sizes per device: the global sizes scaled by the
   component's first leaf's shard fraction.
   """
   seed = leaves[cc.component.seeds[0]]
+  on_host = on_host or {}
   frac = _shard_fraction(cc, leaves)
   operands = range(len(cc.operands)) if call is None else call.operands
   results = range(len(cc.results)) if call is None else call.results
@@ -205,7 +217,7 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
       aval = spec.var.aval
       n = int(np.prod(aval.shape, dtype=np.int64))
       if i in on_host:
-        read += n * _itemsize(aval.dtype) * frac
+        read += n * on_host[i] * frac
       elif n > 1:
         dev_in += n * _itemsize(aval.dtype) * frac
   for k in results:
@@ -219,6 +231,13 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
   return cost_model.UpdateTraffic(host_read_bytes=int(read), host_write_bytes=int(write),
                           device_in_bytes=int(dev_in), device_out_bytes=int(dev_out),
                           elements=elements)
+
+
+def _sent_itemsizes(scan: Any, grads: Mapping[int, int]) -> dict[int, int]:
+  """{operand position: the itemsize its gradient is sent in} for the gradients `grads`
+  ({operand position: outvar position}) of the streamed `scan` (`streaming.schedule`)."""
+  return {p: _itemsize(jaxpr_graph.scan_ys_narrow_dtype(scan, j) or scan.outvars[j].aval.dtype)
+          for p, j in grads.items()}
 
 
 def _streams(scan: Any, jaxpr: Any, placement: Mapping[int, str]) -> bool:
@@ -305,6 +324,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     tables = dha_readable if isinstance(dha_readable, Mapping) else {}
   loops = layer_stacks.LayerLoops(jaxpr)
   seeded: dict[int, int] = {}
+  sent_ratio: dict[int, float] = {}  # streamed param leaf -> its gradient's sent/full bytes
   updates: list[UpdateItem] = []
   for u, cc in enumerate(compiled):
     seeds = tuple(cc.component.seeds)
@@ -318,8 +338,14 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     got = loops.of(cc) if _shard_fraction(cc, leaves) == 1.0 else ""
     # A layer loop that streams leaves sends the gradients only host updates read to a
     # pinned_host scratch buffer (`lowering/streaming.py`): the update reads them there.
-    sent = (frozenset(got[1]) if not isinstance(got, str)
-            and _streams(jaxpr.eqns[got[0]], jaxpr, placement) else frozenset())
+    # A gradient that is a bf16 value widened is sent in bf16: the bytes streaming would send.
+    sizes = {} if isinstance(got, str) else _sent_itemsizes(jaxpr.eqns[got[0]], got[1])
+    if sizes:
+      ratio = sum(sizes.values()) / sum(_itemsize(cc.operands[p].var.aval.dtype) for p in sizes)
+      for i in set(seeds) | set(cc.component.outputs):
+        if i < len(leaves) and leaves[i].role == param_role:
+          sent_ratio[i] = ratio
+    sent = sizes if sizes and _streams(jaxpr.eqns[got[0]], jaxpr, placement) else {}
     if not overlap_update:
       got = ""
     num_layers = 0 if isinstance(got, str) else int(jaxpr.eqns[got[0]].params["length"])
@@ -390,6 +416,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                            stage=key, stage_order=order, num_layers=layers,
                            compute_secs=total * n / elements if elements else 0.0,
                            options=tuple(opts), update=update_of_param.get(l.index),
+                           sent_grad_nbytes=int(l.nbytes * sent_ratio.get(l.index, 1.0)),
                            dha_nbytes=(dha_readable.get(l.index)
                                        if isinstance(dha_readable, Mapping) else None)))
   # A stage's order is that of its earliest member.
@@ -416,8 +443,9 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       fixed_pinned += l.nbytes
       fixed_costs.append(cost_model.xla_copy_cost(l.nbytes, profile, platform=platform))
     else:
-      fixed_pinned += l.nbytes * (cost_model.pinned_per_byte(p) if l.role == param_role
-                                  else 1)
+      fixed_pinned += (cost_model.placed_pinned_bytes(
+          p, l.nbytes, int(l.nbytes * sent_ratio.get(l.index, 1.0)))
+                       if l.role == param_role else l.nbytes)
   transient = max(int(step_costs.transient_bytes), grads)
   # Parameters already streamed (or read zero-copy) whose update call the cut seeded with them
   # are not decision units, but they still hold no gradient on the device (it goes down layer

@@ -98,7 +98,7 @@ def _stage_cost(stage: list[ParamItem], assign: Mapping[int, str], *, scale: flo
   compute = scale * sum(p.compute_secs for p in stage)
   layers = max(p.num_layers for p in stage)
   fetch = sum(p.nbytes for p in stage if assign[p.index] == Placement.HOST_STREAM)
-  grads = sum(p.grad_nbytes for p in stage if assign[p.index] == Placement.HOST_STREAM)
+  grads = sum(p.stream_grad_nbytes for p in stage if assign[p.index] == Placement.HOST_STREAM)
   dha_r = sum(p.dha_read_nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
   dha_w = sum(p.dha_write_nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
   return cost_model.stream_stage(compute_secs=compute, num_layers=layers, fetch_bytes=fetch,
@@ -213,7 +213,7 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
   peak = base + used + (buffers if streamed else 0) + results
   peak -= credit(on_host) - credit(host_updates)
   pinned = problem.fixed_pinned_bytes + sum(updates[u].pinned_nbytes for u in on_host)
-  pinned += sum(p.nbytes * cost_model.pinned_per_byte(params[p.index])
+  pinned += sum(cost_model.placed_pinned_bytes(params[p.index], p.nbytes, p.stream_grad_nbytes)
                 for p in problem.params if params[p.index] != Placement.DEVICE)
   layers = sum((opt[1] for opt in chosen), cost_model.ZERO)
   by_rows = {u for u in on_host if updates[u].by_rows(params)}
