@@ -117,16 +117,22 @@ def test_gradient_of_a_bf16_layer_goes_down_in_bf16():
   state = step.place(_state(tx), x, y)
   (scratch,) = step._planned.programs.stream.scratch
   assert (scratch.shape, jnp.dtype(scratch.dtype)) == ((4, 32, 32), jnp.bfloat16)
-  w0 = np.array(state["W"])
-  state, first = step(state, x, y)
+  state, got = _train(step, state, 9, x, y)
+  w_last = np.array(state["W"])  # copies: a view of a host buffer would block its donation
+  state, last = step(state, x, y)
+  # On a GPU the unrolled layers' bf16 matmuls are compiled apart from jax.jit's loop.
+  cpu = jax.default_backend() == "cpu"
+  tol = 1e-6 if cpu else 2e-2
+  np.testing.assert_allclose(np.append(got, float(last["loss"])), ref, rtol=tol)
+  np.testing.assert_allclose(np.asarray(state["W"]), np.asarray(ref_state["W"]), rtol=tol,
+                             atol=1e-7 if cpu else 1e-3)
+  # The last step's gradient, in the buffer (read after the last step only): on the CPU bit
+  # for bit.
   (g,) = step._scratch
   assert g.dtype == jnp.bfloat16 and g.sharding.memory_kind == "pinned_host"
-  want = jax.grad(_loss_bf16)(jnp.asarray(w0), x, y)
-  np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want))
-  state, rest = _train(step, state, 9, x, y)
-  np.testing.assert_allclose(np.concatenate([[float(first["loss"])], rest]), ref, rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(state["W"]), np.asarray(ref_state["W"]), rtol=1e-6,
-                             atol=1e-7)
+  want = np.asarray(jax.grad(_loss_bf16)(jnp.asarray(w_last), x, y))
+  np.testing.assert_allclose(np.array(g).astype(np.float32), want, rtol=0 if cpu else 2e-2,
+                             atol=0 if cpu else 1e-4)
 
 
 def test_planner_costs_the_bf16_gradient_as_sent():
@@ -349,6 +355,9 @@ def test_streamed_on_gpu_trains_like_device(gpu, dtype):
 def test_auto_streams_the_layer_stack_when_the_budget_asks_for_it():
   # No policy: with a device budget that the state does not fit even with the optimizer state
   # on the host, the planner streams the layer stack, and the step trains like jax.jit.
+  if jax.default_backend() != "cpu":
+    pytest.skip("sized for the CPU: on a GPU the compiled step's workspace (32 MiB on the "
+                "H200) is over any budget this state can test; W5's streaming case plans there")
   tx = optax.adamw(1e-2)
   layers, d = 8, 128
   x, y = _data(d=d, b=4)
