@@ -6,10 +6,11 @@ from flax import nnx
 
 
 class Block(nnx.Module):
-  """One layer: tanh(x W + b), computed in the param dtype, returned in fp32."""
+  """One layer: tanh(x W + b), computed in the param dtype (or `compute_dtype`: the params
+  cast to it), returned in fp32."""
 
-  def __init__(self, width: int, rngs: nnx.Rngs):
-    self.w = nnx.Linear(width, width, rngs=rngs)
+  def __init__(self, width: int, rngs: nnx.Rngs, compute_dtype=None):
+    self.w = nnx.Linear(width, width, dtype=compute_dtype, rngs=rngs)
 
   def __call__(self, x):
     return jnp.tanh(self.w(x.astype(self.w.kernel.get_value().dtype)).astype(jnp.float32))
@@ -23,7 +24,7 @@ class Stack(nnx.Module):
   """
 
   def __init__(self, rngs: nnx.Rngs, *, layers: int, width: int, head: int = 0,
-               inputs: int = 0, name: str = "blocks"):
+               inputs: int = 0, name: str = "blocks", compute_dtype=None):
     self.name = name
     if inputs:
       self.w_in = nnx.Linear(inputs, width, rngs=rngs)
@@ -31,7 +32,7 @@ class Stack(nnx.Module):
     @nnx.split_rngs(splits=layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-      return Block(width, rngs)
+      return Block(width, rngs, compute_dtype)
     setattr(self, name, make(rngs))
     if head:
       self.head = nnx.Linear(width, head, rngs=rngs)

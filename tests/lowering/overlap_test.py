@@ -8,6 +8,8 @@ a global-norm clip keeps the stack serial, with its reason; the compiled program
 leaves in place; a step that fails after the layered updates began names what it left.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,12 +31,12 @@ STREAM = {r"\['params'\]\['blocks'\]": "host_stream"}
 POLICIES = {"host": ON_HOST, "stream": STREAM}
 
 
-def Stack(rngs):  # pylint: disable=invalid-name
-  return _stacks.Stack(rngs, layers=LAYERS, width=WIDTH, head=2)
+def Stack(rngs, compute_dtype=None):  # pylint: disable=invalid-name
+  return _stacks.Stack(rngs, layers=LAYERS, width=WIDTH, head=2, compute_dtype=compute_dtype)
 
 
-def _model(dtype=jnp.float32):
-  graphdef, params = nnx.split(Stack(nnx.Rngs(0)))
+def _model(dtype=jnp.float32, compute_dtype=None):
+  graphdef, params = nnx.split(Stack(nnx.Rngs(0), compute_dtype))
   return graphdef, jax.tree.map(lambda p: p.astype(dtype), params)
 
 
@@ -55,8 +57,8 @@ def _batch(i):
   return jax.random.normal(k1, (8, WIDTH)), jax.random.normal(k2, (8, 2))
 
 
-def _train(tx, overlap, dtype=jnp.float32, steps=6, policy=ON_HOST):
-  graphdef, params = _model(dtype)
+def _train(tx, overlap, dtype=jnp.float32, steps=6, policy=ON_HOST, compute_dtype=None):
+  graphdef, params = _model(dtype, compute_dtype)
   step = jaxtier.offload(_step(graphdef, tx), policy=policy, overlap_update=overlap)
   state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
   losses = []
@@ -148,6 +150,36 @@ def test_bf16_params_with_masters_layered_equal_serial(where):
     # arithmetic, rounded when stored, as `jax.jit` does): no masters.
     assert not split.layered_masters and not split.overlap.device_leaves
     assert sum("['params']" in layered.plan.leaves[i].path for i in split.layered_host) == 2
+
+
+@pytest.mark.parametrize("where", list(POLICIES))
+def test_bf16_layers_hand_their_gradients_over_in_bf16(where):
+  # fp32 params in bf16 layers: each stacked gradient is a bf16 value widened. The layer calls
+  # take it in bf16 (half the bytes kept alive until the join and copied down), or read the
+  # bf16 buffer a streamed scan sends it into, and give the serial step's numbers.
+  tx = optax.adamw(1e-2, weight_decay=0.1)
+  kw = dict(policy=POLICIES[where], compute_dtype=jnp.bfloat16)
+  _, s_state, s_losses = _train(tx, overlap=False, **kw)
+  layered, l_state, l_losses = _train(tx, overlap=True, **kw)
+  _assert_same(s_state, l_state, s_losses, l_losses)
+  split = layered._programs.split
+  bf16 = jnp.dtype(jnp.bfloat16)
+  assert len(split.overlap.updates) == 2, split.overlap.serial  # the block's kernel and bias
+  # (Without remat the backward scan reads the forward's bf16 copies, not the stack: no
+  # streamed scan there, so in both placements the gradients reach the calls from the device.)
+  for u in split.overlap.updates:
+    assert (set(u.narrow.values()) == {bf16} if not u.sent
+            else {jnp.dtype(split.stream.scratch[i].dtype) for i in u.sent.values()} == {bf16})
+  # The compiled calls take those operands in bf16.
+  graphdef, params = _model(compute_dtype=jnp.bfloat16)
+  state = layered.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  hlo = layered.lower(state, _batch(0)).compile().as_text()
+  calls = [l for l in hlo.splitlines() if f'custom_call_target="{hu.LAYER_TARGET}"' in l]
+  assert len(calls) == 2 * LAYERS
+  narrow = {p for u in split.overlap.updates for p in u.narrow}
+  for line in calls:
+    layouts = re.search(r"operand_layout_constraints=\{(.*?)\}, ", line).group(1).split(", ")
+    assert all(layouts[p].startswith("bf16[") for p in narrow), layouts
 
 
 def test_layered_step_matches_jax_jit():

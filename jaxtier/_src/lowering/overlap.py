@@ -51,6 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import jaxpr_graph
 from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis.program_compiler import CompiledComponent
 from jaxtier._src.lowering import lookups
@@ -81,6 +82,10 @@ class LayeredUpdate:
     sent: operand position -> scratch index, for the gradients a streamed scan sends to a
       pinned_host scratch buffer: the call reads layer t's window there in place, issued once
       the window has landed (`streaming.run_scan`'s `on_landed`), not when it is computed.
+    narrow: operand position -> the dtype its gradient slice is passed in, for the gradients
+      on the device that are exactly a bf16 value widened (`jaxpr_graph.narrow_source_dtype`):
+      the slice the call reads, copies down (host_cpu) and keeps alive until the join is half
+      the fp32 one; the update widens it as it loads it.
   """
 
   component: int
@@ -94,6 +99,7 @@ class LayeredUpdate:
   buffers: tuple[tuple[str, int], ...] = ()
   sent: dict[int, int] = dataclasses.field(default_factory=dict)
   rows: "TableRows | None" = None
+  narrow: dict[int, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +334,10 @@ def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n
     return got
   targets, extra = got
   return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
-                       buffers=_buffers(cc, targets, extra, jaxpr), sent=sent)
+                       buffers=_buffers(cc, targets, extra, jaxpr), sent=sent,
+                       narrow={p: d for p, j in grads.items() if p not in sent
+                               and (d := jaxpr_graph.scan_ys_narrow_dtype(jaxpr.eqns[k], j))
+                               is not None})
 
 
 def _targets(cc: CompiledComponent, leaves: Sequence[Any], n_state: int,

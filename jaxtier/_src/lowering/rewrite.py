@@ -347,9 +347,12 @@ class _LayerCalls:
   def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
             scratch: dict[int, Any]) -> Any:
     cc = self.compiled[u.component]
-    # This layer's gradient slices in place of the stacked gradients; a pinned_host scratch
-    # buffer whose window `layer` has landed is read in place.
-    slices = {cc.operands[pos].var: outs[j] for pos, j in u.grads.items() if pos not in scratch}
+    # This layer's gradient slices in place of the stacked gradients (in bf16 where that is
+    # exact: `LayeredUpdate.narrow`); a pinned_host scratch buffer whose window `layer` has
+    # landed is read in place.
+    slices = {cc.operands[pos].var: (outs[j].astype(u.narrow[pos]) if pos in u.narrow
+                                     else outs[j])
+              for pos, j in u.grads.items() if pos not in scratch}
     program, operands = self._operands(u, scratch,
                                        lambda v: slices[v] if v in slices else read(v))
     token = hu.host_update_layer(
