@@ -189,20 +189,20 @@ def stage_key(path: str) -> "tuple[str, int] | None":
 
 
 def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, int],
-                   call: Any = None, on_host: "Mapping[int, int] | None" = None
-                   ) -> cost_model.UpdateTraffic:
+                   call: Any = None, on_host: "frozenset[int]" = frozenset(),
+                   itemsizes: "Mapping[int, int] | None" = None) -> cost_model.UpdateTraffic:
   """The bytes one host-update call of `cc` moves, per device.
 
   `call` is one of `program_compiler.calls_of(cc)` (None: the whole component as one call).
   Host operands (state leaves, fp32 masters, and the operand positions `on_host`: gradients a
-  streamed layer loop sends to pinned_host, each mapped to the itemsize it is sent in) are read
-  from pinned_host; results that alias
+  streamed layer loop sends to pinned_host) are read from pinned_host; results that alias
   them are written back there; other operands (gradients, device params) are device reads and
   other results (new params) device writes. Sizes per device: the global sizes scaled by the
-  component's first leaf's shard fraction.
+  component's first leaf's shard fraction. `itemsizes` gives the operand positions read in
+  another dtype than their own (a gradient that is a bf16 value widened, passed in bf16).
   """
   seed = leaves[cc.component.seeds[0]]
-  on_host = on_host or {}
+  itemsizes = itemsizes or {}
   frac = _shard_fraction(cc, leaves)
   operands = range(len(cc.operands)) if call is None else call.operands
   results = range(len(cc.results)) if call is None else call.results
@@ -216,10 +216,11 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
     elif spec.kind == "value" and spec.var is not None:
       aval = spec.var.aval
       n = int(np.prod(aval.shape, dtype=np.int64))
+      size = itemsizes.get(i, _itemsize(aval.dtype))
       if i in on_host:
-        read += n * on_host[i] * frac
+        read += n * size * frac
       elif n > 1:
-        dev_in += n * _itemsize(aval.dtype) * frac
+        dev_in += n * size * frac
   for k in results:
     r = cc.results[k]
     nbytes = int(np.prod(r.shape, dtype=np.int64)) * np.dtype(r.dtype).itemsize * frac
@@ -233,9 +234,10 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
                           elements=elements)
 
 
-def _sent_itemsizes(scan: Any, grads: Mapping[int, int]) -> dict[int, int]:
-  """{operand position: the itemsize its gradient is sent in} for the gradients `grads`
-  ({operand position: outvar position}) of the streamed `scan` (`streaming.schedule`)."""
+def _grad_itemsizes(scan: Any, grads: Mapping[int, int]) -> dict[int, int]:
+  """{operand position: the itemsize its gradient is sent (streamed) or handed to a layered
+  update in} for the gradients `grads` ({operand position: outvar position}) of the layer loop
+  `scan`: bf16 where the gradient is a bf16 value widened (`jaxpr_graph.narrow_source_dtype`)."""
   return {p: _itemsize(jaxpr_graph.scan_ys_narrow_dtype(scan, j) or scan.outvars[j].aval.dtype)
           for p, j in grads.items()}
 
@@ -338,22 +340,26 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     got = loops.of(cc) if _shard_fraction(cc, leaves) == 1.0 else ""
     # A layer loop that streams leaves sends the gradients only host updates read to a
     # pinned_host scratch buffer (`lowering/streaming.py`): the update reads them there.
-    # A gradient that is a bf16 value widened is sent in bf16: the bytes streaming would send.
-    sizes = {} if isinstance(got, str) else _sent_itemsizes(jaxpr.eqns[got[0]], got[1])
+    # A gradient that is a bf16 value widened is sent in bf16 (the bytes streaming would send),
+    # and a layered update takes it in bf16 on the device too (`overlap.LayeredUpdate.narrow`).
+    sizes = {} if isinstance(got, str) else _grad_itemsizes(jaxpr.eqns[got[0]], got[1])
     if sizes:
       ratio = sum(sizes.values()) / sum(_itemsize(cc.operands[p].var.aval.dtype) for p in sizes)
       for i in set(seeds) | set(cc.component.outputs):
         if i < len(leaves) and leaves[i].role == param_role:
           sent_ratio[i] = ratio
-    sent = sizes if sizes and _streams(jaxpr.eqns[got[0]], jaxpr, placement) else {}
+    streams = bool(sizes) and _streams(jaxpr.eqns[got[0]], jaxpr, placement)
+    sent = frozenset(sizes) if streams else frozenset()
     if not overlap_update:
       got = ""
     num_layers = 0 if isinstance(got, str) else int(jaxpr.eqns[got[0]].params["length"])
+    read_as = sizes if sent or num_layers else {}
     # The calls run one after the other: their costs add. A layered update is one call per
     # layer, writing device and host results in place alike.
     calls = (None,) if num_layers else calls
     costs = {e: functools.reduce(operator.add, [
-        cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call, sent),
+        cost_model.update_cost(e, update_traffic(cc, leaves, master_nbytes, call, sent,
+                                                 read_as),
                                profile,
                                platform=platform,
                                dha_fraction=layered_dha_fraction if num_layers else None,
