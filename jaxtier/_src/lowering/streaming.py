@@ -247,8 +247,8 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
           scratch[s], = stream.wait([scratch[s]], after=pending + arrays_of(outs),
                                     direction="d2h")
         _landed(on_landed, order[t - 1], prev_outs, scratch, idx, reorder=True)
-      # A narrowed buffer takes the slice in its dtype: exact (`Scratch`), and XLA folds the
-      # round trip into the body's widening.
+      # A narrowed buffer takes the slice in its dtype: exact (`Scratch`); the convert is one
+      # layer's slice on the device.
       sends = [(s, y if y.dtype == scratch[s].dtype else y.astype(scratch[s].dtype))
                for s, y in sends]
       for s, y in sends:
