@@ -41,13 +41,18 @@ def test_update_cost_formulas():
   with pytest.raises(ValueError, match=r"expected grid in \(0, 1\], got 0"):
     d.dha_update_secs(n, 0, grid=0)
   cpu = cost_model.update_cost("host_cpu", t, P)
-  # M = R + W + 1.5 (D_in + D_out) = 3.125 GB at 30 GB/s (1e9 params/s x 30 B); links:
+  # M = 0.88 (R + W) + 1.76 (D_in + D_out) = 3.08 GB at 30 GB/s (1e9 params/s x 30 B); links:
   # 0.5 GB / 40, 0.25 GB / 50.
-  assert cpu.secs == pytest.approx(3.125 / 30) and cpu.bound == "host_cpu"
+  assert cpu.secs == pytest.approx(3.08 / 30) and cpu.bound == "host_cpu"
   assert (cpu.h2d_bytes, cpu.d2h_bytes) == (GB // 4, GB // 2)
+  # In place only (a streamed layer's update: its gradient is already in pinned_host).
+  in_place = cost_model.UpdateTraffic(host_read_bytes=GB, host_write_bytes=GB, device_in_bytes=0,
+                                      device_out_bytes=0)
+  assert cost_model.update_cost("host_cpu", in_place, P).secs == pytest.approx(0.88 * 2 / 30)
   split = cost_model.update_cost("host_split", t, P, dha_fraction=0.8)
-  dram = (0.8 * 2.0 + 0.2 * 3.125) / 100  # both executors' host DRAM traffic
-  assert split.secs == pytest.approx(max(0.8 * 2 / 60, 0.2 * 3.125 / 30, dram))
+  # Both executors' host DRAM traffic: the CPU's share R + W + 1.5 (D_in + D_out) = 3.125 GB.
+  dram = (0.8 * 2.0 + 0.2 * 3.125) / 100
+  assert split.secs == pytest.approx(max(0.8 * 2 / 60, 0.2 * 3.08 / 30, dram))
   assert split.bound == "dha" and split.secs < min(dha.secs, cpu.secs)
   # On the CPU backend pinned_host is host memory: every byte once, at the CPU rate.
   on_cpu = cost_model.update_cost("host_dha", t, P, platform="cpu")

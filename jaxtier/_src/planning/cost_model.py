@@ -114,12 +114,27 @@ class UpdateTraffic:
 
 
 # Host-DRAM bytes per byte staged for the CPU executor: the CPU's read (or write) of the staging
-# buffer, plus half a byte for the copy engine's side of it. Fitted to the H200's W3 runs (1b,
-# fp32 params on the device, AdamW moments on the host: 40 staged-or-host bytes per param,
-# `benchmarks/results/w3/`): the layered host_cpu update took about 410 ms (batch 8: 460.6 ms a
-# step over 169 ms of compute, 3/4 of it backward), where a factor of 2 predicts 471 ms and
-# 1.5 predicts 427 ms; the serial split's update took 330-355 ms, predicted 320 (2: 357 ms).
+# buffer, plus half a byte for the copy engine's side of it. The split's host-DRAM bound counts
+# its CPU share's staged bytes so.
 STAGING_DRAM_FACTOR = 1.5
+
+
+# The CPU executor's time, in bytes at `profile.cpu_update_gbps()` per byte it moves: its host
+# operands, read and written in place (CPU_IN_PLACE_FACTOR), and its staged device operands and
+# results (CPU_STAGED_FACTOR: the CPU's pass over the staging buffer plus the copy engine's side
+# of it). Fitted to the H200's runs that isolate each (1b decoder, batch 8, layered host_cpu
+# updates, the update's time read off the step as measured less the predicted step's other
+# phases; `benchmarks/results/w3/`, `w5_planner.json`):
+# - layers streamed, no staging (26 B per param in place): 302 ms measured for the 1b's 1.03e9
+#   params and 75.7 ms for W5's 0.28e9, 0.29 and 0.27 ns per param, where 26 B at the rate
+#   predicts 0.32: their mean is 0.88 of a byte at the rate;
+# - moments on the host, fp32 params on the device (16 B in place, 10 B staged: the bf16
+#   gradient and the param down, the new param up): 398 ms, 0.387 ns per param, so a staged byte
+#   counts 1.76.
+# The rate itself is the calibration's (`calibrate`: an AdamW pass with its transfers, turned into
+# bytes by `CPU_DRAM_BYTES_PER_PARAM`).
+CPU_IN_PLACE_FACTOR = 0.88
+CPU_STAGED_FACTOR = 1.76
 
 
 def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile, *,
@@ -136,14 +151,16 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     per-element rate or R + W at its link rate, whichever is slower, both lower on a small
     grid; without N, (R + W) / dha_rw). Link: R host->device, W device->host.
   - `host_cpu`: the gradients (device_in, D_in) go down and the new params (device_out, D_out)
-    up through pinned staging buffers, pipelined with the CPU's pass; the CPU streams
-      M = R + W + STAGING_DRAM_FACTOR * (D_in + D_out) bytes of host DRAM
-    (the host operands, plus each staging buffer written by a copy engine and read by the CPU,
-    or the reverse) at `profile.cpu_update_gbps()`:
+    up through pinned staging buffers, pipelined with the CPU's pass over
+      M = a (R + W) + s (D_in + D_out) bytes
+    (the host operands in place, a = CPU_IN_PLACE_FACTOR, and each staging buffer written by a
+    copy engine and read by the CPU, or the reverse, s = CPU_STAGED_FACTOR) at
+    `profile.cpu_update_gbps()`:
       secs = max(M / cpu_rate, D_in / link_d2h, D_out / link_h2d).
   - `host_split`: the kernel takes a share f of the elements (`dha_fraction`, default
-    `profile.split_fraction`), the CPU the rest, at once; both draw on host DRAM:
-      secs = max(f * t_dha, (1 - f) * t_cpu, (f * (R + W) + (1 - f) * M) / host_dram).
+    `profile.split_fraction`), the CPU the rest, at once; both draw on host DRAM, the CPU's
+    share M' = R + W + STAGING_DRAM_FACTOR * (D_in + D_out) bytes of it:
+      secs = max(f * t_dha, (1 - f) * t_cpu, (f * (R + W) + (1 - f) * M') / host_dram).
   CPU platform: pinned_host is host memory and there is no link; every executor is the CPU
   handler: secs = (R + W + D_in + D_out) / cpu_rate.
 
@@ -175,7 +192,7 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     return Cost(secs=secs, h2d_bytes=r, d2h_bytes=w, dha_secs=secs, bound="dha")
 
   def cpu() -> Cost:
-    m = r + w + STAGING_DRAM_FACTOR * (d_in + d_out)
+    m = CPU_IN_PLACE_FACTOR * (r + w) + CPU_STAGED_FACTOR * (d_in + d_out)
     parts = {"host_cpu": m / cpu_rate, "link_d2h": d_in / bytes_per_sec(profile.link_d2h_gbps),
              "link_h2d": d_out / bytes_per_sec(profile.link_h2d_gbps)}
     bound = max(parts, key=parts.get)
