@@ -85,17 +85,18 @@ def plan_main() -> None:
                                                           flags.FLAGS.offload)
   # As `train` plans (None: every parameter the lowering can stream), unless --nostream.
   streamable = None if _STREAM.value else frozenset()
-  refused = None
+  refused = error = None
   try:
-    plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
-                        host_budget=flags.FLAGS.host_budget or None, platform=platform,
-                        policy=policy, streamable=streamable,
-                        activations=llama.activation_model(config, batch, seq_len),
-                        overlap_update=flags.FLAGS.overlap_update)
+    with train_lib.verdicts_printed():  # printed below, in the plan's notes
+      plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
+                          host_budget=flags.FLAGS.host_budget or None, platform=platform,
+                          policy=policy, streamable=streamable,
+                          activations=llama.activation_model(config, batch, seq_len),
+                          overlap_update=flags.FLAGS.overlap_update)
   except jaxtier.PlanError as e:
     if e.plan is None:
       raise app.UsageError(str(e)) from e
-    plan, refused = e.plan, str(e)
+    plan, refused, error = e.plan, str(e), e
   if _PLOT.value:
     path = jaxtier.plot_plan(plan, _PLOT.value, title=f"jaxtier plan: {flags.FLAGS.config} on "
                      f"{platform}, batch {batch} x seq {seq_len}")
@@ -134,25 +135,35 @@ def plan_main() -> None:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
   if not fits:
     # The library's fixes name Python policies; these are the command line's.
-    hints = [] if _STREAM.value or flags.FLAGS.offload == "stream" else [
-        "without --nostream (the planner may stream the layers' params from pinned_host)"]
-    if not any(v.limit == "device_memory" for v in plan.violations):
+    missed = {v.limit for v in plan.violations} | {getattr(error, "limit", "")}
+    device_missed = bool(missed & {"device_budget", "device_memory"})
+    # The pinned bytes over the host's limit, or the CPU backend's RAM over what it has.
+    host_missed = bool(missed & {"host_limit", "host_memory"})
+    hints = []
+    if not _STREAM.value and flags.FLAGS.offload == "auto" and device_missed:
+      # Under auto alone the planner picks what streams (stream places the layers' params
+      # itself; none and optimizer_state_on_host stream nothing).
+      hints.append("without --nostream (the planner may stream the layers' params from "
+                   "pinned_host)")
+    if "device_memory" not in missed:
       # (Over the device's own memory a larger budget is no fix.)
-      hints.append("a larger --device_budget (or --host_budget, where it is the limit)")
-    if config.remat_policy != "nothing_saveable" and any(
-        v.limit in ("device_budget", "device_memory") for v in plan.violations):
+      hints.append("a larger --device_budget" + (
+          " (or --host_budget, where it is the limit)" if host_missed else ""))
+    if config.remat_policy != "nothing_saveable" and device_missed:
       hints.append("--remat_policy=nothing_saveable (the layers' activations recomputed in "
                    "the backward pass, not kept)")
-    if platform == "gpu":
-      hints.append(_xla_settings_hint(plan))
+    settings = _xla_settings_hint(plan, host_missed) if platform == "gpu" else None
+    if settings:
+      hints.append(settings)
     hints.append("a smaller --batch_size or --config")
     print("from the command line: " + "; ".join(hints))
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
 
 
-def _xla_settings_hint(plan) -> str:
+def _xla_settings_hint(plan, host_missed: bool) -> "str | None":
   """The XLA settings under which `plan` (for a GPU) would get the pinned pool and the allocator
-  fraction it needs, as `train` sets them itself where the machine has the memory."""
+  fraction it needs, as `train` sets them itself where the machine has the memory; None where
+  it needs neither and the host's limit is not one it misses (`host_missed`)."""
   import math  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
 
@@ -169,8 +180,9 @@ def _xla_settings_hint(plan) -> str:
     settings[admission.FRACTION_SETTING] = fraction
   settings = {k: v for k, v in settings.items() if k not in os.environ}
   if not settings:
-    return (f"{admission.POOL_SETTING}=<GiB> to raise XLA's pinned pool (64 GiB by default) "
-            "where the host has the memory")
+    return None if not host_missed else (
+        f"{admission.POOL_SETTING}=<GiB> to raise XLA's pinned pool (64 GiB by default) "
+        "where the host has the memory")
   said = " ".join(f"{k}={v}" for k, v in settings.items())
   return (f"{said} before this command, as `python -m jaxtier train` sets them itself where the "
           "machine has the memory (XLA reads them when JAX starts; this plan was made without "
@@ -252,17 +264,8 @@ def main(argv: list[str]) -> None:
       # would only hide it.
       print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
       if isinstance(e, jaxtier.AdmissionError):
-        # Over the host's (or --host_budget's) pinned memory, where moving more state to the
-        # host makes it worse, or over the CPU backend's RAM.
         offload = flags.FLAGS["offload"].value if "offload" in flags.FLAGS else None
-        if getattr(e, "reason", "").startswith("on the CPU backend"):
-          # The step's activations share this RAM with the state: the batch decides it.
-          fixes = ["a smaller --batch_size", "--seq_len", "--config"]
-        else:  # pinned bytes of the state, which the batch does not change
-          fixes = ["raise --host_budget (where the host has the memory)"]
-          if offload != "auto":
-            fixes.append("--offload=auto (keeps on the device what fits there)")
-          fixes.append("a smaller --config")
+        fixes = _admission_fixes(e, offload)
         print("from the command line: " + ", ".join(fixes[:-1]) + ", or " + fixes[-1],
               file=sys.stderr)
       elif isinstance(e, jaxtier.PlanError):
@@ -291,6 +294,27 @@ def main(argv: list[str]) -> None:
       sys.exit(1)
   else:
     calibrate_main()
+
+
+def _admission_fixes(error: "jaxtier.AdmissionError", offload: "str | None") -> list[str]:
+  """The command line's fixes for `train`'s refused plan (`error`, under --offload=`offload`),
+  for the limit that refused it."""
+  if error.limit == "host_memory" or error.reason.startswith("on the CPU backend"):
+    # The step's activations share this RAM with the state: the batch decides it.
+    return ["a smaller --batch_size", "--seq_len", "--config"]
+  if error.limit == "device_memory":
+    # Over what JAX's device allocator holds: the host is not the limit.
+    fixes = [] if offload == "stream" else [
+        "--offload=stream (the layers' params streamed from pinned_host)"]
+    return fixes + ["--remat_policy=nothing_saveable (fewer activations kept for the backward "
+                    "pass)", "a smaller --batch_size, --seq_len or --config"]
+  # Over the host's (or --host_budget's) pinned memory, where moving more state to the host
+  # makes it worse; the pinned bytes are the state's, which the batch does not change.
+  fixes = ["raise --host_budget (where the host has the memory)"]
+  if offload != "auto":
+    fixes.append("--offload=auto (keeps on the device what fits there)")
+  fixes.append("a smaller --config")
+  return fixes
 
 
 def calibrate_main() -> None:

@@ -445,3 +445,73 @@ def test_a_plan_over_the_device_budget_names_the_remat_policy(tmp_path):
   remat = _cli(tmp_path, *flags, "--remat_policy=nothing_saveable", timeout=300)
   assert remat.returncode == 1, remat.stderr[-2000:]
   assert "from the command line: " in remat.stdout and "--remat_policy=" not in remat.stdout
+
+
+def test_a_plan_that_does_not_fit_says_so_once_and_names_no_host_fix(tmp_path):
+  # 8 MiB is under the tiny decoder's peak: the plan's notes say DOES NOT FIT, and no log line
+  # says it again. The device budget is the limit missed, not the host's: the fixes name
+  # neither --host_budget nor XLA's pinned pool (for a GPU too).
+  for platform in ("cpu", "gpu"):
+    out = _cli(tmp_path, "plan", "--config=tiny", "--device_budget=8MiB",
+               f"--platform={platform}")
+    assert out.returncode == 1, out.stderr[-2000:]
+    said = out.stdout + out.stderr
+    assert said.count("DOES NOT FIT") == 1, said[-3000:]
+    assert "note: DOES NOT FIT: no placement the planner can make fits the budgets" in (
+        " ".join(out.stdout.split()))
+    hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+    assert hint.startswith("from the command line: a larger --device_budget; "), hint
+    assert "--host_budget" not in hint and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in hint, hint
+
+
+def test_a_plan_over_the_host_budget_names_the_host_fixes(tmp_path):
+  # Refused over --host_budget: the host's limit is the one missed, and the fixes say so.
+  out = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--host_budget=1KB",
+             "--offload=optimizer_state_on_host")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "REFUSED: plan refused before allocating anything: it needs 3.75 MiB" in out.stdout
+  hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+  assert "a larger --device_budget (or --host_budget, where it is the limit)" in hint, hint
+  assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> to raise XLA's pinned pool" in hint, hint
+
+
+def test_the_nostream_hint_is_shown_only_where_nostream_kept_the_planner_from_streaming(
+    tmp_path):
+  # Over the device budget under auto, --nostream forbade what may fit: the hint says so. Not
+  # without --nostream, nor under a policy that streams nothing whatever the flag.
+  hint = "without --nostream (the planner may stream the layers' params from pinned_host)"
+  flags = ["plan", "--config=tiny", "--device_budget=8MiB"]
+  for extra, shown in (([], False), (["--nostream"], True),
+                       (["--nostream", "--offload=optimizer_state_on_host"], False)):
+    out = _cli(tmp_path, *flags, *extra)
+    assert out.returncode == 1, out.stderr[-2000:]
+    fixes = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+    assert (hint in fixes) == shown, (extra, fixes)
+
+
+def test_train_fixes_for_a_refusal_name_the_limit_that_refused_it(monkeypatch):
+  # JAX's device allocator refused the plan (admission on a GPU): the host is not the limit,
+  # so --host_budget is no fix. Over the pinned host memory it is.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  import jaxtier.__main__ as cli  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
+  from jaxtier.examples import train_state  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  _, state, step = train_state.make_train_state("tiny", 1e-3, abstract=True)
+  tokens = jax.ShapeDtypeStruct((1, 33), jax.numpy.int32)
+  plan = jaxtier.plan(step, state, tokens)
+  with pytest.raises(jaxtier.AdmissionError) as device:
+    admission.admit_device(dataclasses.replace(plan, compiler_peak_hbm_bytes=130 * 2**30),
+                           int(0.75 * 135.3 * 2**30))
+  assert device.value.limit == "device_memory"
+  fixes = cli._admission_fixes(device.value, "auto")
+  assert fixes == ["--offload=stream (the layers' params streamed from pinned_host)",
+                   "--remat_policy=nothing_saveable (fewer activations kept for the backward "
+                   "pass)", "a smaller --batch_size, --seq_len or --config"]
+  assert cli._admission_fixes(device.value, "stream")[0].startswith("--remat_policy=")
+  with pytest.raises(jaxtier.AdmissionError) as host:
+    admission.admit(dataclasses.replace(plan, pinned_bytes=2 * 2**20, host_budget=2**20), None)
+  assert host.value.limit == "host_limit"
+  assert cli._admission_fixes(host.value, "auto") == [
+      "raise --host_budget (where the host has the memory)", "a smaller --config"]

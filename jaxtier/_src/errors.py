@@ -26,8 +26,12 @@ class AdmissionError(PlanError):
   on this machine ({name: value}, e.g. {'XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB': '95'} where XLA's
   pinned pool refuses it and the host has the memory, {'XLA_PYTHON_CLIENT_MEM_FRACTION':
   '0.91'} where JAX's device allocator does and the GPU has the memory), to be set before JAX
-  starts; empty where none would.
+  starts; empty where none would. `limit` names the limit that refused it, as
+  `BudgetViolation.limit` does: 'device_memory' (JAX's device allocator), 'host_limit' (pinned
+  host memory: the host budget, or what the host can pin) or 'host_memory' (the CPU backend's
+  RAM).
   """
 
   plan: Any = None  # the refused `Plan`, or None
   settings: Mapping[str, str] = MappingProxyType({})
+  limit: str = ""

@@ -194,8 +194,8 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
   if pool is not None:
     settings.update(admission.pool_settings(pool))
   if budget is None and room.predicted_peak_hbm_bytes is not None:
-    fraction = host_lib.mem_fraction_that_fits(room.predicted_peak_hbm_bytes,
-                                               admission.DEVICE_MARGIN)
+    fraction = host_lib.fraction_that_holds(room.predicted_peak_hbm_bytes,
+                                            admission.DEVICE_MARGIN, limit)
     if fraction is not None:
       settings[admission.FRACTION_SETTING] = fraction
   if not settings:
@@ -213,6 +213,8 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
       "(python -m jaxtier train does), or keep more state on the device / in pinned_host with a "
       "policy.")
   refusal.settings = settings
+  # XLA's pinned pool where it is among the settings, else JAX's device allocator.
+  refusal.limit = "host_limit" if admission.POOL_SETTING in settings else "device_memory"
   refusal.plan = room
   raise refusal from error
 

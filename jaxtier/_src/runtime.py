@@ -536,10 +536,13 @@ def _put(x: Any, sharding: Any, leaf: LeafPlan) -> Any:
             "memory, or keep the leaf on the device (policy)"
             if leaf.memory_kind == MemoryKind.PINNED_HOST
             else "lower device_budget so that the plan moves more state to the host")
-    raise AdmissionError(
+    error = AdmissionError(
         f"OffloadedStep.place: could not allocate leaf {leaf.path} ({leaf.dtype}"
         f"{list(leaf.shape)}, {format_bytes(leaf.nbytes)} = {leaf.nbytes} bytes per "
-        f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.") from e
+        f"device) in {leaf.memory_kind}: {text.splitlines()[0][:300]}. Fix: {hint}.")
+    error.limit = ("host_limit" if leaf.memory_kind == MemoryKind.PINNED_HOST
+                   else "device_memory")
+    raise error from e
 
 
 def _buffer_key(x: Any) -> Any:

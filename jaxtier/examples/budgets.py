@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import jaxtier
 
 
@@ -11,6 +14,19 @@ def stream_layers_policy(path: str, leaf) -> "str | None":
 
 
 OFFLOAD_MODES = ("none", "auto", "stream", "optimizer_state_on_host")
+
+
+@contextlib.contextmanager
+def verdicts_printed():
+  """Within it jaxtier logs no "DOES NOT FIT" warning: for a caller that prints the plan it
+  makes, whose notes carry the same verdicts (said once, not twice)."""
+  logger = logging.getLogger("jaxtier")
+  keep = lambda record: not record.getMessage().startswith("jaxtier: DOES NOT FIT: ")
+  logger.addFilter(keep)
+  try:
+    yield
+  finally:
+    logger.removeFilter(keep)
 
 
 class OverBudgetError(ValueError):

@@ -34,7 +34,8 @@ import jaxtier
 from . import data as data_lib
 from . import llama
 from . import tokenizer as tokenizer_lib
-from .budgets import OFFLOAD_MODES, OverBudgetError, over_budget, stream_layers_policy
+from .budgets import (OFFLOAD_MODES, OverBudgetError, over_budget, stream_layers_policy,
+                      verdicts_printed)
 from .train_state import (OptimizerConfig, lookup_config, make_optimizer, make_train_state,
                           placement_table, state_initializer)
 
@@ -260,7 +261,8 @@ def run(
                          policy=stream_layers_policy if offload == "stream" else offload,
                          device_budget=_budget(device_budget), host_budget=_budget(host_budget),
                          overlap_update=overlap_update)
-    state = step.init(init_state, example_args=(first_batch,))
+    with verdicts_printed():  # the plan printed below says whether it fits
+      state = step.init(init_state, example_args=(first_batch,))
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
     print(step.plan.format(reasons=False))

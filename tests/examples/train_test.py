@@ -166,3 +166,12 @@ def test_over_budget_names_the_compiled_peak_and_the_remat_fix():
   assert "--remat_policy=nothing_saveable" in why, why
   plan.device_budget = 100 * 2**20  # the compiled step fits: nothing to say
   assert budgets.over_budget(plan, "stream") is None
+
+
+def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog, capsys):
+  # The plan printed says DOES NOT FIT in its notes; jaxtier's log does not say it again.
+  with caplog.at_level("WARNING"):
+    _run(corpus, steps=1, offload="auto", device_budget="300KiB")
+  out = capsys.readouterr().out
+  assert "note: DOES NOT FIT: " in out and out.count("DOES NOT FIT") == 1
+  assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]

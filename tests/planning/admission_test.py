@@ -197,3 +197,21 @@ def test_a_plan_over_the_ram_of_the_cpu_backend_is_refused_before_allocating(mon
   state = jaxtier.offload(step, policy="optimizer_state_on_host").init(
       init, jax.random.key(0), example_args=(x,))
   assert state["opt"][0].mu["w"].sharding.memory_kind == "pinned_host"
+
+
+def test_admitting_the_device_reads_the_allocators_limit_it_is_given_not_again(monkeypatch):
+  # The caller passes the allocator's limit (read once per plan); naming the fraction that
+  # holds the peak uses that figure, not another `allocator_limit_bytes()` call.
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  calls = []
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: calls.append(1))
+  plan = jaxtier.plan(STEP, mlp_state(), toy_batch())
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    admission.admit_device(dataclasses.replace(plan, compiler_peak_hbm_bytes=115 * 2**30),
+                           int(0.75 * 135.3 * 2**30))
+  assert "set XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 before JAX starts" in str(err.value)
+  assert err.value.limit == "device_memory" and not calls

@@ -58,7 +58,7 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
 
   Where the allocator's fraction is what stops it and the GPU has the memory, the refusal names
   the fraction that fits and carries it in `AdmissionError.settings`
-  (`host.mem_fraction_that_fits`).
+  (`host.fraction_that_holds` of `allocator_limit`).
 
   Args:
     plan: the plan, after verification when the step was compiled.
@@ -77,7 +77,7 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
   usable = int(allocator_limit * (1 - DEVICE_MARGIN))
   if peak <= usable:
     return
-  fraction = host_lib.mem_fraction_that_fits(peak, DEVICE_MARGIN)
+  fraction = host_lib.fraction_that_holds(peak, DEVICE_MARGIN, allocator_limit)
   if fraction is not None:
     fix = (f"JAX's allocator fraction is the limit and this GPU has the memory: set "
            f"{FRACTION_SETTING}={fraction} before JAX starts (python -m jaxtier train does)")
@@ -94,6 +94,7 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
       f"Fix: {fix}.")
   error.reason = reason
   error.settings = {FRACTION_SETTING: fraction} if fraction is not None else {}
+  error.limit = "device_memory"
   error.plan = plan
   raise error
 
@@ -125,6 +126,7 @@ def admit_host_memory(plan: Plan, available: "int | None", resident_bytes: int =
       "sequence or model; or plan for a GPU (platform='gpu' in jaxtier.plan, --platform=gpu "
       "in python -m jaxtier plan).")
   error.reason = reason
+  error.limit = "host_memory"
   error.plan = plan
   raise error
 
@@ -192,6 +194,7 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
           f"{_largest(host, host_bytes)}. Fix: {fix}.")
       error.reason = reason
       error.settings = settings
+      error.limit = "host_limit"
       raise error
   if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
     dev = [l for l in plan.leaves if l.memory_kind == "device"]
