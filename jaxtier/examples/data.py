@@ -24,8 +24,10 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_CORPUS_MAX_BYTES",
+    "MAX_CORPUS_PASSES",
     "batches",
     "corpus_files",
+    "corpus_size_warning",
     "default_corpus_files",
     "load_corpus",
     "load_texts",
@@ -35,6 +37,9 @@ __all__ = [
 
 # The default corpus is capped so that loading it takes well under a second.
 DEFAULT_CORPUS_MAX_BYTES = 20 * 1024 * 1024
+
+# Passes over the corpus that a run's steps may read before `corpus_size_warning` warns.
+MAX_CORPUS_PASSES = 10
 
 _TOKEN_FILE_SUFFIXES = (".bin", ".u16")
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -320,3 +325,30 @@ def _random_windows(tokens, batch_size, seq_len, seed):
   while True:
     starts = rng.integers(0, num_starts, size=batch_size)
     yield tokens[starts[:, None] + window].astype(np.int32)
+
+
+def corpus_size_warning(num_tokens: int, batch_size: int, seq_len: int,
+                        steps: int) -> str | None:
+  """Why a corpus of ``num_tokens`` tokens is small for ``steps`` batches of ``batch_size`` rows
+  of ``seq_len + 1`` tokens, else None.
+
+  It is small when one step's batch holds more tokens than the corpus, or when the steps read
+  it more than ``MAX_CORPUS_PASSES`` times over: the model then learns that text by heart, and
+  its loss says little.
+
+  Returns:
+    A sentence naming the corpus size, the tokens per step and the passes over the corpus, or
+    None.
+  """
+  per_step = batch_size * (seq_len + 1)
+  passes = steps * per_step / max(num_tokens, 1)
+  if per_step <= num_tokens and passes <= MAX_CORPUS_PASSES:
+    return None
+  batch = f"{per_step:,} tokens ({batch_size} x {seq_len + 1})"
+  read = f"{'read' if steps != 1 else 'reads'} it {passes:,.1f} times over"
+  if per_step > num_tokens:
+    why = f"fewer than one step's batch of {batch}: {steps:,} step{'s' * (steps != 1)} {read}"
+  else:
+    why = f"{steps:,} steps of {batch} {read}, more than {MAX_CORPUS_PASSES}"
+  return (f"the corpus is {num_tokens:,} tokens, {why}; use "
+          "more --data, or fewer --steps, a smaller --batch_size or --seq_len")

@@ -23,7 +23,7 @@ import math
 import time
 from typing import Any
 
-from absl import app, flags
+from absl import app, flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,6 +235,9 @@ def run(
   else:
     tokens = data_lib.load_corpus(data, vocab_size=config.vocab_size)
   batch_iter = data_lib.batches(tokens, batch_size, seq_len, seed)
+  small = data_lib.corpus_size_warning(len(tokens), batch_size, seq_len, steps)
+  if small:
+    logging.warning("run: %s", small)
 
   optimizer_config = OptimizerConfig(
       learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,

@@ -84,3 +84,16 @@ def test_a_file_that_is_not_text_is_refused_where_text_is_required(tmp_path):
     data_lib.load_corpus(str(nul))
   # The library's own reader takes any bytes unless asked for text.
   assert data_lib.load_tokens([bad]).size == 20
+
+
+def test_a_corpus_small_for_the_run_is_named_with_its_sizes():
+  assert data.corpus_size_warning(200_000, batch_size=8, seq_len=32, steps=20) is None
+  assert data.corpus_size_warning(1000, batch_size=8, seq_len=256, steps=3) == (
+      "the corpus is 1,000 tokens, fewer than one step's batch of 2,056 tokens (8 x 257): 3 "
+      "steps read it 6.2 times over; use more --data, or fewer --steps, a smaller --batch_size "
+      "or --seq_len")
+  assert data.corpus_size_warning(5000, batch_size=8, seq_len=32, steps=200) == (
+      "the corpus is 5,000 tokens, 200 steps of 264 tokens (8 x 33) read it 10.6 times over, "
+      "more than 10; use more --data, or fewer --steps, a smaller --batch_size or --seq_len")
+  # Ten passes are not yet too many.
+  assert data.corpus_size_warning(5280, batch_size=8, seq_len=32, steps=200) is None

@@ -168,6 +168,21 @@ def test_over_budget_names_the_compiled_peak_and_the_remat_fix():
   assert budgets.over_budget(plan, "stream") is None
 
 
+def test_run_warns_of_a_corpus_smaller_than_one_steps_batch(corpus, caplog):
+  # 200 tokens against 8 x 33 per step: trained all the same, with a warning naming the sizes.
+  with caplog.at_level("WARNING"):
+    result = _run(corpus[:200], steps=1)
+  assert len(result["losses"]) == 1
+  said = [r.getMessage() for r in caplog.records if "the corpus is" in r.getMessage()]
+  assert said == ["run: the corpus is 200 tokens, fewer than one step's batch of 264 tokens "
+                  "(8 x 33): 1 step reads it 1.3 times over; use more --data, or fewer "
+                  "--steps, a smaller --batch_size or --seq_len"], said
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    _run(corpus, steps=1)
+  assert not [r for r in caplog.records if "the corpus is" in r.getMessage()]
+
+
 def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog, capsys):
   # The plan printed says DOES NOT FIT in its notes; jaxtier's log does not say it again.
   with caplog.at_level("WARNING"):
