@@ -207,9 +207,9 @@ def test_admitting_the_device_reads_the_allocators_limit_it_is_given_not_again(m
   from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
   from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  plan = jaxtier.plan(STEP, mlp_state(), toy_batch())  # on a GPU, planning reads it itself
   calls = []
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: calls.append(1))
-  plan = jaxtier.plan(STEP, mlp_state(), toy_batch())
   with pytest.raises(jaxtier.AdmissionError) as err:
     admission.admit_device(dataclasses.replace(plan, compiler_peak_hbm_bytes=115 * 2**30),
                            int(0.75 * 135.3 * 2**30))
