@@ -83,6 +83,9 @@ def plan_main() -> None:
   # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).
   policy = {"stream": train_lib.stream_layers_policy}.get(flags.FLAGS.offload,
                                                           flags.FLAGS.offload)
+  if not _STREAM.value and flags.FLAGS.offload == "stream":
+    raise app.UsageError("--nostream contradicts --offload=stream, which streams the layers' "
+                         "params from pinned_host: drop one of them")
   # As `train` plans (None: every parameter the lowering can stream), unless --nostream.
   streamable = None if _STREAM.value else frozenset()
   refused = error = None

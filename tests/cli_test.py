@@ -515,3 +515,21 @@ def test_train_fixes_for_a_refusal_name_the_limit_that_refused_it(monkeypatch):
   assert host.value.limit == "host_limit"
   assert cli._admission_fixes(host.value, "auto") == [
       "raise --host_budget (where the host has the memory)", "a smaller --config"]
+
+
+def test_plan_refuses_nostream_with_the_stream_policy(tmp_path):
+  out = _cli(tmp_path, "plan", "--config=tiny", "--offload=stream", "--nostream")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert "--nostream contradicts --offload=stream" in out.stderr, out.stderr[-2000:]
+
+
+def test_train_refuses_a_json_out_it_could_not_write_before_training(tmp_path):
+  # Checked when the flags are parsed: no step runs, so no result is lost at the end.
+  out = _cli(tmp_path, "train", "--config=tiny", "--steps=1",
+             f"--json_out={tmp_path}/missing/result.json")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert f"the folder of '{tmp_path}/missing/result.json'" in out.stderr, out.stderr[-2000:]
+  assert "does not exist or is not writable" in out.stderr
+  assert "step 1" not in out.stdout and "Traceback" not in out.stderr
+  folder = _cli(tmp_path, "train", "--config=tiny", "--steps=1", f"--json_out={tmp_path}")
+  assert folder.returncode == 1 and "is a folder; name a file in it" in folder.stderr
