@@ -322,7 +322,8 @@ def test_train_runs_again_with_the_xla_settings_that_fit(monkeypatch):
   cli._rerun_with({pool: "99"})
   assert len(calls) == 2 and calls[1][2][pool] == "99"
   assert calls[1][2]["JAXTIER_RERUN"] == f"2:{pool},{fraction}"
-  monkeypatch.setenv("JAXTIER_RERUN", calls[1][2]["JAXTIER_RERUN"])
+  assert cli.MAX_RERUNS == 4
+  monkeypatch.setenv("JAXTIER_RERUN", f"{cli.MAX_RERUNS}:{pool},{fraction}")
   cli._rerun_with({pool: "120"})  # the re-runs are spent
   monkeypatch.delenv("JAXTIER_RERUN")
   monkeypatch.setenv(pool, "80")  # the user's own setting
