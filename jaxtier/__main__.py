@@ -302,7 +302,7 @@ def main(argv: list[str]) -> None:
 def _admission_fixes(error: "jaxtier.AdmissionError", offload: "str | None") -> list[str]:
   """The command line's fixes for `train`'s refused plan (`error`, under --offload=`offload`),
   for the limit that refused it."""
-  if error.limit == "host_memory" or error.reason.startswith("on the CPU backend"):
+  if error.limit == "host_memory":
     # The step's activations share this RAM with the state: the batch decides it.
     return ["a smaller --batch_size", "--seq_len", "--config"]
   if error.limit == "device_memory":
