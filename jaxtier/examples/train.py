@@ -465,12 +465,14 @@ def _valid_json_out(value: str) -> bool:
   """The --json_out file's folder exists and is writable: checked before training, so that a
   bad path does not cost the run its results."""
   import os  # pylint: disable=g-import-not-at-top
-  folder = os.path.dirname(os.path.abspath(value)) if value else ""
-  if value and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+  if not value:
+    return True
+  folder = os.path.dirname(os.path.abspath(value))
+  if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
     raise flags.ValidationError(
         f"the folder of {value!r} ({folder}) does not exist or is not writable; create it, or "
         "name a file in a folder that is")
-  if value and os.path.isdir(value):
+  if os.path.isdir(value):
     raise flags.ValidationError(f"{value!r} is a folder; name a file in it, e.g. "
                                 f"{os.path.join(value, 'result.json')}")
   return True
