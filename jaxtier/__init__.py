@@ -7,6 +7,7 @@ The public API is what this module exports; everything under `jaxtier._src` may 
 import jax as _jax  # noqa: F401  (jax must be imported before jaxtier's extension: MEASURED.md)
 
 from jaxtier._src.analysis.inventory import LeafInfo as LeafInfo
+from jaxtier._src.api import admit as admit
 from jaxtier._src.api import available_host_bytes as available_host_bytes
 from jaxtier._src.api import calibrate as calibrate
 from jaxtier._src.api import offload as offload

@@ -307,8 +307,12 @@ def _admission_fixes(error: "jaxtier.AdmissionError", offload: "str | None") -> 
     return ["a smaller --batch_size", "--seq_len", "--config"]
   if error.limit == "device_memory":
     # Over what JAX's device allocator holds: the host is not the limit.
-    fixes = [] if offload == "stream" else [
-        "--offload=stream (the layers' params streamed from pinned_host)"]
+    if offload == "none":
+      fixes = ["--offload=auto (jaxtier places in pinned_host what the device cannot hold)"]
+    elif offload == "stream":
+      fixes = []
+    else:
+      fixes = ["--offload=stream (the layers' params streamed from pinned_host)"]
     return fixes + ["--remat_policy=nothing_saveable (fewer activations kept for the backward "
                     "pass)", "a smaller --batch_size, --seq_len or --config"]
   # Over the host's (or --host_budget's) pinned memory, where moving more state to the host

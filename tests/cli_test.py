@@ -511,6 +511,9 @@ def test_train_fixes_for_a_refusal_name_the_limit_that_refused_it(monkeypatch):
                    "--remat_policy=nothing_saveable (fewer activations kept for the backward "
                    "pass)", "a smaller --batch_size, --seq_len or --config"]
   assert cli._admission_fixes(device.value, "stream")[0].startswith("--remat_policy=")
+  # A jax.jit step (--offload=none) over the allocator: jaxtier's offload is the first fix.
+  assert cli._admission_fixes(device.value, "none")[0] == (
+      "--offload=auto (jaxtier places in pinned_host what the device cannot hold)")
   with pytest.raises(jaxtier.AdmissionError) as host:
     admission.admit(dataclasses.replace(plan, pinned_bytes=2 * 2**20, host_budget=2**20), None)
   assert host.value.limit == "host_limit"

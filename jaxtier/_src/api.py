@@ -1,4 +1,5 @@
-"""`jaxtier.offload` and `jaxtier.plan`: the public entry points (re-exported by `jaxtier`)."""
+"""`jaxtier.offload`, `jaxtier.plan` and `jaxtier.admit`: the public entry points (re-exported by
+`jaxtier`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any, Callable
 import jax
 
 from jaxtier._src import pipeline
+from jaxtier._src.analysis import step_costs
 from jaxtier._src.hardware import calibrate as calibration
 from jaxtier._src.hardware import profile
 from jaxtier._src.options import MISSING, OffloadOptions
-from jaxtier._src.planning import cost_model
+from jaxtier._src.planning import admission, cost_model
 from jaxtier._src.planning import plan as plan_lib
 from jaxtier._src.runtime import OffloadedStep, as_arrays
 from jaxtier._src.hardware import host as host_lib
@@ -143,3 +145,29 @@ def available_host_bytes() -> "int | None":
   On the CPU backend this is the memory that device and pinned_host leaves share.
   """
   return host_lib.available_bytes()
+
+
+def admit(program: Any) -> None:
+  """Refuses a program jaxtier did not plan, a `jax.jit` step with all its state on the device,
+  before anything is allocated, where it would run out of device memory on this GPU.
+
+  `program` is `jax.jit(f).lower(*args)` (compiled here, only on a GPU) or its `.compile()`;
+  `args` may be `jax.ShapeDtypeStruct`s, so that nothing is allocated. Its peak device memory,
+  per device, is argument + output - alias + temp bytes of `memory_analysis()`, and it must fit
+  in what JAX's allocator holds on this GPU (`memory_stats()['bytes_limit']`) less 5% for
+  fragmentation, as the device peak of an offloaded step must.
+
+  Raises:
+    jaxtier.AdmissionError: the peak over that limit; `limit` is 'device_memory' and, where the
+      allocator's fraction is what stops it and the GPU has the memory, `settings` holds the
+      XLA_PYTHON_CLIENT_MEM_FRACTION that admits it (to set before JAX starts). No GPU here, or
+      a backend that reports no figures: nothing is checked.
+  """
+  limit = host_lib.allocator_limit_bytes()
+  if limit is None:
+    return
+  figures = step_costs.memory_figures(program)
+  admission.admit_device_peak(
+      figures and figures.peak_bytes, limit, source="the compiled step's peak", what="step",
+      fix=("place state in pinned_host (jaxtier.offload), a smaller batch or sequence, or "
+           "rematerialise more (jax.checkpoint)"))

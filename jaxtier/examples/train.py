@@ -202,6 +202,8 @@ def run(
     ValueError: for an unknown config or offload mode, bad sizes, bad data, or a vocabulary
       size the tokenizer does not allow.
     OverBudgetError: the plan misses a budget given (only with ``allow_over_budget=False``).
+    jaxtier.AdmissionError: the plan (or, with ``"none"``, the jitted step: `jaxtier.admit`)
+      needs more memory than this machine gives, raised before the state is allocated.
     tokenizer.TokenizersMissingError: ``"bpe"`` without the ``tokenizers`` package.
   """
   if offload not in OFFLOAD_MODES:
@@ -284,8 +286,11 @@ def run(
       print(f"warning: {' and '.join(given)} not used: --offload=none runs jax.jit with all "
             "state on the device and applies no budget; use --offload=auto (or stream / "
             "optimizer_state_on_host) for jaxtier to plan within it")
-    state = jax.jit(init_state)()
     step = jax.jit(train_step, donate_argnums=0)
+    # Refused before the state exists where the step would run out of device memory, as
+    # jaxtier refuses a plan (the refusal names the allocator fraction that admits it).
+    jaxtier.admit(step.lower(shapes, first_batch))
+    state = jax.jit(init_state)()
     print("state placement (no offload):")
     print(placement_table(state))
 

@@ -190,3 +190,26 @@ def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog,
   out = capsys.readouterr().out
   assert "note: DOES NOT FIT: " in out and out.count("DOES NOT FIT") == 1
   assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+
+
+def test_run_offload_none_over_the_allocator_is_refused_before_the_state_exists(
+    corpus, monkeypatch):
+  # --offload=none is a plain jax.jit step: over JAX's allocator it was a raw
+  # RESOURCE_EXHAUSTED in the first step (8b, batch 4, XLA's default fraction on the H200).
+  # Now its compiled peak is admitted first and the initialiser never runs.
+  import jaxtier  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(host_lib, "allocator_limit_bytes", lambda: 1 << 20)
+  inits = []
+  real = train.state_initializer
+
+  def counted(*args, **kwargs):
+    init = real(*args, **kwargs)
+    return lambda: inits.append(1) or init()
+  monkeypatch.setattr(train, "state_initializer", counted)
+  with pytest.raises(jaxtier.AdmissionError, match=r"step refused before allocating anything: "
+                     r"the compiled step's peak is .* over what JAX's allocator holds on this "
+                     r"GPU \(1\.00 MiB") as err:
+    _run(corpus, steps=1, offload="none")
+  assert err.value.limit == "device_memory" and not inits
+  monkeypatch.setattr(host_lib, "allocator_limit_bytes", lambda: 1 << 40)
+  assert len(_run(corpus, steps=1, offload="none")["losses"]) == 1 and inits

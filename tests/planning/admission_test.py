@@ -215,3 +215,38 @@ def test_admitting_the_device_reads_the_allocators_limit_it_is_given_not_again(m
                            int(0.75 * 135.3 * 2**30))
   assert "set XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 before JAX starts" in str(err.value)
   assert err.value.limit == "device_memory" and not calls
+
+
+def test_admit_refuses_a_jitted_step_over_the_allocator_naming_the_fraction(monkeypatch):
+  # A jax.jit step that jaxtier did not plan (train --offload=none): its compiled peak against
+  # JAX's allocator less 5%, as a plan's. Limits are set around the peak the compiler reports.
+  from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  shapes = jax.eval_shape(mlp_state)
+  lowered = jax.jit(STEP, donate_argnums=0).lower(shapes, toy_batch())
+  m = lowered.compile().memory_analysis()
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+  assert peak > 0
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: None)
+  jaxtier.admit(lowered)  # no GPU here: nothing to check
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: 2 * peak)
+  jaxtier.admit(lowered)
+  # At the peak itself, 5% short: XLA's default 0.75 of a GPU whose free memory is 4/3 of the
+  # peak; 0.79 of it holds the peak with the margin, and the fraction named adds 0.02.
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: peak)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    jaxtier.admit(lowered)
+  msg = str(err.value)
+  assert msg.startswith("jaxtier: step refused before allocating anything: the compiled "
+                        f"step's peak is ")
+  assert f"({peak} bytes) of device memory" in msg
+  assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.75) less 5% for fragmentation" in msg
+  assert dict(err.value.settings) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.81"}
+  assert err.value.limit == "device_memory" and err.value.plan is None
+  # Half the peak: no fraction of this GPU holds it, so the fix is to offload.
+  monkeypatch.setattr(host, "allocator_limit_bytes", lambda: peak // 2)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    jaxtier.admit(lowered.compile())
+  assert dict(err.value.settings) == {}
+  assert "Fix: place state in pinned_host (jaxtier.offload)" in str(err.value)

@@ -53,12 +53,7 @@ def pool_settings(gib: int) -> dict[str, str]:
 def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
   """Refuses `plan` before anything is allocated where its peak device memory (the compiled
   step's `memory_analysis`, else the prediction) is over what JAX's allocator can hold on this
-  GPU less DEVICE_MARGIN (fragmentation: XLA allocates each program's temporaries as one
-  buffer, so the free memory must hold it in one piece).
-
-  Where the allocator's fraction is what stops it and the GPU has the memory, the refusal names
-  the fraction that fits and carries it in `AdmissionError.settings`
-  (`host.fraction_that_holds` of `allocator_limit`).
+  GPU less DEVICE_MARGIN (`admit_device_peak`).
 
   Args:
     plan: the plan, after verification when the step was compiled.
@@ -66,12 +61,48 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
       to check.
 
   Raises:
-    AdmissionError: the peak over the allocator's limit less DEVICE_MARGIN.
+    AdmissionError: the peak over the allocator's limit less DEVICE_MARGIN; its `plan` is
+      `plan`.
   """
   peak = plan.compiler_peak_hbm_bytes
   source = "the compiled step's peak"
   if peak is None:
     peak, source = plan.predicted_peak_hbm_bytes, "the predicted peak"
+  largest = _largest([l for l in plan.leaves if l.memory_kind == "device"], lambda l: l.nbytes)
+  try:
+    admit_device_peak(peak, allocator_limit, source=source,
+                      detail=f"Largest device leaves: {largest}. " if largest else "",
+                      fix=("keep more state in pinned_host (policy, or host_stream for the "
+                           "layers' params), a smaller batch or sequence, or rematerialise "
+                           "more (remat_policy)"))
+  except AdmissionError as e:
+    e.plan = plan
+    raise
+
+
+def admit_device_peak(peak: "int | None", allocator_limit: "int | None", *, source: str,
+                      fix: str, detail: str = "", what: str = "plan") -> None:
+  """Refuses a program whose peak device memory, `peak` bytes, is over what JAX's allocator can
+  hold on this GPU, `allocator_limit` bytes, less DEVICE_MARGIN (fragmentation: XLA allocates
+  each program's temporaries as one buffer, so the free memory must hold it in one piece).
+
+  Where the allocator's fraction is what stops it and the GPU has the memory, the refusal names
+  the fraction that fits and carries it in `AdmissionError.settings`
+  (`host.fraction_that_holds` of `allocator_limit`); else it gives `fix`.
+
+  Args:
+    peak: bytes; None: nothing to check.
+    allocator_limit: `memory_stats()['bytes_limit']` of this GPU; None (no GPU here): nothing
+      to check.
+    source: what `peak` is, for the message ("the compiled step's peak").
+    fix: the fix where no fraction would hold it.
+    detail: sentences placed before the fix (the largest leaves).
+    what: what is refused, for the message ("plan", or "step" for a program jaxtier did not
+      plan).
+
+  Raises:
+    AdmissionError: `limit` 'device_memory', `reason` the sizes, `settings` the fraction.
+  """
   if allocator_limit is None or peak is None:
     return
   usable = int(allocator_limit * (1 - DEVICE_MARGIN))
@@ -81,21 +112,15 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
   if fraction is not None:
     fix = (f"JAX's allocator fraction is the limit and this GPU has the memory: set "
            f"{FRACTION_SETTING}={fraction} before JAX starts (python -m jaxtier train does)")
-  else:
-    fix = ("keep more state in pinned_host (policy, or host_stream for the layers' params), a "
-           "smaller batch or sequence, or rematerialise more (remat_policy)")
   reason = (f"{source} is {format_bytes(peak)} ({peak} bytes) of device memory, over what "
             f"JAX's allocator holds on this GPU ({format_bytes(allocator_limit)}, "
             f"{FRACTION_SETTING}={host_lib.xla_mem_fraction():g}) less {DEVICE_MARGIN:.0%} for "
             f"fragmentation ({format_bytes(usable)})")
   error = AdmissionError(
-      f"jaxtier: plan refused before allocating anything: {reason}. Largest device leaves: "
-      f"{_largest([l for l in plan.leaves if l.memory_kind == 'device'], lambda l: l.nbytes)}. "
-      f"Fix: {fix}.")
+      f"jaxtier: {what} refused before allocating anything: {reason}. {detail}Fix: {fix}.")
   error.reason = reason
   error.settings = {FRACTION_SETTING: fraction} if fraction is not None else {}
   error.limit = "device_memory"
-  error.plan = plan
   raise error
 
 
