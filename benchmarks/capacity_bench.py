@@ -61,16 +61,17 @@ def run_one(config_name: str, offload: str, steps: int, out: str, timeout: int,
   env = {k: v for k, v in os.environ.items() if k not in XLA_SETTINGS}
   bench_util.log(f"{name}: {' '.join(cmd[1:])}")
   t0 = time.perf_counter()
-  try:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    rc, text = proc.returncode, proc.stdout + proc.stderr
-  except subprocess.TimeoutExpired as e:
-    rc = "timeout"
-    text = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-    text += (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-  wall = time.perf_counter() - t0
+  # The child writes to its log as it runs, so a run cut short (here, or by the device call's
+  # limit) keeps what it said.
   with open(log_path, "w") as f:
-    f.write(text)
+    try:
+      rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                          timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+      rc = "timeout"
+  with open(log_path) as f:
+    text = f.read()
+  wall = time.perf_counter() - t0
   config = llama.CONFIGS[config_name]
   rec = {"config": config_name, "offload": offload, "command": " ".join(cmd[1:]),
          "params": llama.param_count(config), "returncode": rc, "wall_secs": round(wall, 1),
@@ -142,6 +143,12 @@ def main() -> None:
     runs.append(run_one(config_name, offload or "auto", args.steps, args.out, args.timeout,
                         int(batch) if batch else args.batch_size))
   trained = [r for r in runs if r.get("loss_falling")]
+  # Issue 15's MFU rows: each run's MFU over the 8b device-only MFU of the same invocation.
+  device_only = next((r for r in trained if r["config"] == "8b" and r["offload"] == "none"),
+                     None)
+  for r in trained:
+    if device_only and r is not device_only:
+      r["mfu_over_8b_device_only"] = round(r["mfu"] / device_only["mfu"], 4)
   largest = max(trained, key=lambda r: r["params"], default=None)
   baseline = {}
   for path in sorted(glob.glob(os.path.join(args.baseline_dir, "*.json"))
