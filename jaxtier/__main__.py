@@ -222,6 +222,27 @@ def _unwritable(path: str) -> "str | None":
   return None
 
 
+# The flags of one command that another does not read (every command reads absl's own).
+_PLAN_ONLY = ("platform", "plot", "verbose", "stream")
+_NOT_READ = {
+    "train": ("json",) + _PLAN_ONLY,
+    "plan": ("steps", "data", "seed", "learning_rate", "warmup_steps", "log_every",
+             "allow_over_budget", "json_out"),
+}
+
+
+def _unused_flags(command: str) -> list[str]:
+  """The flags given on the command line that `command` does not read (`_NOT_READ`; calibrate
+  reads only --json)."""
+  if command == "calibrate":  # it reads --json alone
+    train_flags = ([f.name for f in flags.FLAGS.get_flags_for_module(train_lib)]
+                   if train_lib is not None else [])
+    names = list(_PLAN_ONLY) + train_flags
+  else:
+    names = [n for n in _NOT_READ.get(command, ()) if n in flags.FLAGS]
+  return [n for n in dict.fromkeys(names) if flags.FLAGS[n].present]
+
+
 def main(argv: list[str]) -> None:
   # JAX logs at INFO that it found no TPU; the commands' own output is what matters here.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
@@ -243,6 +264,10 @@ def main(argv: list[str]) -> None:
           f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags] "
           f"(python -m jaxtier --help lists the flags)", file=sys.stderr)
     sys.exit(2)
+  unused = _unused_flags(argv[1])
+  if unused and "JAXTIER_RERUN" not in os.environ:  # said once, not again by a re-run
+    print(f"warning: python -m jaxtier {argv[1]} does not use "
+          f"{', '.join('--' + name for name in unused)}; ignored", file=sys.stderr)
   if argv[1] == "train":
     try:
       train_lib.main(argv[:1])

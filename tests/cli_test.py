@@ -537,3 +537,13 @@ def test_train_refuses_a_json_out_it_could_not_write_before_training(tmp_path):
   assert "step 1" not in out.stdout and "Traceback" not in out.stderr
   folder = _cli(tmp_path, "train", "--config=tiny", "--steps=1", f"--json_out={tmp_path}")
   assert folder.returncode == 1 and "is a folder; name a file in it" in folder.stderr
+
+
+def test_a_flag_the_command_does_not_read_is_said_to_be_ignored(tmp_path):
+  # The commands share one flag namespace: `plan --steps=3` parsed, planned and never said
+  # that --steps did nothing.
+  out = _cli(tmp_path, "plan", "--config=tiny", "--steps=3", "--data=x.txt", "--batch_size=2")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "warning: python -m jaxtier plan does not use --steps, --data; ignored" in out.stderr
+  quiet = _cli(tmp_path, "plan", "--config=tiny", "--batch_size=2", "--nostream", "--verbose")
+  assert quiet.returncode == 0 and "does not use" not in quiet.stderr, quiet.stderr[-2000:]
