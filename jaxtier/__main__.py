@@ -148,10 +148,12 @@ def plan_main() -> None:
       # itself; none and optimizer_state_on_host stream nothing).
       hints.append("without --nostream (the planner may stream the layers' params from "
                    "pinned_host)")
-    if "device_memory" not in missed:
-      # (Over the device's own memory a larger budget is no fix.)
+    if "device_memory" not in missed and flags.FLAGS.device_budget:
+      # (Without one the budget is the device's own memory, and a larger one is no fix.)
       hints.append("a larger --device_budget" + (
           " (or --host_budget, where it is the limit)" if host_missed else ""))
+    elif host_missed:
+      hints.append("a larger --host_budget, where it is the limit")
     if config.remat_policy != "nothing_saveable" and device_missed:
       hints.append("--remat_policy=nothing_saveable (the layers' activations recomputed in "
                    "the backward pass, not kept)")

@@ -472,8 +472,19 @@ def test_a_plan_over_the_host_budget_names_the_host_fixes(tmp_path):
   assert out.returncode == 1, out.stderr[-2000:]
   assert "REFUSED: plan refused before allocating anything: it needs 3.75 MiB" in out.stdout
   hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
-  assert "a larger --device_budget (or --host_budget, where it is the limit)" in hint, hint
+  # No --device_budget was given: the budget is the device's memory, no larger one to ask for.
+  assert "a larger --host_budget, where it is the limit" in hint, hint
+  assert "--device_budget" not in hint, hint
   assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB> to raise XLA's pinned pool" in hint, hint
+
+
+def test_a_plan_over_the_gpu_without_a_budget_asks_for_no_larger_budget(tmp_path):
+  # A batch no H200 holds, no --device_budget given: the plan was told to raise a budget it
+  # never set. The fixes are the batch and the activations.
+  out = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--batch_size=200000")
+  assert out.returncode == 1, out.stderr[-2000:]
+  hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+  assert "--device_budget" not in hint and "a smaller --batch_size" in hint, hint
 
 
 def test_the_nostream_hint_is_shown_only_where_nostream_kept_the_planner_from_streaming(
