@@ -224,10 +224,12 @@ def test_admit_refuses_a_jitted_step_over_the_allocator_naming_the_fraction(monk
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   shapes = jax.eval_shape(mlp_state)
   lowered = jax.jit(STEP, donate_argnums=0).lower(shapes, toy_batch())
+  # The compiler's figures as verification reads them (argument + output - alias + temp, or
+  # XLA's own peak where larger: tests/analysis cover that rule).
+  from jaxtier._src.analysis import step_costs  # pylint: disable=g-import-not-at-top
+  peak = step_costs.memory_figures(lowered).peak_bytes
   m = lowered.compile().memory_analysis()
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
-  assert peak > 0
+  assert peak >= m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes > 0
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: None)
   jaxtier.admit(lowered)  # no GPU here: nothing to check
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: 2 * peak)
