@@ -153,7 +153,8 @@ def admit(program: Any) -> None:
 
   `program` is `jax.jit(f).lower(*args)` (compiled here, only on a GPU) or its `.compile()`;
   `args` may be `jax.ShapeDtypeStruct`s, so that nothing is allocated. Its peak device memory,
-  per device, is argument + output - alias + temp bytes of `memory_analysis()`, and it must fit
+  per device, is argument + output - alias + temp bytes of `memory_analysis()` (XLA's own peak
+  where that is larger, as offloaded steps are verified), and it must fit
   in what JAX's allocator holds on this GPU (`memory_stats()['bytes_limit']`) less 5% for
   fragmentation, as the device peak of an offloaded step must.
 
