@@ -60,6 +60,7 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
     An `OffloadedStep` (or a decorator making one, when `fun` is omitted).
 
   Raises:
+    TypeError: `fun` not callable.
     ValueError: a budget <= 0 or not a size, or donate_argnums without 0.
     jaxtier.PlanError (a ValueError): a policy that is none of the forms above. Errors that
       need the traced step (a bad regex, an unknown placement, a budget the state cannot fit)
@@ -74,8 +75,16 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
   options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy,
                            donate_argnums=donate_argnums, overlap_update=overlap_update)
   if fun is MISSING:
-    return lambda f: OffloadedStep(f, options)
-  return OffloadedStep(fun, options)
+    return lambda f: OffloadedStep(_callable(f), options)
+  return OffloadedStep(_callable(fun), options)
+
+
+def _callable(fun: Any) -> Callable[..., Any]:
+  if not callable(fun):
+    raise TypeError(f"jaxtier.offload: expected the train step, a callable "
+                    f"`train_step(state, *args) -> (new_state, metrics)`, got "
+                    f"{type(fun).__name__} {fun!r:.80}")
+  return fun
 
 
 def calibrate(*, save: bool = True, path: "str | None" = None,
@@ -158,12 +167,20 @@ def admit(program: Any) -> None:
   in what JAX's allocator holds on this GPU (`memory_stats()['bytes_limit']`) less 5% for
   fragmentation, as the device peak of an offloaded step must.
 
+  Returns:
+    None: the program fits, or there is nothing to check (below).
+
   Raises:
+    TypeError: `program` neither a `jax.stages.Lowered` nor a `jax.stages.Compiled` (e.g. the
+      `jax.jit` function itself: lower it first).
     jaxtier.AdmissionError: the peak over that limit; `limit` is 'device_memory' and, where the
       allocator's fraction is what stops it and the GPU has the memory, `settings` holds the
       XLA_PYTHON_CLIENT_MEM_FRACTION that admits it (to set before JAX starts). No GPU here, or
       a backend that reports no figures: nothing is checked.
   """
+  if not isinstance(program, (jax.stages.Lowered, jax.stages.Compiled)):
+    raise TypeError(f"jaxtier.admit: expected jax.jit(f).lower(*args) or its .compile(), got "
+                    f"{type(program).__name__} {program!r:.80}")
   limit = host_lib.allocator_limit_bytes()
   if limit is None:
     return

@@ -239,6 +239,13 @@ def test_bad_budget_is_refused(kw):
     jaxtier.offload(_step_fn(TX), **kw)
 
 
+def test_a_step_that_is_not_callable_is_refused_when_wrapped():
+  for wrap in (lambda f: jaxtier.offload(f), lambda f: jaxtier.offload(policy="auto")(f)):
+    with pytest.raises(TypeError, match=r"jaxtier.offload: expected the train step, a callable "
+                       r"`train_step\(state, \*args\) -> \(new_state, metrics\)`, got int 42"):
+      wrap(42)
+
+
 def test_admission_refuses_before_allocating_state_intact():
   state = _mlp_state(TX)
   before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]

@@ -252,3 +252,12 @@ def test_admit_refuses_a_jitted_step_over_the_allocator_naming_the_fraction(monk
     jaxtier.admit(lowered.compile())
   assert dict(err.value.settings) == {}
   assert "Fix: place state in pinned_host (jaxtier.offload)" in str(err.value)
+
+
+def test_admit_refuses_what_is_not_a_lowered_or_compiled_program():
+  # On any backend: a jitted function not yet lowered returned None, as if it fit.
+  step = jax.jit(STEP)
+  for program in (step, 42, None):
+    with pytest.raises(TypeError, match=r"jaxtier.admit: expected jax.jit\(f\).lower\(\*args\) "
+                       r"or its .compile\(\), got "):
+      jaxtier.admit(program)
