@@ -558,3 +558,12 @@ def test_a_flag_the_command_does_not_read_is_said_to_be_ignored(tmp_path):
   assert "warning: python -m jaxtier plan does not use --steps, --data; ignored" in out.stderr
   quiet = _cli(tmp_path, "plan", "--config=tiny", "--batch_size=2", "--nostream", "--verbose")
   assert quiet.returncode == 0 and "does not use" not in quiet.stderr, quiet.stderr[-2000:]
+
+
+def test_train_refuses_a_negative_seed_and_log_every_zero_when_parsed(tmp_path):
+  # Caught where the flags are parsed, naming the flag, not after the data was loaded.
+  for flag, bound in (("--seed=-1", "--seed"), ("--log_every=0", "--log_every"),
+                      ("--warmup_steps=-2", "--warmup_steps")):
+    out = _cli(tmp_path, "train", "--config=tiny", "--steps=1", flag)
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert bound in out.stderr and "step 1" not in out.stdout, out.stderr[-2000:]

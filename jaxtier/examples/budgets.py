@@ -36,13 +36,14 @@ class OverBudgetError(ValueError):
   """
 
 
-def over_budget(plan, offload: str) -> "str | None":
+def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "str | None":
   """Why `plan` misses the device / host budget it was given, with the fix; None if it fits.
 
   Over when a budget was given and: the compiled step's peak device memory (else the
   predicted one) exceeds the device budget, the pinned bytes exceed the host budget, or the
   plan says it does not fit (`Plan.fits`; unless it was re-planned for a smaller budget and
-  the compiled peak fits the one given).
+  the compiled peak fits the one given). The fixes leave out what `offload` and
+  `remat_policy` (the model's) already are.
   """
   if plan.device_budget is None and plan.host_budget is None:
     return None
@@ -80,7 +81,8 @@ def over_budget(plan, offload: str) -> "str | None":
         "auto": "--offload=stream (the layers' params streamed from pinned_host)",
     }.get(offload, "a smaller --batch_size or --seq_len"))
     # Activations are most of a small state's peak: saving fewer of them often fits.
-    fixes.append("--remat_policy=nothing_saveable (fewer activations kept for the backward "
-                 "pass)")
+    if remat_policy != "nothing_saveable":
+      fixes.append("--remat_policy=nothing_saveable (fewer activations kept for the backward "
+                   "pass)")
   return (f"the plan does not fit: {'; '.join(problems)}. Fix: {', or '.join(fixes)}; or "
           "--allow_over_budget to train anyway")

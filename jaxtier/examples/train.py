@@ -272,7 +272,8 @@ def run(
     plan_bytes = step.plan.bytes_by_memory_kind()
     print(step.plan.format(reasons=False))
     print("(each leaf's reason: print(step.plan), or python -m jaxtier plan --verbose)")
-    over = None if allow_over_budget else over_budget(step.plan, offload)
+    over = None if allow_over_budget else over_budget(step.plan, offload,
+                                                      remat_policy=config.remat_policy)
     if over:
       raise OverBudgetError(over)
     print("state placement (jaxtier):")
@@ -420,14 +421,15 @@ _VOCAB_SIZE = flags.DEFINE_integer(
     "vocab_size", None, "With --tokenizer=bpe: "
     f"{', '.join(map(str, tokenizer_lib.BPE_VOCAB_SIZES))} (default "
     f"{tokenizer_lib.DEFAULT_BPE_VOCAB_SIZE}); with byte: unset (256).")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and batch order.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and batch order.", lower_bound=0)
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", None,
                                     "Peak learning rate; default per config.")
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", None,
-                                     "Warmup steps; default 5% of --steps.")
+                                     "Warmup steps; default 5% of --steps.", lower_bound=0)
 _CLIP = flags.DEFINE_bool("clip", False, "Clip gradients to global norm 1.0.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", None,
-                                  "Log (and sync) every N steps; default per config.")
+                                  "Log (and sync) every N steps; default per config.",
+                                  lower_bound=1)
 _DEVICE_BUDGET = flags.DEFINE_string("device_budget", "", "Device memory jaxtier "
                                      "may use per device, e.g. 80GB; empty: no limit.")
 _HOST_BUDGET = flags.DEFINE_string("host_budget", "", "Pinned host memory jaxtier "

@@ -164,6 +164,10 @@ def test_over_budget_names_the_compiled_peak_and_the_remat_fix():
   assert "peak device memory 109.22 MiB predicted and 90.36 MiB compiled" in why, why
   assert "a larger --device_budget (at least 90.36 MiB)" in why, why
   assert "--remat_policy=nothing_saveable" in why, why
+  # Not where the model already saves nothing (a fresh-user trial was told to pass the flag it
+  # had passed).
+  why = budgets.over_budget(plan, "stream", remat_policy="nothing_saveable")
+  assert "a larger --device_budget" in why and "--remat_policy" not in why, why
   plan.device_budget = 100 * 2**20  # the compiled step fits: nothing to say
   assert budgets.over_budget(plan, "stream") is None
 
