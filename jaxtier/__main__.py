@@ -257,12 +257,14 @@ def main(argv: list[str]) -> None:
   elif argv[1] not in COMMANDS:
     got = f"unknown command {argv[1]!r}"
   elif len(argv) > 2:
-    got = f"unexpected arguments {argv[2:]!r} after {argv[1]!r} (flags take --name=value)"
+    got = (f"unexpected arguments {argv[2:]!r} after {argv[1]!r}; flags take --name=value, "
+           "and one command is given")
   else:
     got = None
   if got:
     # A short answer, not absl's UsageError: that prints every flag's help before its line.
-    print(f"python -m jaxtier: {got}; expected one of {', '.join(COMMANDS)}.\n"
+    expected = "" if len(argv) > 2 else f"; expected one of {', '.join(COMMANDS)}"
+    print(f"python -m jaxtier: {got}{expected}.\n"
           f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags] "
           f"(python -m jaxtier --help lists the flags)", file=sys.stderr)
     sys.exit(2)
