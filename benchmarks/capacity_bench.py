@@ -76,7 +76,8 @@ def run_one(config_name: str, offload: str, steps: int, out: str, timeout: int,
   rec = {"config": config_name, "offload": offload, "command": " ".join(cmd[1:]),
          "params": llama.param_count(config), "returncode": rc, "wall_secs": round(wall, 1),
          "raw_out_of_memory": bool(RAW_OOM.search(text)),
-         "reruns": re.findall(r"note: the plan fits with ([^,]+?), which XLA reads", text),
+         "reruns": re.findall(r"note: the (?:plan|step) fits with ([^,]+?), which XLA reads",
+                              text),
          "log": os.path.basename(log_path)}
   refused = re.findall(r"^error: (?:AdmissionError|PlanError|OverBudgetError): (.*)$", text,
                        re.M)

@@ -411,7 +411,7 @@ def _rerun_with(settings: "dict[str, str]") -> None:
   if not settings or int(runs or 0) >= MAX_RERUNS or user_set:
     return
   said = " ".join(f"{k}={v}" for k, v in settings.items())
-  print(f"note: the plan fits with {said}, which XLA reads when JAX starts: running this "
+  print(f"note: the step fits with {said}, which XLA reads when JAX starts: running this "
         "command again with it (nothing was allocated)", file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
