@@ -135,6 +135,11 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   `offload`'s: the plan's notes say which host updates run layer by layer, and why the others
   do not.
 
+  Returns:
+    The `jaxtier.Plan`: each leaf's placement, bytes and reason, and the predictions above
+    (seconds, bytes per device); `print(plan)` shows them, `plan.fits` says whether it is
+    within the budgets. Budgets are bytes or size strings as `offload`'s.
+
   Raises:
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
   """
