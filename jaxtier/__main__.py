@@ -137,30 +137,49 @@ def plan_main() -> None:
   if refused:
     print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
   if not fits:
-    # The library's fixes name Python policies; these are the command line's.
+    # The library's fixes name Python policies; these are the command line's: only those that
+    # change what was missed, and none already taken.
     missed = {v.limit for v in plan.violations} | {getattr(error, "limit", "")}
     device_missed = bool(missed & {"device_budget", "device_memory"})
     # The pinned bytes over the host's limit, or the CPU backend's RAM over what it has.
     host_missed = bool(missed & {"host_limit", "host_memory"})
+    # Over --host_budget itself (then XLA's pool is not what refused it).
+    host_budget_missed = (plan.host_budget is not None
+                          and plan.pinned_bytes > plan.host_budget)
+    # The device state alone over the budget: activations and the batch are not the trouble.
+    state_over = device_missed and plan.device_budget is not None and (
+        plan.bytes_by_memory_kind().get("device", 0) > plan.device_budget)
+    offload = flags.FLAGS.offload
     hints = []
-    if not _STREAM.value and flags.FLAGS.offload == "auto" and device_missed:
+    if not _STREAM.value and offload == "auto" and device_missed:
       # Under auto alone the planner picks what streams (stream places the layers' params
       # itself; none and optimizer_state_on_host stream nothing).
       hints.append("without --nostream (the planner may stream the layers' params from "
                    "pinned_host)")
+    if device_missed and offload == "optimizer_state_on_host" and _STREAM.value:
+      hints.append("--offload=stream (the layers' params streamed from pinned_host too)")
     if "device_memory" not in missed and flags.FLAGS.device_budget:
       # (Without one the budget is the device's own memory, and a larger one is no fix.)
       hints.append("a larger --device_budget" + (
           " (or --host_budget, where it is the limit)" if host_missed else ""))
     elif host_missed:
       hints.append("a larger --host_budget, where it is the limit")
-    if config.remat_policy != "nothing_saveable" and device_missed:
+    if host_budget_missed and offload == "optimizer_state_on_host":
+      hints.append("--offload=auto (keeps on the device what fits there)")
+    if config.remat_policy != "nothing_saveable" and device_missed and not state_over:
       hints.append("--remat_policy=nothing_saveable (the layers' activations recomputed in "
                    "the backward pass, not kept)")
-    settings = _xla_settings_hint(plan, host_missed) if platform == "gpu" else None
+    settings = (_xla_settings_hint(plan, host_missed and not host_budget_missed)
+                if platform == "gpu" else None)
     if settings:
       hints.append(settings)
-    hints.append("a smaller --batch_size or --config")
+    # The batch sets the activations, not the state's bytes; the smallest config has no smaller.
+    smaller = [] if state_over or not device_missed else ["--batch_size"]
+    if flags.FLAGS.config != min(llama.CONFIGS,
+                                 key=lambda n: llama.param_count(llama.CONFIGS[n])):
+      smaller.append("--config")
+    if smaller:
+      hints.append(f"a smaller {' or '.join(smaller)}")
     print("from the command line: " + "; ".join(hints))
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
 
@@ -270,8 +289,10 @@ def main(argv: list[str]) -> None:
     sys.exit(2)
   unused = _unused_flags(argv[1])
   if unused and "JAXTIER_RERUN" not in os.environ:  # said once, not again by a re-run
-    print(f"warning: python -m jaxtier {argv[1]} does not use "
-          f"{', '.join('--' + name for name in unused)}; ignored", file=sys.stderr)
+    # As typed: a boolean flag set false reads --noNAME.
+    typed = [f"--no{n}" if flags.FLAGS[n].value is False else f"--{n}" for n in unused]
+    print(f"warning: python -m jaxtier {argv[1]} does not use {', '.join(typed)}; ignored",
+          file=sys.stderr)
   if argv[1] == "train":
     try:
       train_lib.main(argv[:1])
