@@ -396,7 +396,7 @@ def _memory_figures(plan) -> dict[str, "int | None"]:
 _CONFIG = flags.DEFINE_enum("config", "tiny", list(llama.CONFIGS),
                             "Model config (llama.CONFIGS).")
 _STEPS = flags.DEFINE_integer("steps", None, "Train steps; default per config "
-                              "(tiny: two to three minutes on 2 CPU cores).", lower_bound=1)
+                              "(tiny: one to two minutes on 2 CPU cores).", lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", None,
                                    "Sequences per step; default per config.", lower_bound=1)
 _SEQ_LEN = flags.DEFINE_integer("seq_len", None,
