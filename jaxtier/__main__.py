@@ -175,8 +175,7 @@ def plan_main() -> None:
       hints.append(settings)
     # The batch sets the activations, not the state's bytes; the smallest config has no smaller.
     smaller = [] if state_over or not device_missed else ["--batch_size"]
-    if flags.FLAGS.config != min(llama.CONFIGS,
-                                 key=lambda n: llama.param_count(llama.CONFIGS[n])):
+    if not _is_smallest_config():
       smaller.append("--config")
     if smaller:
       hints.append(f"a smaller {' or '.join(smaller)}")
@@ -318,8 +317,9 @@ def main(argv: list[str]) -> None:
       print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
       if isinstance(e, jaxtier.AdmissionError):
         offload = flags.FLAGS["offload"].value if "offload" in flags.FLAGS else None
-        fixes = _admission_fixes(e, offload)
-        print("from the command line: " + ", ".join(fixes[:-1]) + ", or " + fixes[-1],
+        fixes = _admission_fixes(e, offload, smallest=_is_smallest_config())
+        print("from the command line: " + ", or ".join(filter(None, (", ".join(fixes[:-1]),
+                                                                    fixes[-1]))),
               file=sys.stderr)
       elif isinstance(e, jaxtier.PlanError):
         # What has not been tried yet: under auto or optimizer_state_on_host the planner has
@@ -349,12 +349,22 @@ def main(argv: list[str]) -> None:
     calibrate_main()
 
 
-def _admission_fixes(error: "jaxtier.AdmissionError", offload: "str | None") -> list[str]:
+def _is_smallest_config() -> bool:
+  """Whether --config is the example config with the fewest params."""
+  from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  return flags.FLAGS["config"].value == min(
+      llama.CONFIGS, key=lambda n: llama.param_count(llama.CONFIGS[n]))
+
+
+def _admission_fixes(error: "jaxtier.AdmissionError", offload: "str | None",
+                     smallest: bool = False) -> list[str]:
   """The command line's fixes for `train`'s refused plan (`error`, under --offload=`offload`),
-  for the limit that refused it."""
+  for the limit that refused it; `smallest`: the config is the smallest, so none smaller is
+  named."""
+  config = [] if smallest else ["--config"]
   if error.limit == "host_memory":
     # The step's activations share this RAM with the state: the batch decides it.
-    return ["a smaller --batch_size", "--seq_len", "--config"]
+    return ["a smaller --batch_size", "--seq_len"] + config
   if error.limit == "device_memory":
     # Over what JAX's device allocator holds: the host is not the limit.
     if offload == "none":
@@ -364,13 +374,15 @@ def _admission_fixes(error: "jaxtier.AdmissionError", offload: "str | None") -> 
     else:
       fixes = ["--offload=stream (the layers' params streamed from pinned_host)"]
     return fixes + ["--remat_policy=nothing_saveable (fewer activations kept for the backward "
-                    "pass)", "a smaller --batch_size, --seq_len or --config"]
+                    "pass)", "a smaller --batch_size" + (" or --seq_len" if smallest else
+                                                          ", --seq_len or --config")]
   # Over the host's (or --host_budget's) pinned memory, where moving more state to the host
   # makes it worse; the pinned bytes are the state's, which the batch does not change.
   fixes = ["raise --host_budget (where the host has the memory)"]
   if offload != "auto":
     fixes.append("--offload=auto (keeps on the device what fits there)")
-  fixes.append("a smaller --config")
+  if not smallest:
+    fixes.append("a smaller --config")
   return fixes
 
 

@@ -203,14 +203,14 @@ def test_train_state_over_the_budget_names_what_is_left_to_try(tmp_path):
 
 def test_train_refused_pinned_memory_names_what_is_left_to_try(tmp_path):
   # The optimizer state on the host is over a 1 KB host budget: the fix names auto (not tried
-  # yet; under auto the hint leaves it out), not the batch, which pins nothing.
+  # yet; under auto the hint leaves it out), not the batch, which pins nothing, nor a smaller
+  # config: tiny is the smallest.
   out = _train(tmp_path, "--offload=optimizer_state_on_host", "--host_budget=1KB")
   assert out.returncode == 1, out.stderr[-2000:]
   assert "error: AdmissionError: plan refused before allocating anything" in out.stderr
   hint = next(l for l in out.stderr.splitlines() if l.startswith("from the command line:"))
   assert hint == ("from the command line: raise --host_budget (where the host has the memory), "
-                  "--offload=auto (keeps on the device what fits there), or a smaller "
-                  "--config"), hint
+                  "or --offload=auto (keeps on the device what fits there)"), hint
 
 
 @pytest.mark.slow
@@ -546,6 +546,11 @@ def test_train_fixes_for_a_refusal_name_the_limit_that_refused_it(monkeypatch):
   assert host.value.limit == "host_limit"
   assert cli._admission_fixes(host.value, "auto") == [
       "raise --host_budget (where the host has the memory)", "a smaller --config"]
+  # The smallest config (tiny) is told of no smaller one.
+  assert cli._admission_fixes(host.value, "auto", smallest=True) == [
+      "raise --host_budget (where the host has the memory)"]
+  assert cli._admission_fixes(device.value, "auto", smallest=True)[-1] == (
+      "a smaller --batch_size or --seq_len")
 
 
 def test_plan_refuses_nostream_with_the_stream_policy(tmp_path):

@@ -241,6 +241,10 @@ def run(
   if small:
     logging.warning("run: %s", small)
 
+  if warmup_steps is not None and warmup_steps >= steps:
+    # On stdout with the run's other output, as the budgets' warning.
+    print(f"warning: warmup_steps={warmup_steps} is not under steps={steps}: the learning "
+          f"rate never reaches its peak of {learning_rate:g}")
   optimizer_config = OptimizerConfig(
       learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
       clip_norm=1.0 if clip else None)

@@ -217,3 +217,13 @@ def test_run_offload_none_over_the_allocator_is_refused_before_the_state_exists(
   assert err.value.limit == "device_memory" and not inits
   monkeypatch.setattr(host_lib, "allocator_limit_bytes", lambda: 1 << 40)
   assert len(_run(corpus, steps=1, offload="none")["losses"]) == 1 and inits
+
+
+def test_run_warns_when_the_warmup_is_not_under_the_steps(corpus, capsys):
+  # A fresh-user trial ran --warmup_steps=100 --steps=10 and was told nothing: the schedule
+  # never reached the learning rate asked for.
+  _run(corpus, steps=2, warmup_steps=2)
+  assert ("warning: warmup_steps=2 is not under steps=2: the learning rate never reaches its "
+          "peak of 0.01") in capsys.readouterr().out
+  _run(corpus, steps=2, warmup_steps=1)
+  assert "warmup_steps" not in capsys.readouterr().out
