@@ -260,7 +260,7 @@ def _unused_flags(command: str) -> list[str]:
     names = list(_PLAN_ONLY) + train_flags
   else:
     names = [n for n in _NOT_READ.get(command, ()) if n in flags.FLAGS]
-  return [n for n in dict.fromkeys(names) if flags.FLAGS[n].present]
+  return [n for n in names if flags.FLAGS[n].present]
 
 
 def main(argv: list[str]) -> None:
