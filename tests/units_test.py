@@ -2,6 +2,7 @@
 
 import pytest
 
+import jaxtier
 from jaxtier._src import units
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.hardware import profile
@@ -27,3 +28,28 @@ def test_sizes_parse_as_written_and_bad_ones_are_refused_naming_what():
     units.parse_bytes(-1, "host_budget")
   assert [units.format_bytes(n) for n in (12, 3 * 2**20, 3 * 2**29)] == [
       "12 B", "3.00 MiB", "1.50 GiB"]
+
+
+@pytest.mark.parametrize("value, bytes_", [(1.5, 1.5), ("1.5B", 1.5), ("0.5KiB", None),
+                                           ("1.0001KB", 1000.1)])
+def test_a_size_that_is_not_whole_bytes_is_refused_not_rounded(value, bytes_):
+  # 1.5 was truncated to 1 byte. '0.5KiB' is 512 bytes, whole: taken.
+  if bytes_ is None:
+    assert units.parse_bytes(value) == 512
+    return
+  with pytest.raises(jaxtier.OptionError, match=rf"^jaxtier.offload: device_budget: expected a "
+                     rf"whole number of bytes, got {value!r} \({bytes_:g} bytes\)") as err:
+    units.parse_bytes(value, "jaxtier.offload: device_budget")
+  assert (err.value.option, err.value.value) == ("device_budget", value)
+  assert isinstance(err.value, ValueError) and isinstance(err.value, TypeError)
+
+
+def test_whole_sizes_parse_exactly():
+  # A decimal fraction of a unit is exact (no float rounding), and so is a float of whole bytes.
+  assert units.parse_bytes("0.1KB") == 100 and units.parse_bytes("1.5GiB") == 3 * 2**29
+  assert units.parse_bytes(2.0**40) == 2**40 and units.parse_bytes("1.25 MB") == 1_250_000
+  for bad, why in ((True, r"expected bytes \(int\) or a size string, got bool True"),
+                   (float("inf"), "expected a finite size"), ([8], "got list")):
+    with pytest.raises(jaxtier.OptionError, match=why) as err:
+      units.parse_bytes(bad, "host_budget")
+    assert err.value.option == "host_budget" and err.value.value is bad

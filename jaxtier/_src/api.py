@@ -61,7 +61,10 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
 
   Raises:
     TypeError: `fun` not callable.
-    ValueError: a budget <= 0 or not a size, or donate_argnums without 0.
+    jaxtier.OptionError (a ValueError and a TypeError): an option of the wrong type or form,
+      named in its `option` field: a budget that is not a whole number of bytes > 0 nor a size
+      string, `overlap_update` not a bool, `donate_argnums` not ints.
+    ValueError: donate_argnums without 0.
     jaxtier.PlanError (a ValueError): a policy that is none of the forms above. Errors that
       need the traced step (a bad regex, an unknown placement, a budget the state cannot fit)
       are raised by `place` or the first call, naming the leaf.

@@ -18,6 +18,20 @@ class PlanError(ValueError):
   reason: str = ""
 
 
+class OptionError(PlanError, TypeError):
+  """An option given in a type or form it does not take, refused where it is given.
+
+  For example `jaxtier.offload(step, device_budget=1.5)` (not a whole number of bytes) or
+  `overlap_update="yes"` (not a bool). Both a ValueError (a `PlanError`) and a TypeError, so
+  that either catches it. `option` names the option ('device_budget'), `value` is the value
+  given and `expected` says what the option takes.
+  """
+
+  def __init__(self, message: str, *, option: str, value: Any, expected: str):
+    super().__init__(message)
+    self.option, self.value, self.expected = option, value, expected
+
+
 class AdmissionError(PlanError):
   """The plan needs more memory than the budget, the host or XLA's allocators allow.
 

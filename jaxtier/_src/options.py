@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from jaxtier._src import units
+from jaxtier._src.errors import OptionError
 from jaxtier._src.planning import policy as policy_lib
 
 
@@ -19,7 +22,7 @@ MISSING: Any = _Missing()
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadOptions:
-  """Options of `jaxtier.offload` (validated when made).
+  """Options of `jaxtier.offload` (validated when made: `OptionError` names the option).
 
   Attributes:
     device_budget: device memory the step may use at its peak (state, gradients, activations),
@@ -47,8 +50,18 @@ class OffloadOptions:
                        units.parse_bytes(self.device_budget, "jaxtier.offload: device_budget"))
     object.__setattr__(self, "host_budget",
                        units.parse_bytes(self.host_budget, "jaxtier.offload: host_budget"))
+    if not isinstance(self.overlap_update, (bool, np.bool_)):
+      raise OptionError(f"jaxtier.offload: expected overlap_update True or False, got "
+                        f"{type(self.overlap_update).__name__} {self.overlap_update!r:.80}",
+                        option="overlap_update", value=self.overlap_update, expected="a bool")
+    object.__setattr__(self, "overlap_update", bool(self.overlap_update))
     donate = tuple(self.donate_argnums) if isinstance(self.donate_argnums, (tuple, list)) else (
         self.donate_argnums,)
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in donate):
+      raise OptionError(f"jaxtier.offload: expected donate_argnums an int or a tuple of ints, "
+                        f"got {self.donate_argnums!r:.80}", option="donate_argnums",
+                        value=self.donate_argnums, expected="an int or a tuple of ints")
+    donate = tuple(int(i) for i in donate)
     if 0 not in donate:
       raise ValueError("jaxtier.offload: expected donate_argnums to include 0, got "
                        f"{self.donate_argnums!r}; host-resident leaves are updated in place, "

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import fractions
 import math
 import re
 
 import numpy as np
 
-from jaxtier._src.errors import PlanError
+from jaxtier._src.errors import OptionError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -17,32 +18,49 @@ def parse_bytes(value: int | float | str | None, name: str = "parse_bytes") -> i
   """Bytes from an int/float (bytes) or a string like '80GB', '16GiB', '512MiB'; None = no limit.
 
   'GB', 'MB', 'KB', 'TB' are powers of 10; 'GiB', 'MiB', 'KiB', 'TiB' powers of 2; no unit (or
-  'B') is bytes.
+  'B') is bytes. The size must be a whole number of bytes: '1.5GiB' is (1,610,612,736), 1.5 and
+  '1.5B' are not, and are refused rather than rounded.
 
   Args:
     value: the size, or None.
-    name: what the size is, for the error message (e.g. 'jaxtier.offload: device_budget').
+    name: what the size is, for the error message (e.g. 'jaxtier.offload: device_budget'); its
+      last part (after ': ') is the error's `option`.
 
   Returns:
     The size in bytes (int), or None for None.
 
   Raises:
-    PlanError (a ValueError): not a size, or a size <= 0.
+    OptionError (a PlanError, ValueError and TypeError): not a size (a string in no unit above,
+      a bool or another type), a size <= 0 or not finite, or not a whole number of bytes.
   """
   if value is None:
     return None
+
+  def refuse(why: str) -> OptionError:
+    return OptionError(f"{name}: {why}", option=name.rpartition(": ")[2], value=value,
+                       expected="a whole number of bytes > 0, or a size string such as '80GB'")
+
   if isinstance(value, str):
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
-      raise PlanError(f"{name}: expected a size like 80GB, 16GiB or a number of bytes, got "
-                      f"{value!r}")
-    nbytes = float(m.group(1)) * _UNITS[m.group(2).lower()]
-  elif isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-    nbytes = float(value)
+      raise refuse(f"expected a size like 80GB, 16GiB or a number of bytes, got {value!r}")
+    # Exact: '0.1KB' is 100 bytes, not 100.00000000000001.
+    nbytes = fractions.Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+  elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    nbytes = fractions.Fraction(int(value))
+  elif isinstance(value, (float, np.floating)):
+    if not math.isfinite(value):
+      raise refuse(f"expected a finite size, got {value!r}; pass None for no limit")
+    nbytes = fractions.Fraction(float(value))
   else:
-    raise PlanError(f"{name}: expected bytes (int) or a size string, got {type(value).__name__}")
+    raise refuse(f"expected bytes (int) or a size string, got {type(value).__name__} "
+                 f"{value!r:.80}")
   if not nbytes > 0:
-    raise PlanError(f"{name}: expected a size > 0 bytes, got {value!r}; pass None for no limit")
+    raise refuse(f"expected a size > 0 bytes, got {value!r}; pass None for no limit")
+  if nbytes.denominator != 1:
+    raise refuse(f"expected a whole number of bytes, got {value!r} ({float(nbytes):g} bytes); "
+                 f"give an int (e.g. {math.floor(nbytes) or 1}) or a size that is whole in its "
+                 "unit's bytes ('1.5GiB' is)")
   return int(nbytes)
 
 

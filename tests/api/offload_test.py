@@ -232,11 +232,31 @@ def test_placed_state_passed_again_as_an_argument_is_named():
 
 
 @pytest.mark.parametrize("kw", [dict(device_budget=0), dict(host_budget=-1),
-                                dict(host_budget="0GB"), dict(device_budget="lots")])
+                                dict(host_budget="0GB"), dict(device_budget="lots"),
+                                dict(device_budget=1.5), dict(host_budget="1.5B")])
 def test_bad_budget_is_refused(kw):
-  name = next(iter(kw))
-  with pytest.raises(ValueError, match=f"jaxtier.offload: {name}: expected"):
+  # 1.5 was truncated to 1 byte; a size that is not whole bytes is refused as a bad one is.
+  (name, value), = kw.items()
+  with pytest.raises(ValueError, match=f"jaxtier.offload: {name}: expected") as err:
     jaxtier.offload(_step_fn(TX), **kw)
+  assert isinstance(err.value, jaxtier.OptionError)
+  assert (err.value.option, err.value.value) == (name, value)
+  # '1.5GiB' is a whole number of bytes.
+  assert jaxtier.offload(_step_fn(TX), device_budget="1.5GiB")._options.device_budget == 3 * 2**29
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(overlap_update="yes"), "a bool"), (dict(overlap_update=1), "a bool"),
+    (dict(donate_argnums="0"), "an int or a tuple of ints"),
+    (dict(donate_argnums=(0, 1.0)), "an int or a tuple of ints")])
+def test_an_option_of_the_wrong_type_is_refused_naming_it(kw, expected):
+  # overlap_update="yes" was taken (a truthy string).
+  (name, value), = kw.items()
+  with pytest.raises(TypeError, match=rf"^jaxtier.offload: expected {name} ") as err:
+    jaxtier.offload(_step_fn(TX), **kw)
+  assert (err.value.option, err.value.value, err.value.expected) == (name, value, expected)
+  assert jaxtier.offload(_step_fn(TX), overlap_update=np.bool_(False))._options.overlap_update \
+      is False
 
 
 def test_a_step_that_is_not_callable_is_refused_when_wrapped():
