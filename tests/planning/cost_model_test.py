@@ -25,7 +25,7 @@ def test_update_cost_formulas():
   t_n = dataclasses.replace(t, elements=n)
   kernel = max(n / 16.3e9, 2 * GB / 78e9)
   assert cost_model.update_cost("host_dha", t_n, P).secs == pytest.approx(max(2 / 60, kernel))
-  # The default reproduces one layer call of the H200 (diagnostics/dha_update_rate.json): AdamW
+  # The default reproduces one layer call of the H200 (diagnostics/dha_update_rate_h200.json): AdamW
   # moments in pinned_host (16 B per element) near the link's 78 GB/s on the whole grid and on a
   # quarter (measured 4.96e9 and 4.99e9 elements/s), below it on an eighth (2.90e9); every
   # operand in HBM 16.3e9 and 9.0e9 elements/s on the whole grid and a quarter.

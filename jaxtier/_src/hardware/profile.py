@@ -27,7 +27,7 @@ CPU_DRAM_BYTES_PER_PARAM = 30
 
 # Shares of the GPU's resident blocks at which the DHA update kernel's rates saturate
 # (`HardwareProfile.dha_update_secs`), from one layer call on the H200
-# (diagnostics/dha_update_rate.json). Compute: all operands in HBM, 16.3e9 elements/s on the
+# (diagnostics/dha_update_rate_h200.json). Compute: all operands in HBM, 16.3e9 elements/s on the
 # whole grid, 9.0e9 on a quarter, 4.8e9 on an eighth: about 37e9 per whole grid's worth of
 # blocks up to 16.3e9, so 0.44. Link: moments in pinned_host, 79.4 GB/s on the whole grid and
 # 79.8 on a quarter, 46.5 on an eighth: about 372 GB/s per whole grid's worth of blocks up to
@@ -107,13 +107,13 @@ class HardwareProfile:
   # reached 2.30e9 params/s x 24 B = 55 GB/s (W2) and the 1b e2e run 52 GB/s: the kernel's rate.
   dha_rw_gbps: float = 52.0
   host_dram_gbps: float = 80.5
-  # `jaxtier.calibrate` on this H200 (benchmarks/results/calibrate_h200.log): host_cpu AdamW
+  # `jaxtier.calibrate` on this H200 (benchmarks/results/calibrate/h200_af23580.log): host_cpu AdamW
   # 2.73e9 params/s, transfers included (W2 reached 3.30e9 on larger calls; its first run,
   # before the executor's fused passes, 2.03e9).
   cpu_adamw_params_per_sec: float = 2.73e9
-  # W2 (w2_host_update.json): host_dha 2.739e9 params/s.
+  # W2 (w2/host_update_h200.json): host_dha 2.739e9 params/s.
   dha_adamw_params_per_sec: float = 2.739e9
-  # One layer call of the DHA update kernel on the H200 (diagnostics/dha_update_rate.json):
+  # One layer call of the DHA update kernel on the H200 (diagnostics/dha_update_rate_h200.json):
   # AdamW moments in pinned_host (16 B per element) 79.4 GB/s on the whole grid and 79.8 on a
   # quarter; master and moments there (24 B) 69.6 and 76.3; all operands in HBM 16.3e9
   # elements/s on the whole grid. 78 GB/s is within 12% of each host case, and of W3's serial
@@ -123,13 +123,13 @@ class HardwareProfile:
   # The kernel's blocks hold their SMs until a layer's update is done. Alone, a layer call of
   # AdamW with its moments in pinned_host (16 B per element over the link) runs at 4.96e9
   # elements/s on the whole grid and 4.99e9 on a quarter of it (79.8 GB/s: the link), 2.90e9
-  # on an eighth (diagnostics/dha_update_rate.json). W3 (1b, batch 8, the split at 0.8,
-  # w3/w3_1b_b8_dec02c_call3.json): 315.6 ms per step on a quarter, 352.3 on the whole grid,
+  # on an eighth (diagnostics/dha_update_rate_h200.json). W3 (1b, batch 8, the split at 0.8,
+  # w3/1b_b8_osh_grid_h200.json): 315.6 ms per step on a quarter, 352.3 on the whole grid,
   # 420.6 on an eighth.
   dha_layer_grid: float = 0.25
-  # W6 (w6_dha.json, H200): 8,192 rows of a 131,072 x 2,048 fp32 table in 1.43 ms, 47 GB/s.
+  # W6 (w6/1b_128k_h200.json, H200): 8,192 rows of a 131,072 x 2,048 fp32 table in 1.43 ms, 47 GB/s.
   dha_gather_gbps: float = 47.0
-  # diagnostics/dha_crossover.json (H200): an 8192 x 8192 bf16 weight read in place at 49.1
+  # diagnostics/dha_crossover_h200.json (H200): an 8192 x 8192 bf16 weight read in place at 49.1
   # GB/s for 1 to 128 rows of x, against 53.7 GB/s copying it (0.91-0.92 of the copy).
   dha_matmul_gbps: float = 49.0
   # ~790 TFLOP/s on a bf16 8192^3 GEMM; training steps reach less (smaller and skinnier GEMMs).

@@ -124,7 +124,7 @@ STAGING_DRAM_FACTOR = 1.5
 # results (CPU_STAGED_FACTOR: the CPU's pass over the staging buffer plus the copy engine's side
 # of it). Fitted to the H200's runs that isolate each (1b decoder, batch 8, layered host_cpu
 # updates, the update's time read off the step as measured less the predicted step's other
-# phases; `benchmarks/results/w3/`, `w5_planner.json`):
+# phases; `benchmarks/results/w3/`, `w5/planner_h200.json`):
 # - layers streamed, no staging (26 B per param in place): 302 ms measured for the 1b's 1.03e9
 #   params and 75.7 ms for W5's 0.28e9, 0.29 and 0.27 ns per param, where 26 B at the rate
 #   predicts 0.32: their mean is 0.88 of a byte at the rate;
@@ -409,7 +409,7 @@ BACKWARD_SHARE = 2.0 / 3.0
 # Seconds of compute lost per second of a layered update's DHA kernel running beside it, on
 # the share g of the GPU's blocks: DHA_CONTENTION + DHA_CONTENTION_PER_GRID * g
 # (`dha_contention`). H200, W3 1b batch 8, AdamW moments in pinned_host, the split at 0.8
-# (w3/w3_1b_b8_dec02c_call3.json; 171.2 ms device-only): 315.6 ms per step on a quarter of
+# (w3/1b_b8_osh_grid_h200.json; 171.2 ms device-only): 315.6 ms per step on a quarter of
 # the blocks and 352.3 on the whole grid, where the update without the kernel's slowing would
 # show 115.7 ms over the device step: 0.25 and 0.57 of the 114 ms backward it overlaps.
 DHA_CONTENTION = 0.14
