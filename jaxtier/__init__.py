@@ -4,7 +4,7 @@ The public API is what this module exports; everything under `jaxtier._src` may 
 `jaxtier.experimental` holds mechanisms `offload` does not reach yet.
 """
 
-import jax as _jax  # noqa: F401  (jax must be imported before jaxtier's extension: MEASURED.md)
+import jax as _jax  # noqa: F401  (before jaxtier's extension: the other order crashed in ml_dtypes)
 
 from jaxtier._src.analysis.inventory import LeafInfo as LeafInfo
 from jaxtier._src.api import admit as admit

@@ -75,7 +75,7 @@ def _take(w: Any, index: Any, split_axis: "int | None" = None, start: Any = 0,
 
   One `dynamic_slice` of the host array, then the move to device memory, then (with `index`)
   dropping the layer axis: the slice is the only op on host memory, so XLA moves just that
-  window; any other op there (even a reshape) could become host compute (MEASURED.md).
+  window; any other op there (even a reshape) could become host compute (XLA warns so).
   """
   if index is None and split_axis is None:
     return jax.device_put(w, jc.memory_space("device"))

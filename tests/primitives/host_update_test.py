@@ -633,8 +633,8 @@ def test_adamw_on_gpu_matches_optax_device(gpu):
 
 
 def test_import_jaxtier_first_in_fresh_process(tmp_path):
-  # The package imports jax before its extension (MEASURED.md: the other order crashes on
-  # the H200); a fresh process that imports jaxtier first must run a host update.
+  # The package imports jax before its extension (the other order crashed inside ml_dtypes
+  # on the H200); a fresh process that imports jaxtier first must run a host update.
   code = ("import jaxtier, jax, jax.numpy as jnp, numpy as np\n"
           "from jaxtier._src.primitives import host_update as hu\n"
           "p = hu.Program(code=np.array([[1,0,0,0,0],[42,1,0,0,0],[3,0,1,0,0]], np.int32), "

@@ -4,7 +4,7 @@
 (direct host access) read / write / read+write rates, host DRAM bandwidth, the update rate of
 each host-update executor, achieved bf16 matmul throughput and HBM bandwidth, HBM capacity and
 the pinned host memory the host can give. The defaults are the H200 machine's measured figures
-(../shared/MEASURED.md, 2026-11-29, and benchmarks/results/w2/host_update_h200.json), taken
+(benchmarks/results/calibrate/h200_af23580.log and w2/host_update_h200.json there), taken
 conservatively; `calibrate()` measures what the machine it runs on has (on a GPU: everything;
 without one: the host side only, the GPU figures stay the defaults and it says so).
 `save`/`load` keep one profile per device kind and jax version in the user's cache directory.

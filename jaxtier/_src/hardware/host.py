@@ -17,7 +17,7 @@ def pinnable_bytes(platform: str, num_local_devices: int = 1) -> "int | None":
   FSDP-sharded one once in 8 pieces. So the host's MemAvailable is split evenly over
   `num_local_devices` (the state's mesh devices that this process addresses). On GPU, each
   device's share is also capped by XLA's pinned pool, XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (64 GiB
-  by default; ../shared/MEASURED.md); XLA's GPU client makes one such pool per device for
+  by default); XLA's GPU client makes one such pool per device for
   pinned_host buffers (read in XLA's allocator setup, not measured with several GPUs). Other
   processes on the same host (one process per GPU) are not seen: each assumes the host's free
   memory is its own.

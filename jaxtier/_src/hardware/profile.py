@@ -16,7 +16,7 @@ log = logging.getLogger("jaxtier")
 # Bytes of memory traffic per parameter of an AdamW update with an fp32 master, fp32 moments in
 # pinned_host and bf16 gradients / params on the device:
 #   DHA kernel, over the link: master, m, v read (12) and written (12).
-H200_HBM_BYTES = 143_771 * 2**20  # nvidia-smi total, MEASURED.md
+H200_HBM_BYTES = 143_771 * 2**20  # nvidia-smi's total on the H200
 DHA_LINK_BYTES_PER_PARAM = 24
 
 
@@ -97,13 +97,13 @@ class HardwareProfile:
 
   link_h2d_gbps: float = 53.0
   link_d2h_gbps: float = 54.0
-  # 44.3 GB/s each way measured with both directions busy (MEASURED.md).
+  # 44.3 GB/s each way measured on the H200 with both directions busy (two streams).
   link_duplex_gbps: float = 88.0
-  # SM loads from pinned host: 50.4 - 50.8 GB/s (MEASURED.md).
+  # SM loads from pinned host: 50.4 - 50.8 GB/s on the H200, any grid from 132x256 up.
   dha_read_gbps: float = 50.0
   # Not measured alone; taken as the read rate, rounded down.
   dha_write_gbps: float = 48.0
-  # MEASURED.md gives ~65 GB/s for a zero-copy read + write probe, but the AdamW DHA kernel
+  # A zero-copy read + write probe reached ~65 GB/s on the H200, but the AdamW DHA kernel
   # reached 2.30e9 params/s x 24 B = 55 GB/s (W2) and the 1b e2e run 52 GB/s: the kernel's rate.
   dha_rw_gbps: float = 52.0
   host_dram_gbps: float = 80.5

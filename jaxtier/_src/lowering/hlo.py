@@ -54,7 +54,7 @@ def entry_instructions(hlo_text: str) -> list[tuple[str, str]]:
 def hlo_violations(hlo_text: str, target: str = hu.TARGET) -> list[str]:
   """What in compiled HLO moves or computes on a host operand before a `target` custom call.
 
-  The alarm for XLA's undocumented behaviour on host operands (../shared/MEASURED.md): a
+  The alarm for XLA's undocumented behaviour on host operands (jax 0.11.2 on the H200): a
   pinned_host leaf must reach the custom call as the entry parameter itself. For each operand
   of each `target` call in the entry computation, follow its producers back through copy,
   copy-start/-done, slice, dynamic-slice, bitcast and fusion instructions: reaching an entry

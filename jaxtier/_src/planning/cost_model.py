@@ -221,7 +221,8 @@ def xla_copy_cost(nbytes: int, profile: HardwareProfile, *, platform: str = "gpu
   """A `host_xla` leaf: copied to the device before its use and back after the step, serially.
 
   secs = nbytes / link_h2d + nbytes / link_d2h (XLA's memory-kind transfers are not overlapped
-  with the step's compute in general: MEASURED.md's scan reached 0.64 of the overlapped ideal).
+  with the step's compute in general: in W1 they reached 0.635 of the overlapped bound,
+  benchmarks/results/w1/streaming_h200.json).
   On the CPU platform the copies are host memory copies at host_dram bandwidth (read + write).
   """
   if platform != "gpu":

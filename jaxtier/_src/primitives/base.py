@@ -1,7 +1,7 @@
 """Loads jaxtier's compiled XLA FFI handlers and registers them with JAX.
 
 The extension is imported only after `jax` (on the H200 machine, importing a nanobind FFI module
-before jax crashed inside ml_dtypes: ../shared/MEASURED.md), and only when a custom call is first
+before jax crashed inside ml_dtypes), and only when a custom call is first
 lowered, so `import jaxtier` stays cheap and works without the extension for planning.
 """
 

@@ -9,7 +9,7 @@ contract: docs/design.md, "DHA compute: gather, matmul and scatter-add on host o
 The alternative to streaming (copying a host leaf to HBM before its use) for leaves read once
 with little reuse: an embedding table of which a step touches a few rows, a weight multiplied by
 a few tokens. The table / weight is passed whole as the operand of the custom call (a
-`pinned_host` jit argument reaches the CUDA handler as the host pointer: ../shared/MEASURED.md)
+`pinned_host` jit argument reaches the CUDA handler as the host pointer, uncopied, in S(5))
 and the kernel reads it over PCIe, each needed byte once; nothing of it is copied to HBM.
 `scatter_add` is the other direction, for the gradient of such a table: it writes a donated
 pinned_host buffer in place (the host CPUs zero it and add the gradient rows), so no table-sized
