@@ -56,7 +56,7 @@ import optax
 from jaxtier._src.hardware import profile
 from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.primitives import programs as op_programs
+from jaxtier._src.primitives import op_programs
 from jaxtier._src.vocab import Executor
 
 B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 1e-4, 1e-3

@@ -23,7 +23,7 @@ Families (`--family`):
   buffered, with `after` pass-throughs), `jaxtier_stream_wait_ffi` (h2d and d2h) and
   `jaxtier_stream_send_ffi` (two donated pinned_host leaves, every layer) in one jitted
   3-layer loop; the fetched slices, the sent slices and the result are checked.
-- `host_update` (host_update_kernels.cu, program.h, host_update.cc): `jaxtier_host_update_ffi`
+- `host_update` (host_update_kernels.cu, op_program.h, host_update.cc): `jaxtier_host_update_ffi`
   with an AdamW program (+ a device param) for each executor: host_dha, host_cpu and split
   with the state in pinned_host, host_cpu and split with every buffer on the device (staged
   aliased pairs; f16 gradient); the staging runs in 3-5 chunks over the 3 streams
@@ -482,7 +482,7 @@ def run_host_update(ctx):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
   from jaxtier._src.primitives import host_update as hu  # pylint: disable=g-import-not-at-top
-  from jaxtier._src.primitives import programs as op_programs  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.primitives import op_programs  # pylint: disable=g-import-not-at-top
 
   Op = hu.Op
   device = jax.devices()[0]

@@ -111,14 +111,14 @@ def test_init_programs_create_host_leaves_in_pinned_host_in_chunks():
   # The initialisers' out_shardings put every host leaf in pinned_host (it is never a device
   # output moved out afterwards), device leaves in one program, and no program computes more
   # host bytes than its chunk (here one leaf's worth), so none holds the whole host state.
-  from jaxtier._src.lowering import programs as programs_lib
+  from jaxtier._src.lowering import compiled as compiled_lib
   key = jax.random.key(1)
   off = jaxtier.offload(_init_step, policy="optimizer_state_on_host")
   off.init(_init_state, key, example_args=(_INIT_BATCH,))
   plan = off.plan
   treedef = jax.tree.structure(jax.eval_shape(_init_state, key))
   largest = max(l.nbytes for l in plan.leaves if l.memory_kind == "pinned_host")
-  progs = programs_lib.initializers(_init_state, plan, off._programs.state_shardings, treedef,
+  progs = compiled_lib.initializers(_init_state, plan, off._programs.state_shardings, treedef,
                                     chunk_bytes=largest)
   host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"]
   assert progs[0][0] == [l.index for l in plan.leaves if l.memory_kind == "device"]

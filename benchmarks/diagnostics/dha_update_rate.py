@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.primitives import programs as op_programs
+from jaxtier._src.primitives import op_programs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench_util
 import bench_util  # noqa: E402  (benchmarks/bench_util.py)

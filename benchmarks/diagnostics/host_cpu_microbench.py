@@ -34,7 +34,7 @@ from absl import app, flags
 import numpy as np
 
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.primitives import programs as op_programs
+from jaxtier._src.primitives import op_programs
 from jaxtier._src.vocab import Executor
 
 _LEAF = flags.DEFINE_integer("leaf_elements", 1 << 24, "Params per leaf.")

@@ -2,7 +2,7 @@
 
 `plan_step` traces the step (`analysis.inventory`), measures what the device-only step costs
 (`analysis.step_costs`), loads the `HardwareProfile`, plans (`planning.planner.make_plan`),
-lowers the plan into the step's two programs (`lowering.programs.build`), checks the compiled
+lowers the plan into the step's two programs (`lowering.compiled.build`), checks the compiled
 program's peak against the budget (re-planning when it is over, `MAX_REPLANS` times at most),
 and refines a plan whose compiled peak came out well under its prediction. `plan_only` stops
 after planning: it allocates and compiles nothing but the device-only step's costs.
@@ -25,7 +25,7 @@ from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
-from jaxtier._src.lowering import programs as programs_lib
+from jaxtier._src.lowering import compiled as compiled_lib
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.lowering import overlap as overlap_lib
 from jaxtier._src.planning import admission, planner
@@ -54,7 +54,7 @@ class Planned:
 
   inventory: inv_lib.Inventory
   plan: Plan
-  programs: programs_lib.StepPrograms
+  programs: compiled_lib.StepPrograms
   signature: Any
 
 
@@ -94,7 +94,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     return planner.make_plan(inv, device_budget=budget, step_costs=step_costs, **fixed)
 
   def lower(plan):
-    programs = programs_lib.build(inv, plan, state, args, options.overlap_update)
+    programs = compiled_lib.build(inv, plan, state, args, options.overlap_update)
     notes = _overlap_notes(plan, programs.split.overlap) + programs.split.lookup.notes
     return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
                    programs, sig)
@@ -382,7 +382,7 @@ def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...
   return tuple(notes)
 
 
-def _update_host_extra_bytes(programs: programs_lib.StepPrograms, state: Any,
+def _update_host_extra_bytes(programs: compiled_lib.StepPrograms, state: Any,
                              compiled_compute: Any) -> int:
   """Pinned_host bytes the compiled host-update program allocates beyond its arguments (its
   outputs not aliased to an input, its host temporaries); 0 where it has none, or where the

@@ -20,7 +20,7 @@ from jaxtier._src import checkpoint as checkpoint_lib
 from jaxtier._src import pipeline
 from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.errors import AdmissionError
-from jaxtier._src.lowering import programs as programs_lib
+from jaxtier._src.lowering import compiled as compiled_lib
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.planning.plan import LeafPlan, Plan
 from jaxtier._src.units import format_bytes
@@ -58,7 +58,7 @@ class OffloadedStep:
     self._options = options
     self.plan: "Plan | None" = None
     self._planned: "pipeline.Planned | None" = None
-    self._programs: "programs_lib.StepPrograms | None" = None  # the planned step's programs
+    self._programs: "compiled_lib.StepPrograms | None" = None  # the planned step's programs
     self._calls, self._step_times = 0, []
     self._masters: list[jax.Array] = []
     self._master_sources: tuple[Any, ...] = ()
@@ -147,7 +147,7 @@ class OffloadedStep:
     inv_lib.check_leaves("OffloadedStep.place", state)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if not any(jc.memory_kind_of(x) == MemoryKind.PINNED_HOST for x in leaves):
-      programs_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
+      compiled_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
     placed = [_put(x, s, lp) for x, s, lp in zip(leaves, self._programs.state_shardings,
                                                   self.plan.leaves)]
     self._refresh_masters(leaves, placed)
@@ -160,7 +160,7 @@ class OffloadedStep:
 
     The plan is made from `jax.eval_shape(init_fn, *init_args)` (no memory holds the state
     while planning); then jitted initialisers compute the leaves with the plan's shardings as
-    their `out_shardings` (`lowering.programs.initializers`): the device leaves in one program,
+    their `out_shardings` (`lowering.compiled.initializers`): the device leaves in one program,
     the pinned_host leaves in programs sized to fit the device memory the plan leaves free. No
     leaf is built on the device and then moved out, and no memory holds the whole state at
     once unless the plan keeps it there. The values are those of `jax.jit(init_fn)(*init_args)`
@@ -187,8 +187,8 @@ class OffloadedStep:
         jax.eval_shape(init_fn, *init_args), example_args, "init", "init_fn returns",
         "step.init(init_fn, key, example_args=(batch,))")
     made: list[Any] = [None] * len(leaves)
-    programs_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
-    for indices, program in programs_lib.initializers(
+    compiled_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
+    for indices, program in compiled_lib.initializers(
         init_fn, self.plan, self._programs.state_shardings, treedef):
       for i, x in zip(indices, program(*init_args)):
         made[i] = x

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 import jaxtier
-from jaxtier._src.analysis import program_compiler
+from jaxtier._src.analysis import op_program_compiler
 
 
 def _mlp(dtype=jnp.float32):
@@ -43,15 +43,15 @@ def test_a_device_param_is_written_in_place_by_a_call_before_its_moments():
   placed = off.place(state, batch)
   leaves = [l.path for l in off.plan.leaves]
   for cc in off.plan.components:
-    device_call, host_call = program_compiler.calls_of(cc)
+    device_call, host_call = op_program_compiler.calls_of(cc)
     assert not device_call.ordered and host_call.ordered
     (k,) = device_call.results
-    assert not program_compiler.is_host_result(cc, k)
+    assert not op_program_compiler.is_host_result(cc, k)
     # The param's new value overwrites the param itself (AdamW's moments never read it).
     target = cc.operands[device_call.operands[device_call.aliases[0]]]
     assert target.kind == "value" and "['params']" in leaves[target.index]
     assert target.index not in {cc.operands[i].index for i in host_call.operands}
-    assert all(program_compiler.is_host_result(cc, r) for r in host_call.results)
+    assert all(op_program_compiler.is_host_result(cc, r) for r in host_call.results)
   # Both old params are donated to the update program, and paired with their new values.
   assert _donated_device_args(off.lower_update(placed, batch).as_text()) == 2
   ref = jax.jit(_step(tx))
@@ -74,7 +74,7 @@ def test_a_bf16_param_from_its_master_gets_a_buffer_of_its_own():
   off = jaxtier.offload(_step(tx), policy="optimizer_state_on_host")
   placed = off.place(state, batch)
   for cc in off.plan.components:
-    device_call, _ = program_compiler.calls_of(cc)
+    device_call, _ = op_program_compiler.calls_of(cc)
     assert device_call.aliases == (-1,)
   assert _donated_device_args(off.lower_update(placed, batch).as_text()) == 0
   placed, m = off(placed, batch)
@@ -99,27 +99,27 @@ def test_an_old_param_the_step_also_returns_is_not_written_over():
 
 def test_the_pinned_pool_is_reserved_as_one_buffer_on_a_gpu_plan_only(monkeypatch, caplog):
   import dataclasses
-  from jaxtier._src.lowering import programs
+  from jaxtier._src.lowering import compiled
   tx = optax.adam(1e-2)
   params = _mlp()
   state = {"params": params, "opt": tx.init(params)}
   off = jaxtier.offload(_step(tx), policy="optimizer_state_on_host")
   off.place(state, jnp.ones((16, 64), jnp.float32))
   plan, shardings = off.plan, off._programs.state_shardings
-  monkeypatch.setattr(programs, "RESERVE_MIN_BYTES", 0)
+  monkeypatch.setattr(compiled, "RESERVE_MIN_BYTES", 0)
   cpu = dataclasses.replace(plan, platform="cpu")
-  assert not programs.reserve_pinned_pool(cpu, shardings)  # the CPU backend has no pool
+  assert not compiled.reserve_pinned_pool(cpu, shardings)  # the CPU backend has no pool
   gpu = dataclasses.replace(plan, platform="gpu")
   made = []
   real = jax.jit
   monkeypatch.setattr(jax, "jit", lambda f, **kw: made.append(kw) or real(f, **kw))
-  assert programs.reserve_pinned_pool(gpu, shardings)
+  assert compiled.reserve_pinned_pool(gpu, shardings)
   (kw,) = made
   assert kw["out_shardings"].memory_kind == "pinned_host"
-  monkeypatch.setattr(programs, "RESERVE_MIN_BYTES", plan.pinned_bytes + 1)
-  assert not programs.reserve_pinned_pool(gpu, shardings)  # too small to matter
+  monkeypatch.setattr(compiled, "RESERVE_MIN_BYTES", plan.pinned_bytes + 1)
+  assert not compiled.reserve_pinned_pool(gpu, shardings)  # too small to matter
   # A reservation that cannot be made is logged, and the leaves are made one by one.
-  monkeypatch.setattr(programs, "RESERVE_MIN_BYTES", 0)
+  monkeypatch.setattr(compiled, "RESERVE_MIN_BYTES", 0)
   monkeypatch.setattr(jax, "jit", lambda f, **kw: (_ for _ in ()).throw(RuntimeError("no")))
-  assert not programs.reserve_pinned_pool(gpu, shardings)
+  assert not compiled.reserve_pinned_pool(gpu, shardings)
   assert "could not reserve" in caplog.text

@@ -23,7 +23,7 @@ import pytest
 
 from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.primitives import programs as op_programs
+from jaxtier._src.primitives import op_programs
 from jaxtier._src.primitives.host_update import Op
 from jaxtier._src.lowering import hlo as hlo_lib
 

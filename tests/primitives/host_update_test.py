@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxtier
-from jaxtier._src.analysis import program_compiler
+from jaxtier._src.analysis import op_program_compiler
 from jaxtier._src.lowering import hlo as hlo_lib
 from jaxtier._src.primitives import base as ffi
 from jaxtier._src.primitives import host_update as hu
@@ -501,7 +501,7 @@ def test_fused_pairs_keep_operand_order_and_uniforms():
 # ---- restrict: the part of a program that computes some of its results -------------------
 
 def test_restrict_keeps_the_bits_of_the_results_it_keeps():
-  from jaxtier._src.primitives import programs as op_programs
+  from jaxtier._src.primitives import op_programs
   prog = op_programs.adamw_program(weight_decay=0.1)
   n = 1000
   rng = np.random.default_rng(3)
@@ -553,9 +553,9 @@ def _assert_hlo_clean(off, state, batch):
   assert hu.TARGET not in off.lower(state, batch).compile().as_text()
   hlo = off.lower_update(state, batch).compile().as_text()
   assert hlo_lib.hlo_violations(hlo) == []
-  # A component with device results runs as two calls (program_compiler.calls_of).
+  # A component with device results runs as two calls (op_program_compiler.calls_of).
   assert hlo.count(f'custom_call_target="{hu.TARGET}"') == sum(
-      len(program_compiler.calls_of(cc)) for cc in off.plan.components)
+      len(op_program_compiler.calls_of(cc)) for cc in off.plan.components)
   # Every result is written in place: each new param over its donated old value on the device,
   # the moments in pinned_host. No result has a buffer of its own, and nothing is staged in
   # pinned_host (where XLA would put a device result of a call with host results).

@@ -8,7 +8,7 @@
 //
 // On the CPU backend a pinned_host buffer is ordinary host memory: gather and matmul are plain
 // loops, the reference for the CUDA kernels (dha_kernels.cu). Matmul accumulates in fp32 and
-// rounds y once. The scatter-add runs on jaxtier's CPU thread pool (program.h), each row's
+// rounds y once. The scatter-add runs on jaxtier's CPU thread pool (op_program.h), each row's
 // additions in the order of n whatever the thread count: a row belongs to one task (its id, or
 // for a bf16 buffer its slot, modulo the task count), and every task reads the ids in order. An
 // f32 buffer is zeroed, then added into; a bf16 buffer's rows are summed in fp32 beside it and
@@ -25,7 +25,7 @@
 #include "dha.h"
 #include "ffi_helpers.h"
 #include "handlers.h"
-#include "program.h"
+#include "op_program.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -274,7 +274,7 @@ struct ScatterAddScratch {
 // consecutive ids and their rows (chunks in the order of n: the CUDA handler's staged pieces, or
 // the whole of them at once) into it, or for a bf16 buffer into the fp32 sums; End writes a bf16
 // buffer once, whole: each sum rounded once into its row, zeros elsewhere. Large steps run on
-// jaxtier's CPU thread pool (program.h); each row's additions stay in the order of n. Call with
+// jaxtier's CPU thread pool (op_program.h); each row's additions stay in the order of n. Call with
 // IEEE floating point (host_update::ScopedIeeeFloatingPoint) for the documented bits. A bf16
 // buffer needs `scratch` reserved for the call (Reserve); nothing here allocates.
 void ScatterAddBegin(const ScatterAddShape& s, void* buffer, ScatterAddScratch* scratch);

@@ -70,7 +70,7 @@
 #include "dha.h"
 #include "ffi_helpers.h"
 #include "handlers.h"
-#include "program.h"
+#include "op_program.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

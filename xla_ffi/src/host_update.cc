@@ -1,4 +1,4 @@
-// CPU handler of `jaxtier_host_update_ffi`: runs the op program (program.h, docs/design.md)
+// CPU handler of `jaxtier_host_update_ffi`: runs the op program (op_program.h, docs/design.md)
 // over N elements, in place where the results alias operands.
 //
 // Execution is blocked interpretation: for a block of kBlock elements each instruction runs over
@@ -15,7 +15,7 @@
 // operands, or over rows of a table (RunCpuPlanRows): the rows its ids name, or every other
 // row, split across the pool by rows.
 //
-// The same executor (BuildCpuPlan + RunCpuPlan, program.h) serves the CUDA handler's
+// The same executor (BuildCpuPlan + RunCpuPlan, op_program.h) serves the CUDA handler's
 // `host_cpu` and `split` executors, from host functions on jaxtier's streams. The CPU handler
 // takes the `executor` / `dha_fraction` attributes (validated) and ignores them: it is the host
 // CPU executor already.
@@ -40,7 +40,7 @@
 
 #include "ffi_helpers.h"
 #include "handlers.h"
-#include "program.h"
+#include "op_program.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

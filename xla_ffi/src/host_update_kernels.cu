@@ -1,4 +1,4 @@
-// CUDA handler of `jaxtier_host_update_ffi` (op program: program.h, docs/design.md). Attribute
+// CUDA handler of `jaxtier_host_update_ffi` (op program: op_program.h, docs/design.md). Attribute
 // `executor` picks who computes the update:
 //
 //   0 host_dha  One grid-stride kernel interprets the program per element on XLA's stream.
@@ -19,7 +19,7 @@
 // the pinned staging buffer are per-instance state (created by the instantiate stage, filled per
 // device on first use, grown only when a call needs more staging, freed with the executable).
 // The layer calls (`jaxtier_host_update_layer_ffi`, below) instead share one set per device and
-// do not make XLA's stream wait: the join does. A layer call over rows of a table (program.h,
+// do not make XLA's stream wait: the join does. A layer call over rows of a table (op_program.h,
 // LayerAttrs::rows) runs on the CPU threads alone, from one host function on stream 0, in place
 // on host buffers.
 // Neither path is marked kCmdBufferCompatible (own streams, host functions, event waits).
@@ -41,7 +41,7 @@
 
 #include "ffi_helpers.h"
 #include "handlers.h"
-#include "program.h"
+#include "op_program.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -618,7 +618,7 @@ ffi::Error EnqueueCpuRange(cudaStream_t xla_stream, int64_t chunk_bytes, DeviceR
   return ffi::Error::Success();
 }
 
-// Enqueues a rows call (program.h, LayerAttrs::rows) on stream 0 of `dev`'s streams, deferred
+// Enqueues a rows call (op_program.h, LayerAttrs::rows) on stream 0 of `dev`'s streams, deferred
 // like a layer call (a join waits): the ids come down into stream 0's fixed staging region (or
 // are read in place from host memory), the scalars into the shared scalar area, then one host
 // function runs the call. Every vector operand must be host memory: the CPUs update the picked
@@ -755,7 +755,7 @@ ffi::Error HostUpdateCudaImpl(cudaStream_t stream, HostUpdateState* state,
 }
 
 // ------------------------------------------------------------------------------------------------
-// Layer calls and the join (program.h): one set of streams and staging per device, shared by
+// Layer calls and the join (op_program.h): one set of streams and staging per device, shared by
 // every layer call of the process; never freed (layer calls of any executable may use them).
 // ------------------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import numpy as np
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.profile import DEFAULT_PROFILE, HardwareProfile
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.primitives.programs import (
+from jaxtier._src.primitives.op_programs import (
   ADAMW_ALIASES,
   _copy_program,
   _write_program,

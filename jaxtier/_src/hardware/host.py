@@ -91,7 +91,7 @@ def pinned_pool_that_fits(need_bytes: int, num_local_devices: int = 1) -> "int |
   if need_bytes <= cap or need_bytes > room:
     return None
   # All the room there is, not the need: after compiling, a re-plan may move more state to
-  # the host. The pool pins only what its regions take (`programs.reserve_pinned_pool` makes
+  # the host. The pool pins only what its regions take (`compiled.reserve_pinned_pool` makes
   # the state's one region).
   return room // 2**30
 

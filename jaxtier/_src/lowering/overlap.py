@@ -32,7 +32,7 @@ The writes are unseen by XLA: each call names iteration t's outputs as order-onl
 (every read of slice t, in the forward or the backward, comes before), and the written buffers
 are read afterwards only through the join's results.
 
-An embedding table read in place (`host_dha`, `lowering/lookups.py`) is updated row by row
+An embedding table read in place (`host_dha`, `lowering/dha_tables.py`) is updated row by row
 instead (`TableRows`): its gradient is zero on every row the step's ids do not name, and those
 rows' update (AdamW's moment decay, weight decay) needs nothing the step computes. One
 `host_update_rows` call over those rows is issued right after the forward's row gather and runs
@@ -53,8 +53,8 @@ import numpy as np
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph
 from jaxtier._src.analysis import layer_stacks
-from jaxtier._src.analysis.program_compiler import CompiledComponent
-from jaxtier._src.lowering import lookups
+from jaxtier._src.analysis.op_program_compiler import CompiledComponent
+from jaxtier._src.lowering import dha_tables
 from jaxtier._src.lowering import streaming
 from jaxtier._src.primitives.base import ffi_disabled
 from jaxtier._src.vocab import MemoryKind, Placement
@@ -179,15 +179,15 @@ EMPTY = OverlapSchedule()
 
 def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
               enabled: bool = True
-              ) -> tuple[streaming.StreamSchedule, OverlapSchedule, lookups.LookupSchedule]:
+              ) -> tuple[streaming.StreamSchedule, OverlapSchedule, dha_tables.LookupSchedule]:
   """The streaming schedule of `plan`'s host_stream leaves (`streaming.schedule`), the tables
-  read in place (`lookups.schedule`; their gradient buffers follow the streamed gradients'
+  read in place (`dha_tables.schedule`; their gradient buffers follow the streamed gradients'
   among the scratch buffers, and the returned streaming schedule lists both), and given them
   the overlapped host updates (`schedule`): what the lowering of `plan` runs."""
   host_eqns = {k for cc in plan.components for k in cc.component.eqns}
   stream = streaming.schedule(
       jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM], host_eqns)
-  lookup = lookups.schedule(jaxpr, plan, host_eqns, len(stream.scratch))
+  lookup = dha_tables.schedule(jaxpr, plan, host_eqns, len(stream.scratch))
   stream = dataclasses.replace(stream, scratch=stream.scratch + lookup.scratch,
                                sent_vars={**stream.sent_vars, **lookup.sent_vars})
   return (stream, schedule(jaxpr, plan.components, plan.leaves, stream, shardings, enabled,
@@ -196,7 +196,7 @@ def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
 
 def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence[Any],
              stream: streaming.StreamSchedule, shardings: "Sequence[Any] | None" = None,
-             enabled: bool = True, lookup: "lookups.LookupSchedule" = lookups.EMPTY
+             enabled: bool = True, lookup: "dha_tables.LookupSchedule" = dha_tables.EMPTY
              ) -> OverlapSchedule:
   """Which components of `compiled` run layer by layer in the backward pass (module doc).
 
@@ -397,7 +397,7 @@ def _buffers(cc: CompiledComponent, targets: Sequence[int], extra: Sequence[int]
 
 
 def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n_state: int,
-                lookup: "lookups.LookupSchedule", shardings: Any, uses: dict[Any, list[int]],
+                lookup: "dha_tables.LookupSchedule", shardings: Any, uses: dict[Any, list[int]],
                 out_count: dict[Any, int]) -> "LayeredUpdate | str":
   """The row-by-row form of the update of a table read in place, or why it has none."""
   if ffi_disabled():

@@ -4,7 +4,7 @@ The step becomes two programs (`SplitStep`). `compute` re-binds every equation o
 step that no fused host update takes (the forward, the backward, the scalar bookkeeping);
 scans over host_stream leaves are unrolled and fed layer by layer (`lowering/streaming.py`);
 embedding tables placed host_dha are gathered in place and their gradients scatter-added into
-pinned_host buffers (`lowering/lookups.py`); leaves
+pinned_host buffers (`lowering/dha_tables.py`); leaves
 placed `host_xla` are copied to the device (XLA's memory-kind transfer) and their new values go
 back to pinned_host through the output shardings. `update` runs each elementwise component
 that updates host leaves as one `host_update` custom call, in place on the donated host
@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src.analysis import program_compiler
-from jaxtier._src.analysis.program_compiler import CompiledComponent
-from jaxtier._src.lowering import lookups as lookups_lib
+from jaxtier._src.analysis import op_program_compiler
+from jaxtier._src.analysis.op_program_compiler import CompiledComponent
+from jaxtier._src.lowering import dha_tables
 from jaxtier._src.lowering import overlap as overlap_lib
 from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
@@ -73,7 +73,7 @@ class SplitStep:
   layered_host: list[int] = dataclasses.field(default_factory=list)  # donated to `compute`
   layered_masters: list[int] = dataclasses.field(default_factory=list)  # param leaves
   update_masters: list[int] = dataclasses.field(default_factory=list)  # `update`'s masters
-  lookup: lookups_lib.LookupSchedule = lookups_lib.EMPTY  # tables read in place (host_dha)
+  lookup: dha_tables.LookupSchedule = dha_tables.EMPTY  # tables read in place (host_dha)
 
   @property
   def has_update(self) -> bool:
@@ -158,7 +158,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     for spec in cc.operands:
       if spec.kind == "value" and spec.var not in stream.sent_vars and spec.var not in feed_vars:
         feed_vars.append(spec.var)
-  calls = [program_compiler.calls_of(cc) for cc in compiled]
+  calls = [op_program_compiler.calls_of(cc) for cc in compiled]
   calls, donated_vars = _donations(compiled, calls, feed_vars, jaxpr, compute_outs, n_state,
                                    plan, update_outs)
   donated_feeds = tuple(feed_vars.index(v) for v in donated_vars)
@@ -388,7 +388,7 @@ class _LayerCalls:
     return new_masters
 
 
-def _operand(spec: program_compiler.OperandSpec, host: Any, masters: Any,
+def _operand(spec: op_program_compiler.OperandSpec, host: Any, masters: Any,
              value: Callable[[Any], Any]) -> Any:
   """The array a host-update call takes for operand `spec`: a host leaf (`host[index]`), a
   master (`masters[index]`), a constant, or a value (`value(var)`); in a dtype the op
@@ -407,9 +407,9 @@ def _operand(spec: program_compiler.OperandSpec, host: Any, masters: Any,
 
 
 def _donations(compiled: Sequence[CompiledComponent],
-               calls: list[tuple[program_compiler.Call, ...]], feed_vars: list[Any], jaxpr: Any,
+               calls: list[tuple[op_program_compiler.Call, ...]], feed_vars: list[Any], jaxpr: Any,
                compute_outs: list[int], n_state: int, plan: Plan, update_outs: list[int]
-               ) -> tuple[list[tuple[program_compiler.Call, ...]], list[Any]]:
+               ) -> tuple[list[tuple[op_program_compiler.Call, ...]], list[Any]]:
   """The calls with the in-place writes over device feeds that are safe, and those feeds in the
   order `update` takes them donated.
 
@@ -482,9 +482,9 @@ def _donations(compiled: Sequence[CompiledComponent],
           order)
 
 
-def _call(cc: CompiledComponent, calls: Sequence[program_compiler.Call], operands: list[Any],
+def _call(cc: CompiledComponent, calls: Sequence[op_program_compiler.Call], operands: list[Any],
           shardings: "Sequence[Any] | None") -> list[Any]:
-  """The host_update calls that run `cc` (`program_compiler.calls_of`), per shard when its
+  """The host_update calls that run `cc` (`op_program_compiler.calls_of`), per shard when its
   seed leaf is sharded over a mesh; returns its results in `cc.results` order."""
   kw = dict(executor=cc.executor, dha_fraction=cc.dha_fraction)
   seed = cc.component.seeds[0]

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from jaxtier._src import jax_compat as jc
-from jaxtier._src.analysis import jaxpr_graph, program_compiler
+from jaxtier._src.analysis import jaxpr_graph, op_program_compiler
 from jaxtier._src.analysis.inventory import Inventory
 from jaxtier._src.hardware import profile
 from jaxtier._src.primitives.host_update import ProgramTooLarge
@@ -49,7 +49,7 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
       if comp.elementwise:
         comp_masters = _masters_for(jaxpr, comp, inv)
         try:
-          cc = program_compiler.compile_component(
+          cc = op_program_compiler.compile_component(
               jaxpr, consts, comp, frozenset(comp_masters), frozenset(executor_leaves))
           # One executor per fused call: the one the user's policy asked for most (else the
           # automatic choice); ties go to the first in name order.
@@ -68,7 +68,7 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
           compiled.append(dataclasses.replace(
               cc, executor=Placement(executor).executor,
               dha_fraction=profile.split_fraction(hardware)))
-        except (program_compiler.Unsupported, ProgramTooLarge) as e:
+        except (op_program_compiler.Unsupported, ProgramTooLarge) as e:
           why = str(e)
       if why or not comp.elementwise:
         # The usual cause: a parameter placed with an executor is read by the forward pass

@@ -72,7 +72,7 @@ class Plan:
     pinned_bytes: state bytes held in pinned host memory, masters included.
     device_budget, host_budget: the limits planned against (None: no limit), bytes.
     num_host_updates: fused host updates per step (`components`); one with results in both
-      memory kinds runs as two custom calls (`program_compiler.calls_of`).
+      memory kinds runs as two custom calls (`op_program_compiler.calls_of`).
     predicted_step_secs: the cost model's step time, seconds (None: not predicted).
     critical_path: the resource that bounds most of the step ('compute', 'link_h2d',
       'link_d2h', 'dha', 'host_cpu', 'host_dram').
@@ -102,7 +102,7 @@ class Plan:
     num_planning_notes: how many of `notes` the planner wrote (the verdicts print after
       them, before the notes that verifying and refining added).
     components: the fused host updates the lowering runs, one compiled op program each
-      (`program_compiler.CompiledComponent`); not part of the plan's JSON.
+      (`op_program_compiler.CompiledComponent`); not part of the plan's JSON.
     rates_of: whose rates the predictions use, where not this machine's ('' when they are:
       a calibrated profile, or a GPU plan with the default H200 profile).
     pinnable_bytes, pinnable_what: what the host can pin per device (None: not checked), and

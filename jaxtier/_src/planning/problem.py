@@ -13,7 +13,7 @@ import numpy as np
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph
 from jaxtier._src.analysis import layer_stacks
-from jaxtier._src.analysis import program_compiler
+from jaxtier._src.analysis import op_program_compiler
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.planning import cost_model
@@ -193,7 +193,7 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
                    itemsizes: "Mapping[int, int] | None" = None) -> cost_model.UpdateTraffic:
   """The bytes one host-update call of `cc` moves, per device.
 
-  `call` is one of `program_compiler.calls_of(cc)` (None: the whole component as one call).
+  `call` is one of `op_program_compiler.calls_of(cc)` (None: the whole component as one call).
   Host operands (state leaves, fp32 masters, and the operand positions `on_host`: gradients a
   streamed layer loop sends to pinned_host) are read from pinned_host; results that alias
   them are written back there; other operands (gradients, device params) are device reads and
@@ -224,7 +224,7 @@ def update_traffic(cc: Any, leaves: Sequence[Any], master_nbytes: Mapping[int, i
   for k in results:
     r = cc.results[k]
     nbytes = int(np.prod(r.shape, dtype=np.int64)) * np.dtype(r.dtype).itemsize * frac
-    if program_compiler.is_host_result(cc, k):
+    if op_program_compiler.is_host_result(cc, k):
       write += nbytes
     else:
       dev_out += nbytes
@@ -253,9 +253,9 @@ def fresh_result_bytes(cc: Any, leaves: Sequence[Any]) -> int:
   result its call cannot write over a device operand)."""
   frac = _shard_fraction(cc, leaves)
   total = 0.0
-  for call in program_compiler.calls_of(cc):
+  for call in op_program_compiler.calls_of(cc):
     for k, a in zip(call.results, call.aliases):
-      if a < 0 and not program_compiler.is_host_result(cc, k):
+      if a < 0 and not op_program_compiler.is_host_result(cc, k):
         r = cc.results[k]
         total += int(np.prod(r.shape, dtype=np.int64)) * np.dtype(r.dtype).itemsize * frac
   return int(total)
@@ -330,7 +330,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
   updates: list[UpdateItem] = []
   for u, cc in enumerate(compiled):
     seeds = tuple(cc.component.seeds)
-    calls = program_compiler.calls_of(cc)
+    calls = op_program_compiler.calls_of(cc)
     ms = sum(master_nbytes.get(r.master, 0) for r in cc.results if r.master >= 0)
     fixed = None
     if any(i in user_fixed for i in seeds):

@@ -58,12 +58,12 @@ MAX_OPERANDS = 32
 MAX_RESULTS = 16
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
-# Executor names -> attribute `executor` (xla_ffi/src/program.h, enum Executor).
+# Executor names -> attribute `executor` (xla_ffi/src/op_program.h, enum Executor).
 EXECUTORS = {Executor.HOST_DHA: 0, Executor.HOST_CPU: 1, Executor.SPLIT: 2}
 
 
 class Op(enum.IntEnum):
-  """Opcodes of the op program (must match `xla_ffi/src/program.h`)."""
+  """Opcodes of the op program (must match `xla_ffi/src/op_program.h`)."""
 
   LOAD = 1
   CONST = 2
@@ -308,7 +308,7 @@ def _bind_layer(program: Program, operands: list[Any], targets: list[int], after
               num_operands=np.int32(len(operands)), **attrs)
 
 
-# Which rows a rows call updates (attribute `rows`, program.h).
+# Which rows a rows call updates (attribute `rows`, op_program.h).
 ROWS = {"ids": 1, "others": 2}
 
 

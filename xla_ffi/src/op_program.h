@@ -14,8 +14,8 @@
 //
 // The header compiles with a plain C++17 compiler and with nvcc.
 
-#ifndef JAXTIER_XLA_FFI_SRC_PROGRAM_H_
-#define JAXTIER_XLA_FFI_SRC_PROGRAM_H_
+#ifndef JAXTIER_XLA_FFI_SRC_OP_PROGRAM_H_
+#define JAXTIER_XLA_FFI_SRC_OP_PROGRAM_H_
 
 #include <math.h>
 #include <stddef.h>
@@ -1057,4 +1057,4 @@ class ScopedIeeeFloatingPoint {
 
 }  // namespace jaxtier::host_update
 
-#endif  // JAXTIER_XLA_FFI_SRC_PROGRAM_H_
+#endif  // JAXTIER_XLA_FFI_SRC_OP_PROGRAM_H_
