@@ -21,9 +21,10 @@ def log(msg: str) -> None:
 
 
 def write_json(result: dict, out_dir: str, filename: str) -> str:
-  """Writes `result` as `out_dir/filename` (numpy scalars as floats); returns the path."""
-  os.makedirs(out_dir, exist_ok=True)
+  """Writes `result` as `out_dir/filename` (numpy scalars as floats; `filename` may name a
+  folder under `out_dir`, e.g. `w1/streaming_h200.json`); returns the path."""
   path = os.path.join(out_dir, filename)
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
     json.dump(result, f, indent=1, default=float)
   log(f"wrote {path}")
@@ -123,11 +124,13 @@ def versions(*modules: Any) -> dict:
 
 # ---- the result record: one schema for every workload --------------------------------------------
 #
-# `benchmarks/results/<workload>.json` (w1_streaming, w2_host_update, ...) holds one record:
+# A result file, `benchmarks/results/<workload>/<configuration>_<card>.json` (`result_name`:
+# w1/streaming_h200.json, w3/1b_b8_h200.json, ...), holds one record:
 #   workload  what was run, in a sentence
 #   command   the script's command line
 #   date      when it ran (UTC, ISO 8601)
 #   commit    the checkout's short HEAD, "(tree uncommitted)" added when its files differed
+#   card      the accelerator's short name (`card`): h200, h100, ...; cpu without one
 #   device    the device it ran on
 #   versions  python, jax, jaxlib, numpy and the script's other libraries
 #   figures   what was measured, by name
@@ -136,11 +139,12 @@ def versions(*modules: Any) -> dict:
 #   baseline  what the figures are compared with (the device-resident step, torch, a
 #             measurement), by name, in the same form
 #   ratio     name -> number, each name saying what over what
-# with at least one of bound and baseline, then optionally `call` (the run_h200.sh call that ran
-# the script: BENCH_CALL) and `error` (the section that failed). Any other key is the script's
-# own detail (its docstring says what it holds).
+# with at least one of bound and baseline, then optionally `launched_by` (the run_h200.sh command
+# line that ran the script: BENCH_LAUNCHED_BY) and `error` (the section that failed). Any other
+# key is the script's own detail (its docstring says what it holds).
 
-RESULT_KEYS = ("workload", "command", "date", "commit", "device", "versions", "figures", "ratio")
+RESULT_KEYS = ("workload", "command", "date", "commit", "card", "device", "versions", "figures",
+               "ratio")
 BOUND_KEYS = ("bound", "baseline")
 
 
@@ -155,6 +159,30 @@ def device_name(device: Any = None) -> str:
     import jax  # pylint: disable=g-import-not-at-top
     device = jax.devices()[0]
   return f"{device.platform}:{getattr(device, 'device_kind', '?')}"
+
+
+def card(device: str) -> str:
+  """The short name of the card `device` (a `device_name`) names, for result file names.
+
+  The model in its device kind, lower case ('gpu:NVIDIA H200' -> 'h200', 'gpu:NVIDIA H100 80GB
+  HBM3' -> 'h100'); 'cpu' on the CPU backend; else the device kind's letters and digits.
+  """
+  import re  # pylint: disable=g-import-not-at-top
+  platform, _, kind = device.partition(":")
+  if platform == "cpu":
+    return "cpu"
+  if not kind:
+    return "unknown"
+  model = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", kind)
+  if model:
+    return model.group(1).lower()
+  return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "unknown"
+
+
+def result_name(template: str, rec: dict, **fields: Any) -> str:
+  """The file name of a result: `template` with `{card}` (from `rec`'s `card`) and `fields`
+  filled in, e.g. result_name("w1/streaming_{card}.json", rec) -> "w1/streaming_h200.json"."""
+  return template.format(card=rec.get("card") or card(rec["device"]), **fields)
 
 
 def git_commit() -> str:
@@ -189,20 +217,21 @@ def result_record(*, workload: str, command: str, device: str, versions: dict, f
                   date: str | None = None, commit: str | None = None, **detail: Any) -> dict:
   """A workload's result in the schema above: its keys first, in order, then `detail`.
 
-  `date` and `commit` default to now and this checkout's; `versions` loses `jaxtier_git`
-  (`commit` says it); `call` is BENCH_CALL's value when that is set and `detail` has none.
+  `date` and `commit` default to now and this checkout's, `card` is `device`'s (`card`);
+  `versions` loses `jaxtier_git` (`commit` says it); `launched_by` is BENCH_LAUNCHED_BY's value
+  when that is set and `detail` has none.
   """
   versions = {k: v for k, v in (versions or {}).items() if k != "jaxtier_git"}
   rec = {"workload": workload, "command": command, "date": date or utc_now(),
-         "commit": commit or git_commit(), "device": device, "versions": versions,
-         "figures": figures}
+         "commit": commit or git_commit(), "card": detail.pop("card", None) or card(device),
+         "device": device, "versions": versions, "figures": figures}
   if bound is not None:
     rec["bound"] = bound
   if baseline is not None:
     rec["baseline"] = baseline
   rec["ratio"] = ratio
-  if os.environ.get("BENCH_CALL") and "call" not in detail:
-    rec["call"] = os.environ["BENCH_CALL"]
+  if os.environ.get("BENCH_LAUNCHED_BY") and "launched_by" not in detail:
+    rec["launched_by"] = os.environ["BENCH_LAUNCHED_BY"]
   rec.update(detail)
   check_record(rec)
   return rec

@@ -12,7 +12,7 @@ and v). DeepSpeed's results (`.baselines/deepspeed/run.sh`, written as JSON to
 
 Usage (device tool, after benchmarks/prologue.sh built jaxtier):
   python3 benchmarks/capacity_bench.py --runs=14b:auto,15b:auto --steps=10 --out=$OUT \
-      --workload=w4_capacity --baseline_dir=$OUT/deepspeed
+      --workload=w4_capacity --baseline_dir=$OUT/deepspeed  # -> $OUT/w4/capacity_h200.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ XLA_SETTINGS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMI
 RAW_OOM = re.compile(r"RESOURCE_EXHAUSTED|Out of memory|out of memory while trying to allocate")
 # Bytes per param of fp32 params, gradients, m and v: what the bound counts.
 BYTES_PER_PARAM = 16
-# The H200's measured bf16 matmul rate (../shared/MEASURED.md, the 8b device-only MFU's base).
+# The H200's measured bf16 matmul rate on an 8192^3 GEMM (the 8b device-only MFU's base).
 PEAK_FLOPS = 790e12
 
 
@@ -133,6 +133,8 @@ def main() -> None:
   p.add_argument("--timeout", type=int, default=420, help="seconds per run")
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
   p.add_argument("--workload", default="w4_capacity")
+  p.add_argument("--result", default="w4/capacity_{card}.json",
+                 help="the JSON's file name under --out; {card} is filled in")
   p.add_argument("--baseline_dir", default="")
   args = p.parse_args()
   os.makedirs(args.out, exist_ok=True)
@@ -167,7 +169,7 @@ def main() -> None:
              "bytes_per_param": BYTES_PER_PARAM},
       baseline=baseline or {"note": "no DeepSpeed results in --baseline_dir"},
       ratio={"largest_trained_over_bound": largest and round(largest["params"] / bound, 4)})
-  path = bench_util.write_result(rec, args.out, f"{args.workload}.json")
+  path = bench_util.write_result(rec, args.out, bench_util.result_name(args.result, rec))
   if any(r["raw_out_of_memory"] for r in runs):
     sys.exit("a run ended in a raw out-of-memory error")
 

@@ -5,8 +5,8 @@ own process so that peak device memory is its own: fp32 params with `--offload=n
 `auto` (AdamW moments in pinned_host, updated in place by the DHA kernel), and bf16 params
 with `none` and `auto` (auto adds fp32 master copies on the host). Checks that the loss traces
 match within bf16 tolerance (1e-2 relative: the decoder computes in bf16) and writes
-`$OUT/w3_end_to_end.json` (bench_util's result schema: `figures` each variant's step time,
-tokens/s, peak HBM and bytes by memory kind; `baseline` the device-resident run of each dtype;
+`$OUT/w3/<config>_b<batch>_<card>.json` (bench_util's result schema: `figures` each variant's
+step time, tokens/s, peak HBM and bytes by memory kind; `baseline` the device-resident run of each dtype;
 `ratio` each offloaded run's step time and peak HBM over its baseline's; beside them `runs`,
 each variant's whole record with its loss trace, and `checks`, the loss comparisons), then
 prints a table. `--variants` picks others: `stream` puts the layers' params in `host_stream`;
@@ -43,7 +43,9 @@ _BATCH = flags.FLAGS["batch_size"]
 _SEQ = flags.FLAGS["seq_len"]
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one variant ('fp32:none', ...).")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Where the JSON goes.")
-_RESULT = flags.DEFINE_string("result", "w3_end_to_end.json", "The JSON's file name.")
+_RESULT = flags.DEFINE_string(
+    "result", "w3/{config}_b{batch_size}_{card}.json",
+    "The JSON's file name under --out; {config}, {batch_size} and {card} are filled in.")
 _STACK_EVERY = flags.DEFINE_integer(
     "stack_every", 0, "If > 0, each child dumps its Python stacks every this many seconds "
     "(faulthandler), to show where a slow variant spends its time.")
@@ -341,7 +343,8 @@ def main(argv):
                                     ("variants", ",".join(_VARIANTS.value))))),
       device=bench_util.device_name(jax.devices()[0]), versions=bench_util.versions(jaxtier),
       figures=figures, baseline=baseline, ratio=ratio, runs=runs, checks=checks)
-  bench_util.write_result(result, _OUT.value, _RESULT.value)
+  bench_util.write_result(result, _OUT.value, bench_util.result_name(
+      _RESULT.value, result, config=_CONFIG.value, batch_size=_BATCH.value))
   print(table(runs))
   for k, v in checks.items():
     print(f"{k}: {v}")

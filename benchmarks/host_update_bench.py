@@ -22,8 +22,8 @@ Case C1: 1.3e9 params with the best executor: step time (target < 0.45 s) and eq
 optax.adamw on a sample of the first leaf (ULP distances; XLA may contract to FMA, jaxtier does
 not, so a few ULP are expected, not bitwise equality).
 
-Writes `$OUT/w2_host_update.json` (or `--out`) in bench_util's result schema, prints a table
-last: `figures` per path (params/s, step times, its bound and the ratio to it), `bound` the DRAM,
+Writes `$OUT/w2/host_update_<card>.json` (or under `--out`) in bench_util's result schema,
+prints a table last: `figures` per path (params/s, step times, its bound and the ratio to it), `bound` the DRAM,
 link and split bounds, `baseline` torch's CPU AdamW and XLA native, `ratio` each path over its
 bound and the fastest jaxtier path over each baseline and over the DRAM bound; beside them the
 host baselines' raw figures, the link, the environment and the C1 case (`c1`). Fails fast: the
@@ -47,7 +47,7 @@ import time
 
 import bench_util  # noqa: E402  (sibling module)
 from bench_util import log, median_secs  # noqa: E402
-import jax  # before jaxtier's extension (MEASURED.md)
+import jax  # before jaxtier's extension (the other order crashed in ml_dtypes)
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
@@ -63,7 +63,7 @@ B1, B2, EPS, WD, LR = 0.9, 0.999, 1e-8, 1e-4, 1e-3
 DRAM_BYTES_PER_PARAM = 28      # fp32 master/mu/nu read + written (24) + grad read + param written
 LINK_BYTES_PER_PARAM = 24      # DHA / XLA native: the fp32 state crosses the link both ways
 CPU_LINK_BYTES_PER_PARAM = 4   # CPU executor: bf16 grad down + bf16 param up
-# Both link directions at once on the H200 (../shared/MEASURED.md: 44.3 GB/s each way).
+# Both link directions at once on the H200 (44.3 GB/s each way, measured with two streams).
 MEASURED_DUPLEX_GBPS = 88.6
 
 FLAGS = None
@@ -146,7 +146,8 @@ def record(res, **overrides):
 
 
 def write_json():
-  bench_util.write_result(record(RESULT), FLAGS.out, "w2_host_update.json")
+  rec = record(RESULT)
+  bench_util.write_result(rec, FLAGS.out, bench_util.result_name("w2/host_update_{card}.json", rec))
 
 
 def Section(name):  # noqa: N802  (used as `with Section(...)`)
@@ -554,7 +555,7 @@ def main(argv):
         "jaxtier host_dha", secs, all_secs, P, link_bound, "link duplex / 24 B per param",
         zero_copy_params_per_sec=zero_copy,
         zero_copy_note=(f"{profile.DEFAULT_PROFILE.dha_rw_gbps} GB/s zero-copy read + write "
-                        "(MEASURED.md, not re-measured here) / 24 B per param"))
+                        "(a probe on the H200, not re-measured here) / 24 B per param"))
 
   with Section("jaxtier host_cpu"):
     secs, all_secs = median_secs(bench.jaxtier_step(Executor.HOST_CPU, 0.5), FLAGS.reps)

@@ -6,7 +6,7 @@ forced CPU devices at toy sizes (a logic check, no figures worth keeping).
 
 Sections (each figure a median of `--reps` runs after a warm-up; N = GPUs in the mesh):
 1. link: `jax.device_put` of one layer, pinned_host -> device, on GPU 0 alone.
-2. W1 fetch: the MEASURED.md leaf, `--layers` x `--dim`^2 bf16 (24 x 8192^2 = 3.2 GB), in
+2. W1 fetch: W1's leaf, `--layers` x `--dim`^2 bf16 (24 x 8192^2 = 3.2 GB), in
    pinned_host, replicated over the mesh of all N GPUs (each GPU's copy in host memory). Per
    layer, inside a `lax.scan` over the layers:
    - single-path (`multipath.fetch_single_path`): each GPU copies the whole layer from host;
@@ -29,8 +29,8 @@ Sections (each figure a median of `--reps` runs after a warm-up; N = GPUs in the
 NCCL's NVLink multicast (NVLS) is turned off before JAX starts (NCCL_NVLS_ENABLE=0): the device
 tool's KINDS.md asks for it on these machines.
 
-Writes `--out`/multigpu.json (default $OUT or /tmp), prints a table last. Fails fast: the first
-error stops the run with its section named; the JSON then holds what was measured and the error.
+Writes `--out`/multigpu/<n>gpu_<card>.json (default $OUT or /tmp), prints a table last. Fails
+fast: the first error stops the run with its section named; the JSON then holds what was measured and the error.
 
   python3 benchmarks/multigpu_bench.py                       # on nvidia-h200-x2, after pip install .
   python3 benchmarks/multigpu_bench.py --smoke               # 8 CPU devices, toy sizes
@@ -54,7 +54,7 @@ if "--smoke" in sys.argv[1:]:
 
 import bench_util  # noqa: E402  (sibling module)
 from bench_util import log, median_secs  # noqa: E402
-import jax  # noqa: E402  (before jaxtier's extension: MEASURED.md)
+import jax  # noqa: E402  (before jaxtier's extension: the other order crashed in ml_dtypes)
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P
@@ -93,7 +93,10 @@ def parse_args(argv):
 # ---- helpers --------------------------------------------------------------------------------------
 
 def write_json():
-  bench_util.write_json(RESULT, FLAGS.out, "multigpu.json")
+  """Writes RESULT as `multigpu/<n>gpu_<card>.json` under --out (e.g. multigpu/2gpu_h200.json)."""
+  card = bench_util.card(RESULT.get("device", ""))
+  RESULT.setdefault("card", card)
+  bench_util.write_json(RESULT, FLAGS.out, f"multigpu/{RESULT.get('num_devices', 0)}gpu_{card}.json")
 
 
 def Section(name):  # noqa: N802  (used as `with Section(...)`)
@@ -358,7 +361,8 @@ def main(argv):
   FLAGS = parse_args(argv)
   RESULT.update(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                versions=bench_util.versions(), smoke=FLAGS.smoke,
+                commit=bench_util.git_commit(), versions=bench_util.versions(),
+                smoke=FLAGS.smoke,
                 env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "XLA_FLAGS",
                                                     "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")})
   with Section("backend"):

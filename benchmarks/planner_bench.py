@@ -27,7 +27,8 @@ for the 8b and 13b configs with --platform=gpu; their outputs are saved next to 
 (`plan_8b.txt`, `plan_13b.txt`) and the JSON records that they say they used the default
 profile.
 
-Writes `$OUT/w5_planner.json` (or `--out`) in bench_util's result schema, prints a table last:
+Writes `$OUT/w5/planner_<card>.json` (`planner_serial_<card>.json` with --serial; or under
+`--out`) in bench_util's result schema, prints a table last:
 `figures` each case's predictions (step time, the cost model's and the compiler's peak HBM),
 `baseline` its measured step time and peak HBM, `ratio` predicted / measured of each; beside
 them `cases` (each case's whole record: plan, notes, losses, budgets), `bars`, `claims` and the
@@ -355,6 +356,13 @@ def record(result: dict, **overrides) -> dict:
   return bench_util.result_record(**fields, **detail)
 
 
+def write(result: dict, args: argparse.Namespace) -> None:
+  """Writes `result` as bench_util's record under `args.out`, named by the card."""
+  rec = record(result)
+  name = "w5/planner_serial_{card}.json" if args.serial else "w5/planner_{card}.json"
+  bench_util.write_result(rec, args.out, bench_util.result_name(name, rec))
+
+
 def main(argv=None):
   args = parse_args(argv if argv is not None else sys.argv[1:])
   if args.cpu_dry_run:
@@ -384,7 +392,7 @@ def main(argv=None):
   for case in args.cases.split(","):
     log(f"== case {case}")
     result["cases"][case] = run_child(args, case)
-    bench_util.write_result(record(result), args.out, "w5_planner.json")
+    write(result, args)
   if not args.skip_cli:
     log("== jaxtier plan on a machine without a GPU (JAX_PLATFORMS=cpu)")
     result["cli_without_gpu"] = cli_without_gpu(args, args.out)
@@ -421,7 +429,7 @@ def main(argv=None):
                                        else None),
   }
   result["total_secs"] = time.perf_counter() - t_start
-  bench_util.write_result(record(result), args.out, "w5_planner.json")
+  write(result, args)
   gib = 2.0**30
   print(f"\n{'case':<18} {'pred ms':>9} {'meas ms':>9} {'ratio':>6} {'pred GiB':>9} "
         f"{'comp GiB':>9} {'meas GiB':>9} {'ratio':>6} {'comp/meas':>9}  critical path / notes")

@@ -4,8 +4,10 @@
 #
 # It sets shell options, PYTHONUNBUFFERED=1, JAXTIER_REQUIRE_GPU=1 (a GPU test that skips
 # fails), OUT (where results go: the device tool's $OUT, else /tmp/out), ROOT (the checkout),
-# t0, CALL_SECS (the call's budget, 570 s: the tool stops a command at 600 s), BENCH_CALL (the
-# call, recorded in each result) and the helpers `stamp` and `step` (below). Then it installs
+# t0, CALL_SECS (the call's budget, 570 s: the tool stops a command at 600 s), BENCH_LAUNCHED_BY
+# (the command line that launched the run, recorded in each result), BENCH_CARD (the GPU's short
+# name, e.g. h200: result files are named by it), BENCH_COMMIT and the helpers `stamp` and `step`
+# (below). Then it installs
 # the wheels carried in .whl/, if any, to /tmp/site (the device image has no registry), builds
 # and installs jaxtier, and stamps "built". On exit it names the steps that failed, timed out or
 # were skipped, and exits 1 if there are any.
@@ -21,13 +23,20 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=$PWD
 t0=$(date +%s)
 CALL_SECS=${CALL_SECS:-570}
-export BENCH_CALL=${BENCH_CALL:-"bash $0 $*"}
+export BENCH_LAUNCHED_BY=${BENCH_LAUNCHED_BY:-"bash $0 $*"}
+BENCH_CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
+    | grep -oE '\b[A-Z]{1,2}[0-9]{2,4}[A-Z]?\b' | head -1 | tr '[:upper:]' '[:lower:]')
+export BENCH_CARD=${BENCH_CARD:-cpu}
+BENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+[[ -n "$(git status --porcelain 2>/dev/null)" ]] && BENCH_COMMIT+=" (tree uncommitted)"
+export BENCH_COMMIT
 FAILED=()
 
 stamp() { echo "== [$(( $(date +%s) - t0 )) s] $*"; }
 
 # step NAME SECS CMD...: runs CMD in $ROOT (or in STEP_DIR) under `timeout`, SECS cut to what is
-# left of the call's budget; its output goes to $OUT/NAME.log, of which the last STEP_TAIL (12)
+# left of the call's budget; its output goes to $OUT/NAME.log (NAME may name a folder under
+# $OUT), after two header lines (card, commit, date; the command), of which the last STEP_TAIL (12)
 # lines are printed without XLA's and absl's info and warning lines, or, with STEP_SHOW set,
 # the last of the lines that match that regex. With under 20 s left the step is skipped.
 step() {
@@ -40,7 +49,10 @@ step() {
     return 1
   fi
   (( secs > left )) && secs=$left
-  ( cd "${STEP_DIR:-$ROOT}" && exec timeout "$secs" "$@" ) > "$OUT/$name.log" 2>&1
+  mkdir -p "$(dirname "$OUT/$name.log")"
+  { echo "# card $BENCH_CARD, commit $BENCH_COMMIT, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "# command: $*"; } > "$OUT/$name.log"
+  ( cd "${STEP_DIR:-$ROOT}" && exec timeout "$secs" "$@" ) >> "$OUT/$name.log" 2>&1
   rc=$?
   if [[ -n "${STEP_SHOW:-}" ]]; then
     grep -E "$STEP_SHOW" "$OUT/$name.log" | tail -n "${STEP_TAIL:-12}"

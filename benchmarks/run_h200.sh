@@ -10,7 +10,8 @@
 #   bash benchmarks/run_h200.sh [--tests="PYTEST ARGS"] WORKLOAD...
 #     --tests  what the `tests` workload runs (paths from the repo root, -k ...; default: tests)
 # e.g. bash benchmarks/run_h200.sh w1 w5
-# Results: $OUT/<workload>.json (copy them to benchmarks/results/) and one log per step.
+# Results: $OUT/<workload>/<configuration>_<card>.json, e.g. $OUT/w1/streaming_h200.json (copy
+# them to the same path under benchmarks/results/), and one log per step.
 set -uo pipefail
 _here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 declare -A _file_of=()
@@ -44,7 +45,7 @@ for _arg in "$@"; do
 done
 (( ${#_todo[@]} )) || _usage
 
-export BENCH_CALL="bash benchmarks/run_h200.sh $*"
+export BENCH_LAUNCHED_BY="bash benchmarks/run_h200.sh $*"
 source "$_here/prologue.sh"
 for _w in "${_todo[@]}"; do
   stamp "workload $_w"

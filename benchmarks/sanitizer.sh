@@ -9,7 +9,7 @@
 # Usage (device tool, from the repo root, with jaxtier built and installed there; the workload
 # does both: `bash benchmarks/run_h200.sh sanitizer`):
 #   bash benchmarks/sanitizer.sh
-# Result: $OUT/sanitizer.txt (kept as benchmarks/results/sanitizer.txt): per run the command,
+# Result: $OUT/sanitizer.txt (kept as benchmarks/results/sanitizer/<card>.txt): per run the command,
 # wall seconds, the sanitizer's summary line, its errors (those naming jaxtier counted apart) and
 # the program's own pass/fail and coverage; per family and overall a verdict. Every run's logs:
 # $OUT/sanitizer_logs.tar.gz.
@@ -267,7 +267,8 @@ p("jaxtier: compute-sanitizer over the CUDA handler families (issue 16, item 10)
 p(f"date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; "
   f"script wall: {time.time() - float(os.environ['T0']):.0f} s (budget {os.environ['BUDGET']} s, "
   f"{os.environ['JOBS']} runs at a time, {os.environ['RUN_SECS']} s per run at most)")
-p(f"call: {os.environ.get('BENCH_CALL', 'bash benchmarks/sanitizer.sh')}")
+p(f"card: {os.environ.get('BENCH_CARD', '?')}; commit: {os.environ.get('BENCH_COMMIT', '?')}")
+p(f"launched by: {os.environ.get('BENCH_LAUNCHED_BY', 'bash benchmarks/sanitizer.sh')}")
 p(read(f"{W}/env.txt").strip())
 p(f"options, every run: --log-file $LOGS/<family>.<tool>.san.log {os.environ['COMMON_OPTS']} "
   "($LOGS: sanitizer_logs.tar.gz)")

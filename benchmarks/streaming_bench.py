@@ -1,6 +1,6 @@
 """W1: streaming host-resident layer weights, against the device, the link and XLA alone.
 
-Workload (../shared/MEASURED.md): 24 stacked 8192 x 8192 bf16 weights (3.2 GB) in pinned_host,
+Workload: 24 stacked 8192 x 8192 bf16 weights (3.2 GB) in pinned_host,
 batch 16,384, `h = tanh(h @ W[l])` in `lax.scan`. All variants in one process, one run:
 
 - device:       W on the device (compute only).
@@ -13,10 +13,10 @@ batch 16,384, `h = tanh(h @ W[l])` in `lax.scan`. All variants in one process, o
 Forward efficiency = max(device, transfer) / measured; forward+backward efficiency = device
 fwd+bwd (gradients kept on the device) / measured. HBM temp from `memory_analysis()`.
 
-Writes `--out`/w1_streaming.json in bench_util's result schema: `figures` per variant (ms, every
-rep's ms, HBM temp bytes, ...), `bound` the forward bound max(device fwd, transfer), `baseline`
-the device-only fwd+bwd, `ratio` the efficiencies above (and XLA native's); beside them
-`targets` (the ratios' targets) and `layer_bytes`.
+Writes `--out`/w1/streaming_<card>.json (e.g. w1/streaming_h200.json) in bench_util's result
+schema: `figures` per variant (ms, every rep's ms, HBM temp bytes, ...), `bound` the forward
+bound max(device fwd, transfer), `baseline` the device-only fwd+bwd, `ratio` the efficiencies
+above (and XLA native's); beside them `targets` (the ratios' targets) and `layer_bytes`.
 
   python benchmarks/streaming_bench.py --out=/tmp/out            # H200
   python benchmarks/streaming_bench.py --smoke                   # tiny shapes, any backend
@@ -208,7 +208,7 @@ def main(argv):
       device=bench_util.device_name(dev), versions=bench_util.versions(optax, jaxtier),
       figures=fig, bound=bound, baseline=baseline, ratio=ratios, targets=TARGETS,
       layer_bytes=layer_bytes)
-  bench_util.write_result(rec, a.out, "w1_streaming.json")
+  bench_util.write_result(rec, a.out, bench_util.result_name("w1/streaming_{card}.json", rec))
   print(f"\n{'variant':<44} {'ms':>9} {'HBM temp GiB':>13}")
   for name, r in fig.items():
     if "ms" not in r:

@@ -18,8 +18,8 @@ within a batch as a real text's do; step time does not depend on what the text s
 
 Each variant also times, alone, the gather of that batch's ids from the pinned_host table
 against copying the whole table to the device (`gather_secs`, `stream_secs`): the ratio the
-issue's must-show compares against. Writes `$OUT/w6_dha.json` (bench_util's schema) and prints
-a table.
+issue's must-show compares against. Writes `$OUT/w6/<configs>_<vocabs>_<card>.json`
+(bench_util's schema) and prints a table.
 
   python benchmarks/w6_dha.py --configs=1b --vocabs=32768,131072 --steps=8
 """
@@ -47,7 +47,10 @@ _STEPS = flags.DEFINE_integer("steps", 8, "Steps per variant (the first is not t
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Sequences per step.")
 _SEQ = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Where the JSON goes.")
-_RESULT = flags.DEFINE_string("result", "w6_dha.json", "The JSON's file name.")
+_RESULT = flags.DEFINE_string(
+    "result", "w6/{configs}_{vocabs}_{card}.json",
+    "The JSON's file name under --out; {configs}, {vocabs} (in k tokens) and {card} are "
+    "filled in.")
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one 'config:vocab:variant'.")
 _TIMEOUT = flags.DEFINE_integer("timeout", 400, "Seconds per variant before it is stopped.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", "", "Where each variant writes its compiled step's "
@@ -256,7 +259,9 @@ def main(argv):
       command=command, device=bench_util.device_name(),
       versions=bench_util.versions(jax, jaxtier), figures=figures, baseline=baseline,
       ratio=ratio, runs=runs, checks=checks)
-  path = bench_util.write_result(rec, _OUT.value, _RESULT.value)
+  path = bench_util.write_result(rec, _OUT.value, bench_util.result_name(
+      _RESULT.value, rec, configs="_".join(_CONFIGS.value),
+      vocabs="_".join(f"{int(v) // 1024}k" for v in _VOCABS.value)))
   print(f"wrote {path}")
   print(f"\n{'run':<28} {'ms/step':>9} {'tok/s':>9} {'peak HBM GiB':>13} {'pinned GiB':>11} "
         f"{'link MB':>9} {'gather ms':>10} {'stream ms':>10}")

@@ -23,8 +23,8 @@ back to back enough times to last >= 20 ms and blocks on the last result
 checked against the device-only (matmul) or streaming (gather) result.
 
 The crossover is the smallest M (id count) at which streaming is faster than DHA (null if none).
-Writes JSON to `--out` (a .json path, or a directory that gets dha_crossover.json) and prints a
-table last. Runtime on the H200: well under 90 s (most of it compilation).
+Writes JSON to `--out` (a .json path, or a directory that gets dha_crossover_<card>.json) and
+prints a table last. Runtime on the H200: well under 90 s (most of it compilation).
 
   python3 benchmarks/diagnostics/dha_crossover.py --out=$OUT        # on the H200, after `pip install .`
   python3 benchmarks/diagnostics/dha_crossover.py --cpu_dry_run     # logic check on a CPU-only machine
@@ -44,7 +44,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench_util
 import bench_util  # noqa: E402  (benchmarks/bench_util.py)
 from bench_util import log  # noqa: E402
-import jax  # before jaxtier's extension (MEASURED.md)
+import jax  # before jaxtier's extension (the other order crashed in ml_dtypes)
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import numpy as np
@@ -78,7 +78,8 @@ def parse_args(argv):
 
 
 def write_json(out: str) -> str:
-  path = out if out.endswith(".json") else os.path.join(out, "dha_crossover.json")
+  name = f"dha_crossover_{RESULT.get('card', 'unknown')}.json"
+  path = out if out.endswith(".json") else os.path.join(out, name)
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
     json.dump(RESULT, f, indent=1, default=float)
@@ -215,6 +216,8 @@ def main(argv):
   dev = NamedSharding(mesh, PartitionSpec(), memory_kind="device")
   RESULT.update(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=bench_util.git_commit(),
+                card=bench_util.card(f"{device.platform}:{getattr(device, 'device_kind', '?')}"),
                 device=f"{device.platform}:{getattr(device, 'device_kind', '?')}",
                 versions=bench_util.versions(), cpu_dry_run=args.cpu_dry_run)
   section = "matmul"

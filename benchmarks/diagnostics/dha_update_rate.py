@@ -12,8 +12,8 @@ read + write rate as this kernel reaches it) and on the device.
 
 Each case runs once per share of the device's blocks in `--grids` (`host_update_layer`'s
 `dha_grid`: the share a layer call's kernel takes, the profile's `dha_layer_grid`). Prints, and
-writes `$OUT/dha_update_rate.json` (or `--out`): per case and share the median seconds,
-elements/s and GB/s over the link.
+writes `$OUT/dha_update_rate_<card>.json` (or under `--out`): per case and share the median
+seconds, elements/s and GB/s over the link.
 
   python3 benchmarks/diagnostics/dha_update_rate.py --elements=268435456 --reps=5
 """
@@ -101,7 +101,11 @@ def run_case(case: str, n: int, reps: int, grid: float) -> dict:
 
 def main(argv):
   del argv
-  res = {"elements": _ELEMENTS.value, "device": str(jax.devices()[0].device_kind), "cases": {}}
+  dev = jax.devices()[0]
+  card = bench_util.card(f"{dev.platform}:{getattr(dev, 'device_kind', '?')}")
+  res = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+         "date": bench_util.utc_now(), "commit": bench_util.git_commit(), "card": card,
+         "elements": _ELEMENTS.value, "device": str(dev.device_kind), "cases": {}}
   for case in _CASES.value:
     if case not in LINK_BYTES:
       raise app.UsageError(f"--cases: unknown case {case!r}; expected some of {list(LINK_BYTES)}")
@@ -112,7 +116,7 @@ def main(argv):
             f"{r['elements_per_sec'] / 1e9:6.3f} G elem/s  {r['link_gbps']:6.1f} GB/s over the link",
             flush=True)
   os.makedirs(_OUT.value, exist_ok=True)
-  with open(os.path.join(_OUT.value, "dha_update_rate.json"), "w") as fh:
+  with open(os.path.join(_OUT.value, f"dha_update_rate_{card}.json"), "w") as fh:
     json.dump(res, fh, indent=1)
 
 

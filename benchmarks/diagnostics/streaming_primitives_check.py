@@ -1,6 +1,6 @@
 """Streaming primitives on the GPU: fetch bandwidth against jax.device_put, and duplex with send.
 
-Workload (MEASURED.md's W1 weights, no compute): `--num_layers` slices of `--dim`^2 bf16 in
+Workload (W1's weights, no compute): `--num_layers` slices of `--dim`^2 bf16 in
 pinned_host (default 24 x 8192^2 = 3.2 GB).
 - fetch: one jit that fetches every slice, double-buffered (slice l + 1 is fetched before slice
   l is read; each slice is read by a tiny reduction so it is used), against
@@ -25,7 +25,7 @@ import os
 import platform
 import sys
 
-import jax  # before jaxtier's extension (MEASURED.md)
+import jax  # before jaxtier's extension (the other order crashed in ml_dtypes)
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec

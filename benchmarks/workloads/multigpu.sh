@@ -1,7 +1,7 @@
 # multigpu (benchmarks/multigpu_bench.py; kind nvidia-h200-x2, or more GPUs): the GPUs'
 # topology, the multi-path GPU tests, then the multi-path fetch of a replicated host leaf and
 # offloaded data-parallel training on all GPUs against one. NVLink multicast stays off
-# (KINDS.md). Results: $OUT/multigpu.json (the script's own form, not the results schema),
+# (KINDS.md). Results: $OUT/multigpu/<n>gpu_<card>.json (the script's own form, not the results schema),
 # topo.log and the logs; MULTIGPU_FLAGS adds flags. Usage: bash benchmarks/run_h200.sh multigpu
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -3,7 +3,7 @@
 # streamed (the layers' params host_stream) and with the optimizer state in pinned_host; bf16
 # params device-resident and with the optimizer state (and fp32 masters) in pinned_host. Loss
 # traces against the device-resident run's, step time and peak HBM over it. Result:
-# $OUT/w3_end_to_end.json; W3_FLAGS adds flags (a later --variants replaces these).
+# $OUT/w3/1b_b8_<card>.json; W3_FLAGS adds flags (a later --variants replaces these).
 # Usage: bash benchmarks/run_h200.sh w3
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
 # shellcheck disable=SC2086  # W3_FLAGS: several flags

@@ -3,7 +3,7 @@
 # raises the pinned pool and the allocator's fraction itself where its plan needs them),
 # against (HBM + available host memory) / 16 B. First, where .baselines/deepspeed is carried
 # (its README), DeepSpeed ZeRO-Offload and ZeRO-3 CPU offload at the same shapes, with the
-# capacity configs added to its copy of the shapes. Result: $OUT/w4_capacity.json.
+# capacity configs added to its copy of the shapes. Result: $OUT/w4/capacity_<card>.json.
 # W4_RUNS: config:offload[:batch],... (default 14b:auto:1,15b:auto:1); W4_DS_CONFIG (default 14b); W4_DS=0
 # leaves DeepSpeed out.
 # Usage: bash benchmarks/run_h200.sh w4

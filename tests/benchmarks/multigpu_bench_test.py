@@ -23,8 +23,12 @@ def _bench(tmp_path, *flags):
   p = subprocess.run([sys.executable, SCRIPT, "--smoke", f"--out={tmp_path}", *flags],
                      capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-4000:]
-  with open(tmp_path / "multigpu.json") as f:
-    return json.load(f), p.stdout
+  written = sorted((tmp_path / "multigpu").glob("*gpu_cpu.json"))  # named by devices and card
+  assert len(written) == 1, written
+  with open(written[0]) as f:
+    data = json.load(f)
+  assert written[0].name == f"{data['num_devices']}gpu_cpu.json" and data["card"] == "cpu"
+  return data, p.stdout
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,15 @@ BENCH = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__))
                                      "benchmarks"))
 
 CASES = {
-    "streaming_bench.py": (["--smoke"], "w1_streaming.json"),
+    "streaming_bench.py": (["--smoke"], "w1/streaming_cpu.json"),
     "diagnostics/streaming_primitives_check.py": (["--cpu_dry_run"], "streaming_primitives.json"),
-    "diagnostics/dha_crossover.py": (["--cpu_dry_run"], "dha_crossover.json"),
-    "host_update_bench.py": (["--cpu_dry_run", "--skip_torch"], "w2_host_update.json"),
-    "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "w5_planner.json"),
+    "diagnostics/dha_crossover.py": (["--cpu_dry_run"], "dha_crossover_cpu.json"),
+    "host_update_bench.py": (["--cpu_dry_run", "--skip_torch"], "w2/host_update_cpu.json"),
+    "planner_bench.py": (["--cpu_dry_run", "--skip_cli"], "w5/planner_cpu.json"),
     "diagnostics/host_cpu_microbench.py": (["--smoke"], "host_cpu_microbench.json"),
     "e2e_smoke.py": (["--config=tiny", "--steps=3", "--batch_size=2", "--seq_len=32",
                       "--variants=fp32:none,fp32:stream,fp32:auto:host_split@0.9"],
-                     "w3_end_to_end.json"),
+                     "w3/tiny_b2_cpu.json"),
 }
 
 
@@ -46,6 +46,9 @@ def test_benchmark_runs_at_toy_sizes(script, tmp_path):
   with open(tmp_path / result) as f:
     data = json.load(f)
   assert "error" not in data, data.get("error")
+  if script not in ("diagnostics/streaming_primitives_check.py",
+                    "diagnostics/host_cpu_microbench.py"):  # the rest name their card and commit
+    assert data["card"] == "cpu" and data["date"] and data["commit"] and data["command"], data
   for name, run in data.get("runs", {}).items():  # e2e_smoke: one entry per variant
     assert "error" not in run, (name, run["error"])
   if script == "e2e_smoke.py":
@@ -127,7 +130,7 @@ def test_e2e_smoke_refuses_a_bad_variant_before_running_any(tmp_path):
   assert p.returncode != 0
   assert "host_split@F with 0 < F < 1" in p.stderr, p.stderr[-3000:]
   assert "[" not in p.stdout  # no variant's output: none ran
-  assert not (tmp_path / "w3_end_to_end.json").exists()
+  assert not (tmp_path / "w3").exists()  # no result file
 
 
 def test_e2e_smoke_child_records_host_rss(tmp_path):
