@@ -5,10 +5,9 @@ and read in place (`host_dha`, W6's variants), compiles the step's compute progr
 set of XLA GPU options and prints `memory_analysis()`'s argument, temporary and peak bytes:
 whether the 0.57e9 bytes more temporaries of the host_dha program are the scheduler's.
 
-  python3 benchmarks/diagnostics/w6_compile_options.py
+  python3 benchmarks/diagnostics/w6_compile_options.py  # -> $OUT/w6/compile_options_<card>.json
 """
 
-import json
 import os
 import sys
 
@@ -55,8 +54,13 @@ def main(argv):
       out[f"{variant}:{name}"] = got
       print(variant, name, got, flush=True)
     del state
-  json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "w6_compile_options.json"),
-                      "w"), indent=1)
+  import bench_util  # pylint: disable=g-import-not-at-top
+  dev = bench_util.device_name()
+  record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "date": bench_util.utc_now(), "commit": bench_util.git_commit(),
+            "card": bench_util.card(dev), "device": dev, **out}
+  bench_util.write_json(record, os.environ.get("OUT", "/tmp"),
+                        f"w6/compile_options_{record['card']}.json")
 
 
 if __name__ == "__main__":
