@@ -23,6 +23,7 @@ from jaxtier._src.hardware.profile import split_fraction as split_fraction
 from jaxtier._src.planning.cost_model import ActivationModel as ActivationModel
 from jaxtier._src.planning.cost_model import ActivationOption as ActivationOption
 from jaxtier._src.planning.plan import BudgetViolation as BudgetViolation
+from jaxtier._src.planning.plan import DeviceBudget as DeviceBudget
 from jaxtier._src.planning.plan import LeafPlan as LeafPlan
 from jaxtier._src.planning.plan import Plan as Plan
 from jaxtier._src.planning.plot import plot_plan as plot_plan

@@ -147,8 +147,9 @@ def plan_main() -> None:
     host_budget_missed = (plan.host_budget is not None
                           and plan.pinned_bytes > plan.host_budget)
     # The device state alone over the budget: activations and the batch are not the trouble.
-    state_over = device_missed and plan.device_budget is not None and (
-        plan.bytes_by_memory_kind().get("device", 0) > plan.device_budget)
+    given = plan.device_budget.given
+    state_over = device_missed and given is not None and (
+        plan.bytes_by_memory_kind().get("device", 0) > given)
     offload = flags.FLAGS.offload
     hints = []
     if not _STREAM.value and offload == "auto" and device_missed:

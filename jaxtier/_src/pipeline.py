@@ -31,7 +31,7 @@ from jaxtier._src.lowering import overlap as overlap_lib
 from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
-from jaxtier._src.planning.plan import Plan, verdict_lines
+from jaxtier._src.planning.plan import DeviceBudget, Plan, verdict_lines
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
 
@@ -79,7 +79,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   platform = jc.platform_of(leaves[0]) if leaves else jax.default_backend()
   blocked = _stream_blocked(state)
   costs = _step_costs(inv, state, args, platform, options.policy)
-  budget = options.device_budget
+  device_budget = DeviceBudget.of(options.device_budget)
   # The same for every (re-)plan of this trace.
   fixed = dict(platform=platform, policy=options.policy, host_budget=options.host_budget,
                pinnable_bytes=host_lib.pinnable_bytes(platform, _num_local_devices(state)),
@@ -91,7 +91,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   sig = signature(state, args)
 
   def make(step_costs):
-    return planner.make_plan(inv, device_budget=budget, step_costs=step_costs, **fixed)
+    return planner.make_plan(inv, device_budget=device_budget, step_costs=step_costs, **fixed)
 
   def lower(plan):
     programs = compiled_lib.build(inv, plan, state, args, options.overlap_update)
@@ -104,10 +104,10 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     first = make(costs)
   except PlanError as e:
     if gpu_here:
-      _raise_with_room(e, inv, fixed, budget, costs, state)
+      _raise_with_room(e, inv, fixed, device_budget.given, costs, state)
     raise
   if not first.fits and gpu_here:
-    _raise_with_room(None, inv, fixed, budget, costs, state, first)
+    _raise_with_room(None, inv, fixed, device_budget.given, costs, state, first)
 
   previous = planned = None
   for attempt in range(MAX_REPLANS + 1):
@@ -117,18 +117,19 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       if previous is None:
         raise
       log.warning("jaxtier: re-planning against %s failed (%s); keeping the previous plan",
-                  format_bytes(budget), str(e).split(". ")[0])
+                  format_bytes(device_budget.usable), str(e).split(". ")[0])
       planned = previous
       break
     if attempt:
-      plan = _against_user_budget(plan, options.device_budget, budget, attempt)
+      plan = _against_user_budget(plan, attempt)
     planned, smaller = _verify(lower(plan), state, args, attempt, options.policy)
     if smaller is None:
       break
-    previous, budget = planned, smaller
+    previous, device_budget = planned, device_budget.replanned(smaller)
   planned = _refine(planned, state, args, costs, make, lower, options.policy)
   if not planned.plan.fits and is_named(options.policy, NamedPolicy.AUTO):
-    planned = _streamed_if_it_fits(planned, inv, fixed, budget, costs, lower, state, args)
+    planned = _streamed_if_it_fits(planned, inv, fixed, device_budget, costs, lower, state,
+                                   args)
   log.debug("jaxtier plan:\n%s", planned.plan)
   # What JAX's device allocator can hold here, before anything is allocated.
   admission.admit_device(planned.plan,
@@ -156,7 +157,7 @@ def _warn_unfit(plan: Plan) -> None:
 
 
 def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: dict[str, Any],
-                     budget: "int | None", costs: step_costs_lib.StepCosts, state: Any,
+                     device_budget: "int | None", costs: step_costs_lib.StepCosts, state: Any,
                      plan: "Plan | None" = None) -> None:
   """Raises an AdmissionError naming the XLA settings under which a plan fits this machine,
   where the one made under the settings in force does not fit (or was refused: `error`).
@@ -175,7 +176,7 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
   room_pinned = host_lib.pinned_pool_room_bytes(num_local_devices)
   if limit is None or room_pinned is None:
     return
-  room_device = budget
+  room_device = device_budget
   if room_device is None:
     free_at_start = limit / host_lib.xla_mem_fraction()
     room_device = int(free_at_start * host_lib.MAX_MEM_FRACTION * (1 - admission.DEVICE_MARGIN))
@@ -193,7 +194,7 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
   pool = host_lib.pinned_pool_that_fits(room.pinned_bytes, num_local_devices)
   if pool is not None:
     settings.update(admission.pool_settings(pool))
-  if budget is None and room.predicted_peak_hbm_bytes is not None:
+  if device_budget is None and room.predicted_peak_hbm_bytes is not None:
     fraction = host_lib.fraction_that_holds(room.predicted_peak_hbm_bytes,
                                             admission.DEVICE_MARGIN, limit)
     if fraction is not None:
@@ -271,18 +272,17 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   return result
 
 
-def _against_user_budget(plan: Plan, user_budget: "int | None", budget: int, attempt: int
-                         ) -> Plan:
+def _against_user_budget(plan: Plan, attempt: int) -> Plan:
   """A plan made against a re-plan budget smaller than the user's, shown against theirs.
 
   The solver's verdict against that internal budget is not the plan's against the user's (the
   compiled check judges that): it stays a note.
   """
-  internal = format_bytes(budget)
+  internal = format_bytes(plan.device_budget.usable)
   notes = tuple(f"against the re-plan budget of {internal}, not yours: {v}"
                 for v in plan.verdicts)
   return dataclasses.replace(
-      plan, device_budget=user_budget, fits=True, violations=(), verdicts=(),
+      plan, fits=True, violations=(), verdicts=(),
       notes=(*plan.notes, *notes, f"re-planned ({attempt}) against {internal}: the compiled "
              "step's peak was over the budget"))
 
@@ -319,7 +319,7 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
       notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (the "
                           f"arguments by their shardings: device {device_args}, pinned_host "
                           f"{host} bytes)",))
-  budget = plan.planned_device_budget
+  budget = plan.device_budget.usable
   if ok and not plan.fits and all(v.limit == "device_budget" for v in plan.violations):
     # The prediction was over the device budget, the compiled step is not: the compiler's
     # figure is the one the allocator meets.
@@ -397,7 +397,7 @@ def _update_host_extra_bytes(programs: compiled_lib.StepPrograms, state: Any,
 
 
 def _streamed_if_it_fits(planned: Planned, inv: inv_lib.Inventory, fixed: dict[str, Any],
-                         budget: "int | None", costs: step_costs_lib.StepCosts,
+                         device_budget: DeviceBudget, costs: step_costs_lib.StepCosts,
                          lower: Callable[[Plan], Planned], state: Any,
                          args: Sequence[Any]) -> Planned:
   """Under 'auto', where no plan fits by the solver's prediction or by the compiled step: the
@@ -413,7 +413,7 @@ def _streamed_if_it_fits(planned: Planned, inv: inv_lib.Inventory, fixed: dict[s
     del path
     return Placement.HOST_STREAM if leaf.index in streamable else None
   try:
-    plan = planner.make_plan(inv, device_budget=budget, step_costs=costs,
+    plan = planner.make_plan(inv, device_budget=device_budget, step_costs=costs,
                              **{**fixed, "policy": stream_stacks})
     streamed, _ = _verify(lower(plan), state, args, 0, stream_stacks)
   except PlanError as e:
@@ -452,7 +452,7 @@ def _refine(planned: Planned, state: Any, args: Sequence[Any],
   plan = planned.plan
   if is_named(policy, *_FIXED):
     return planned
-  budget, peak = plan.planned_device_budget, plan.compiler_peak_hbm_bytes
+  budget, peak = plan.device_budget.usable, plan.compiler_peak_hbm_bytes
   predicted = plan.predicted_peak_hbm_bytes
   if budget is None or peak is None or predicted is None or peak > budget:
     return planned
@@ -475,7 +475,7 @@ def _refine(planned: Planned, state: Any, args: Sequence[Any],
       log.info("jaxtier: the refined plan is not predicted faster than the first: keeping "
                "the first plan")
       return planned
-    refined = dataclasses.replace(refined, device_budget=plan.device_budget, notes=(
+    refined = dataclasses.replace(refined, notes=(
         *refined.notes, f"refined: the first plan's peak was predicted "
         f"{format_bytes(predicted)} and compiled to {format_bytes(peak)}; "
         f"the transient bytes are credited {credit:.3g} bytes per byte of optimizer state "

@@ -45,23 +45,23 @@ def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "st
   the compiled peak fits the one given). The fixes leave out what `offload` and
   `remat_policy` (the model's) already are.
   """
-  if plan.device_budget is None and plan.host_budget is None:
+  given = plan.device_budget.given
+  if given is None and plan.host_budget is None:
     return None
   problems, fixes = [], []
   predicted, compiled = plan.predicted_peak_hbm_bytes, plan.compiler_peak_hbm_bytes
   peak = compiled if compiled is not None else predicted
-  replanned = (plan.device_budget is not None and plan.planned_device_budget is not None
-               and plan.planned_device_budget < plan.device_budget)
+  usable = plan.device_budget.usable
+  replanned = given is not None and usable is not None and usable < given
   note_over = not plan.fits and not (
       replanned and compiled is not None)
-  device_over = plan.device_budget is not None and peak is not None and (
-      peak > plan.device_budget or note_over)
+  device_over = given is not None and peak is not None and (peak > given or note_over)
   if device_over:
     figures = " and ".join(
         f"{jaxtier.format_bytes(b)} {what}" for b, what in ((predicted, "predicted"),
                                                      (compiled, "compiled")) if b is not None)
     problems.append(f"peak device memory {figures}, over the --device_budget of "
-                    f"{jaxtier.format_bytes(plan.device_budget)}")
+                    f"{jaxtier.format_bytes(given)}")
     # The compiled step's peak is what runs (the prediction may be above it).
     fixes.append(f"a larger --device_budget (at least {jaxtier.format_bytes(peak)})")
   host_over = plan.host_budget is not None and plan.pinned_bytes > plan.host_budget

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxtier
 from jaxtier._src.hardware import host as host_lib
 from jaxtier.examples import train
 
@@ -157,7 +158,7 @@ def test_over_budget_names_the_compiled_peak_and_the_remat_fix():
   # compiled one (the step that runs), and saving fewer activations is named as a fix.
   from jaxtier.examples import budgets  # pylint: disable=g-import-not-at-top
   plan = type("Plan", (), dict(
-      device_budget=75 * 2**20, host_budget=None, planned_device_budget=None, fits=True,
+      device_budget=jaxtier.DeviceBudget(given=75 * 2**20), host_budget=None, fits=True,
       predicted_peak_hbm_bytes=int(109.22 * 2**20), compiler_peak_hbm_bytes=int(90.36 * 2**20),
       pinned_bytes=0, verdicts=()))()
   why = budgets.over_budget(plan, "stream")
@@ -168,7 +169,7 @@ def test_over_budget_names_the_compiled_peak_and_the_remat_fix():
   # had passed).
   why = budgets.over_budget(plan, "stream", remat_policy="nothing_saveable")
   assert "a larger --device_budget" in why and "--remat_policy" not in why, why
-  plan.device_budget = 100 * 2**20  # the compiled step fits: nothing to say
+  plan.device_budget = jaxtier.DeviceBudget(given=100 * 2**20)  # the compiled step fits
   assert budgets.over_budget(plan, "stream") is None
 
 

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.planning import verify as verify_lib
 
+import jaxtier
+
 
 def test_memory_figures_and_verify_without_analysis():
   class NoAnalysis:
@@ -16,7 +18,7 @@ def test_memory_figures_and_verify_without_analysis():
     def memory_analysis(self):
       return type("M", (), {"argument_size_in_bytes": 0, "output_size_in_bytes": 0,
                             "temp_size_in_bytes": 0})()
-  plan = type("Plan", (), {"planned_device_budget": 10, "pinned_bytes": 0})()
+  plan = type("Plan", (), {"device_budget": jaxtier.DeviceBudget.of(10), "pinned_bytes": 0})()
   assert (step_costs_lib.memory_figures(NoAnalysis()) is None
           and step_costs_lib.memory_figures(Zeros()) is None)
   assert verify_lib.verify(plan, NoAnalysis()) == (True, None)
@@ -35,7 +37,8 @@ def _analysis(**sizes):
 
 
 def test_host_arguments_come_out_of_a_peak_that_counts_them():
-  plan = type("Plan", (), {"planned_device_budget": 1000, "pinned_bytes": 0})()
+  plan = type("Plan", (), {"device_budget": jaxtier.DeviceBudget.of(1000),
+                           "pinned_bytes": 0})()
   # No host figures (the CPU backend): the argument figure holds the host arguments the
   # program uses. 300 device bytes, 600 of the 800 host bytes used (jit dropped the leaves only
   # the update program reads): 600 come out.

@@ -262,7 +262,7 @@ def initializers(init_fn: Callable[..., Any], plan: Plan, shardings: Sequence[An
     ValueError: `init_fn`'s output is not of structure `treedef`.
   """
   if chunk_bytes is None:
-    budget = plan.planned_device_budget or plan.device_budget
+    budget = plan.device_budget.usable
     free = None if budget is None else budget - plan.device_bytes
     chunk_bytes = max(free // 2, 1) if free and free > 0 else INIT_CHUNK_BYTES
   device = [l.index for l in plan.leaves if l.memory_kind == MemoryKind.DEVICE]

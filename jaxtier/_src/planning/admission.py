@@ -10,7 +10,7 @@ from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.host import HERE_PINNABLE
-from jaxtier._src.planning.plan import LeafPlan, Plan
+from jaxtier._src.planning.plan import DeviceBudget, LeafPlan, Plan
 from jaxtier._src.units import format_bytes
 
 # Share of the device's memory a default budget leaves free (fragmentation, workspace).
@@ -39,6 +39,46 @@ def default_device_budget(hardware: "profile.HardwareProfile") -> tuple[int, str
   compiler workspace the model does not see."""
   limit, where = allocator_bytes(hardware)
   return int(limit * (1 - DEVICE_MARGIN)), f"{where} less {DEVICE_MARGIN:.0%}"
+
+
+def plan_device_budget(device_budget: "int | DeviceBudget | None", platform: str,
+                       hardware: "profile.HardwareProfile") -> tuple[DeviceBudget, list[str]]:
+  """The device budget a plan for `platform` is made against, and the notes that say why.
+
+  On a GPU, no budget given is what JAX's allocator may use less DEVICE_MARGIN
+  (`default_device_budget`: source 'default'); a budget above that on a GPU that is not here
+  is capped to it (room above an absent GPU's memory is no room: source 'capped'). On a GPU
+  here, a budget above the allocator's limit is kept and noted: admission checks the compiled
+  step's peak against the allocator (`admit_device`).
+
+  Args:
+    device_budget: the budget asked for (`DeviceBudget.of`): bytes per device, or None.
+    platform: 'cpu' or 'gpu'.
+    hardware: the profile of the GPU planned for.
+
+  Returns:
+    (the budget with its `usable` bytes set, the notes for the plan).
+  """
+  budget = DeviceBudget.of(device_budget)
+  asked, notes = budget.asked, []
+  if asked is not None and platform == "gpu":
+    limit, where = allocator_bytes(hardware)
+    usable = int(limit * (1 - DEVICE_MARGIN))
+    above = (f"device budget {format_bytes(asked)} is above what JAX's allocator may "
+             f"use ({format_bytes(limit)}: {where}; profile: {hardware.source}): ")
+    if asked > usable and host_lib.allocator_limit_bytes() is None:
+      # (On a GPU here, admission checks the compiled peak against the allocator, and names
+      # the fraction that would hold it: `train` runs itself again with it.)
+      budget = DeviceBudget(given=budget.given, usable=usable, source="capped")
+      notes.append(above + f"planned against {format_bytes(usable)}, that less "
+                   f"{DEVICE_MARGIN:.0%}")
+    elif asked > limit:
+      notes.append(above + "the compiled step is admitted against that")
+  if asked is None and platform == "gpu":
+    usable, why = default_device_budget(hardware)
+    budget = DeviceBudget(given=budget.given, usable=usable, source="default")
+    notes.append(f"device budget: none given; planned against {format_bytes(usable)} ({why})")
+  return budget, notes
 
 
 FRACTION_SETTING = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -221,7 +261,8 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
       error.settings = settings
       error.limit = "host_limit"
       raise error
-  if plan.device_budget is not None and plan.device_bytes > plan.device_budget:
+  given = plan.device_budget.asked
+  if given is not None and plan.device_bytes > given:
     dev = [l for l in plan.leaves if l.memory_kind == "device"]
     # Where offloading more would pin more than the host may, the notes say so: the binding
     # limit is then the host's, and a policy alone cannot help.
@@ -231,7 +272,7 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
         f", over the host limit of {format_bytes(binding.limit_bytes)}")
     reason = (f"the state needs {format_bytes(plan.device_bytes)} ({plan.device_bytes} bytes) "
               f"of device memory after offloading, over the device budget of "
-              f"{format_bytes(plan.device_budget)} ({plan.device_budget} bytes)")
+              f"{format_bytes(given)} ({given} bytes)")
     error = PlanError(
         f"jaxtier: {reason}. Largest device "
         f"leaves: {_largest(dev, lambda l: l.nbytes)}. Fix: raise device_budget, or place "

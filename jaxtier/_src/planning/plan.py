@@ -61,6 +61,46 @@ class BudgetViolation:
   binding: bool = False
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceBudget:
+  """The device budget: the bytes per device the user gave, and those the plan is made against.
+
+  One value from `jaxtier.offload(device_budget=)` to the solver (`Problem.device_budget` is
+  its `usable`). The two figures differ where the budget is set for the user
+  (`admission.plan_device_budget`): none given on a GPU, a budget above what JAX's allocator
+  may use on an absent GPU, or a re-plan after the compiled step's peak came out over it.
+
+  Attributes:
+    given: what the user gave, bytes per device (None: none).
+    usable: what the plan is made against, bytes per device (None: no limit).
+    source: why `usable` is what it is: 'given' (the user's), 'none' (no limit: none given
+      and none needed, on the CPU backend), 'default' (none given: what JAX's allocator may
+      use on the GPU, less a margin), 'capped' (the given one is above what JAX's allocator
+      may use on an absent GPU: that, less a margin), 're-plan' (smaller than the one given,
+      by what the compiled step's peak was over it).
+  """
+
+  given: "int | None" = None
+  usable: "int | None" = None
+  source: str = "none"
+
+  @classmethod
+  def of(cls, given: "int | DeviceBudget | None") -> "DeviceBudget":
+    """The budget the user gave, `given` bytes per device (None: none), as asked for."""
+    if isinstance(given, DeviceBudget):
+      return given
+    return cls(given=given, usable=given, source="none" if given is None else "given")
+
+  @property
+  def asked(self) -> "int | None":
+    """The budget the planner is asked to meet, bytes: a re-plan's, else the one given."""
+    return self.usable if self.source == "re-plan" else self.given
+
+  def replanned(self, usable: int) -> "DeviceBudget":
+    """This budget re-planned against `usable` bytes (`usable` below the compiled peak)."""
+    return DeviceBudget(given=self.given, usable=usable, source="re-plan")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The placement of every state leaf, with its byte totals (all per device).
@@ -70,7 +110,8 @@ class Plan:
     platform: 'cpu' or 'gpu'.
     device_bytes: state bytes held in device memory (HBM).
     pinned_bytes: state bytes held in pinned host memory, masters included.
-    device_budget, host_budget: the limits planned against (None: no limit), bytes.
+    device_budget: the device budget given and the one planned against (`DeviceBudget`).
+    host_budget: the host budget given (None: no limit), bytes.
     num_host_updates: fused host updates per step (`components`); one with results in both
       memory kinds runs as two custom calls (`op_program_compiler.calls_of`).
     predicted_step_secs: the cost model's step time, seconds (None: not predicted).
@@ -84,8 +125,6 @@ class Plan:
     activation_policy: the activation policy the prediction assumes.
     assumed_checkpoint_policy: the `jax.checkpoint_policies` name of that policy where it is
       not the traced step's (the model must apply it for the prediction to hold), else None.
-    planned_device_budget: the device budget the solver planned against (the given one, or on
-      a GPU without one, what the device has less a margin), bytes.
     notes: where the figures come from (profile, transient bytes), and warnings.
     compiler_peak_hbm_bytes: the compiled step's peak device memory from its
       `memory_analysis()` (set after compiling; None before, or where the backend reports none).
@@ -113,7 +152,7 @@ class Plan:
   platform: str
   device_bytes: int
   pinned_bytes: int
-  device_budget: "int | None"
+  device_budget: DeviceBudget
   host_budget: "int | None"
   num_host_updates: int
   predicted_step_secs: "float | None" = None
@@ -123,7 +162,6 @@ class Plan:
   segments: tuple = ()
   activation_policy: str = "as traced (not modelled)"
   assumed_checkpoint_policy: "str | None" = None
-  planned_device_budget: "int | None" = None
   notes: tuple[str, ...] = ()
   compiler_peak_hbm_bytes: "int | None" = None
   compiler_host_extra_bytes: "int | None" = None
@@ -150,8 +188,18 @@ class Plan:
     return {leaf.path: leaf.placement for leaf in self.leaves}
 
   def to_json(self) -> str:
-    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-              if f.name != "components"}
+    """The plan as JSON: its fields (not `components`), the device budget as two figures
+    (`device_budget`, the one given; `planned_device_budget`, the one planned against)."""
+    fields = {}
+    for f in dataclasses.fields(self):
+      if f.name == "components":
+        continue
+      if f.name == "device_budget":
+        fields["device_budget"] = self.device_budget.given
+      else:
+        fields[f.name] = getattr(self, f.name)
+      if f.name == "assumed_checkpoint_policy":
+        fields["planned_device_budget"] = self.device_budget.usable
     return json.dumps({k: _plain(v) for k, v in fields.items()}, indent=1)
 
   def __str__(self) -> str:
@@ -174,7 +222,7 @@ class Plan:
     # The summary is a line of its own: as the table's title it would wrap at the table's
     # width, mid-phrase.
     header = (f"jaxtier plan ({self.platform}): device {format_bytes(self.device_bytes)}"
-              f"{_budget(self.device_budget)}, pinned_host {format_bytes(self.pinned_bytes)}"
+              f"{_budget(self.device_budget.given)}, pinned_host {format_bytes(self.pinned_bytes)}"
               f"{self._host_limit()}, {self.num_host_updates} fused host updates/step")
     table = Table()
     columns = ("leaf", "shape", "dtype", "bytes", "role", "placement") + (
@@ -221,7 +269,7 @@ class Plan:
                f" (predicted / measured {self.predicted_step_secs / self.measured_step_secs:.2f})")
       lines.append(f"measured step: {self.measured_step_secs * 1e3:.4g} ms{ratio}")
     if self.predicted_peak_hbm_bytes is not None:
-      budget = self.planned_device_budget
+      budget = self.device_budget.usable
       memory = "HBM" if self.platform == "gpu" else "device memory"  # what it is here
       # Without a compiled device-only step (a fixed policy) the prediction has no activations.
       partial = any(n.startswith("transient device bytes") and "the gradients only" in n

@@ -27,10 +27,9 @@ from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
 from jaxtier._src.planning import cost_model, solver
 from jaxtier._src.planning import problem as problem_lib
-from jaxtier._src.planning.admission import (DEVICE_MARGIN, admit, allocator_bytes,
-                                              default_device_budget)
+from jaxtier._src.planning.admission import admit, plan_device_budget
 from jaxtier._src.planning.cut import cut_updates, gathered_tables
-from jaxtier._src.planning.plan import BudgetViolation, LeafPlan, Plan
+from jaxtier._src.planning.plan import BudgetViolation, DeviceBudget, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, Executor, NamedPolicy,
@@ -40,7 +39,7 @@ log = logging.getLogger("jaxtier")
 
 
 def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
-              device_budget: "int | None" = None, host_budget: "int | None" = None,
+              device_budget: "int | DeviceBudget | None" = None, host_budget: "int | None" = None,
               pinnable_bytes: "int | None" = None,
               hardware: "profile.HardwareProfile | None" = None,
               step_costs: "step_costs_lib.StepCosts | None" = None,
@@ -64,8 +63,9 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     policy: 'auto', 'none', a callable `(path, LeafInfo) -> placement | None`, or a
       `{regex: placement}` mapping matched against leaf paths (None/no match: auto).
     device_budget: bytes of device memory the step may use at its peak, per device (state and
-      transient buffers). None: no limit on the CPU backend; on a GPU, what the device has
-      (`default_device_budget`). The state's own device bytes over it are an error.
+      transient buffers), or a `DeviceBudget` (a re-plan's). None: no limit on the CPU
+      backend; on a GPU, what the device has (`admission.plan_device_budget`). The state's
+      own device bytes over the budget given are an error.
     host_budget: bytes of pinned host memory the plan may pin per device (None: no limit).
     pinnable_bytes: what the host can pin at most per device (None: do not check); see
       `pinnable_bytes()`.
@@ -115,30 +115,13 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   if step_costs is None:
     costs = dataclasses.replace(costs, **dict(zip(
         ("flops", "elementwise_bytes"), step_costs_lib.jaxpr_costs(inv.closed_jaxpr))))
-  solver_budget = device_budget
   notes = [f"hardware profile: {hardware.source}",
            f"transient device bytes (gradients, activations, workspace): "
            f"{costs.transient_source}",
            costs.compute_source(hardware)]
-  capped = False
-  if device_budget is not None and platform == "gpu":
-    limit, where = allocator_bytes(hardware)
-    usable = int(limit * (1 - DEVICE_MARGIN))
-    above = (f"device budget {format_bytes(device_budget)} is above what JAX's allocator may "
-             f"use ({format_bytes(limit)}: {where}; profile: {hardware.source}): ")
-    if device_budget > usable and host_lib.allocator_limit_bytes() is None:
-      # Room above an absent GPU's memory is no room: plan against what its allocator holds.
-      # (On a GPU here, admission checks the compiled peak against the allocator, and names
-      # the fraction that would hold it: `train` runs itself again with it.)
-      capped, solver_budget = True, usable
-      notes.append(above + f"planned against {format_bytes(usable)}, that less "
-                   f"{DEVICE_MARGIN:.0%}")
-    elif device_budget > limit:
-      notes.append(above + "the compiled step is admitted against that")
-  if solver_budget is None and platform == "gpu":
-    solver_budget, why = default_device_budget(hardware)
-    notes.append(f"device budget: none given; planned against {format_bytes(solver_budget)} "
-                 f"({why})")
+  device_budget, budget_notes = plan_device_budget(device_budget, platform, hardware)
+  notes += budget_notes
+  usable = device_budget.usable
   host_limit = min((b for b in (host_budget, pinnable_bytes) if b is not None), default=None)
   verdicts: list[str] = []
   violations: list[BudgetViolation] = []
@@ -152,7 +135,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
         dha_readable=({i: b for i, b in dict(dha_readable or {}).items() if i not in user_fixed}
                       if platform == "gpu" else {}),
         tables=dict(dha_readable or {}), activations=activations,
-        device_budget=solver_budget, host_budget=host_limit,
+        device_budget=usable, host_budget=host_limit,
         profile=hardware, platform=platform, overlap_update=overlap_update,
         layered_dha_fraction=layered_dha_fraction)
 
@@ -160,11 +143,11 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   if solve:
     problem = problem_for(placement)
     sol = solver.solve(problem)
-    _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, solver_budget)
+    _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, usable)
     compiled, masters = cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
                              user_fixed)
     if not sol.fits:
-      verdict, missed = _not_fitting(sol, solver_budget, host_limit, problem,
+      verdict, missed = _not_fitting(sol, usable, host_limit, problem,
                                      placed=(inv, placement, user_fixed))
       verdicts.append(verdict)
       violations.extend(missed)
@@ -197,19 +180,19 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   }
   final_params = {p.index: placement[p.index] for p in final.params}
   pred = solver.evaluate_fixed(final, final_params, final_updates, act_policy).prediction
-  if solver_budget is not None and pred.peak_hbm_bytes > solver_budget and not verdicts:
+  if usable is not None and pred.peak_hbm_bytes > usable and not verdicts:
     # The placements the user fixed (or the cut's fallbacks) leave the plan over the budget
     # although the solver's own search fitted: say so as loudly as an infeasible search.
     verdicts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} "
-                    f"exceeds the device budget of {format_bytes(solver_budget)} with the "
+                    f"exceeds the device budget of {format_bytes(usable)} with the "
                     "placements as given (the policy's fixed placements included)")
     violations.append(BudgetViolation(limit="device_budget", need_bytes=pred.peak_hbm_bytes,
-                                      limit_bytes=solver_budget))
-  if capped:
+                                      limit_bytes=usable))
+  if device_budget.source == "capped":
     # Over the capped budget is over the device's memory, whatever budget was given.
     violations = [dataclasses.replace(v, limit="device_memory") if v.limit == "device_budget"
                   else v for v in violations]
-  if solver_budget is None and platform == "cpu" and jax.default_backend() == "cpu":
+  if usable is None and platform == "cpu" and jax.default_backend() == "cpu":
     # No device budget on the CPU backend, but its device and pinned_host memory are both this
     # host's RAM: a plan that needs more than is available is said not to fit.
     # The state's arrays that already exist are in that RAM: not available, but not needed
@@ -261,7 +244,6 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               critical_path=pred.critical_path, predicted_peak_hbm_bytes=pred.peak_hbm_bytes,
               resource_secs=dict(pred.resource_secs), segments=tuple(pred.segments),
               activation_policy=act_label, assumed_checkpoint_policy=assumed,
-              planned_device_budget=solver_budget,
               notes=tuple(notes), fits=not verdicts, violations=tuple(violations),
               verdicts=tuple(verdicts), num_planning_notes=len(notes),
               components=tuple(compiled),

@@ -52,7 +52,7 @@ def plot_plan(plan, path: str, *, title: str = "jaxtier plan") -> str:
   if plan.predicted_peak_hbm_bytes:
     axes[0].axvline(plan.predicted_peak_hbm_bytes / gib, color="tab:red", ls="--",
                     label=f"predicted peak {plan.predicted_peak_hbm_bytes / gib:.1f}")
-  budget = plan.planned_device_budget or plan.device_budget
+  budget = plan.device_budget.usable
   if budget:
     axes[0].axvline(budget / gib, color="black", ls=":", label=f"budget {budget / gib:.1f}")
   axes[1].barh(ys, [groups[n][1] / gib for n in names], color="tab:orange")

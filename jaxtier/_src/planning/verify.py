@@ -24,7 +24,7 @@ def verify(plan: Any, compiled: Any, *, device_argument_bytes: "int | None" = No
   device arguments, up to the host arguments' bytes, is taken out.
 
   Args:
-    plan: the `Plan` (its `planned_device_budget`, else `device_budget`, is the limit).
+    plan: the `Plan` (its `device_budget.usable` is the limit).
     compiled: the planned step, compiled or lowered.
     device_argument_bytes, host_argument_bytes: the program's argument bytes per device in
       device memory and in pinned_host; None: unknown (then the plan's `pinned_bytes` are the
@@ -50,7 +50,7 @@ def verify(plan: Any, compiled: Any, *, device_argument_bytes: "int | None" = No
       fig = dataclasses.replace(fig, argument_bytes=max(0, fig.argument_bytes - host),
                                 peak_bytes=max(0, fig.peak_bytes - host),
                                 host_argument_bytes=host)
-  budget = getattr(plan, "planned_device_budget", None) or getattr(plan, "device_budget", None)
+  budget = plan.device_budget.usable
   if fig is None or budget is None:
     return True, fig
   return fig.peak_bytes <= budget, fig
