@@ -46,6 +46,8 @@ _PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host 
                             "group into this image file (e.g. plan.png).")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "plan: show each leaf's reason in the plan's "
                              "table (wider, several lines per leaf).")
+_DETAILS = flags.DEFINE_bool("details", False, "plan: print every leaf (its placement, bytes "
+                             "and why) and every note, at the terminal's width.")
 _STREAM = flags.DEFINE_bool("stream", True, "plan: let the planner stream parameters from "
                             "pinned_host (host_stream) where it pays, as `train` and "
                             "jaxtier.offload do; --nostream: never.")
@@ -122,9 +124,12 @@ def plan_main() -> None:
   vocab = (f" (bpe, vocab {config.vocab_size:,})" if flags.FLAGS.tokenizer == "bpe" else "")
   print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params{vocab}, batch "
         f"{batch} x seq {seq_len}, remat_policy {config.remat_policy}")
-  print(plan.format(reasons=_VERBOSE.value))
-  if not _VERBOSE.value:
-    print("(--verbose: each leaf's reason)")
+  if _DETAILS.value:
+    print(plan.table(reasons=True))
+  else:
+    print(plan.format(reasons=_VERBOSE.value))
+    if not _VERBOSE.value:
+      print("(--verbose: each leaf's reason)")
   # The planner may pick another activation policy than the model's (to fit, or for speed):
   # `train` runs the model's unless told (its fit is checked against the step it compiles).
   other = plan.assumed_checkpoint_policy
@@ -244,11 +249,11 @@ def _unwritable(path: str) -> "str | None":
 
 
 # The flags of one command that another does not read (every command reads absl's own).
-_PLAN_ONLY = ("platform", "plot", "verbose", "stream")
+_PLAN_ONLY = ("platform", "plot", "verbose", "details", "stream")
 _NOT_READ = {
     "train": ("json",) + _PLAN_ONLY,
     "plan": ("steps", "data", "seed", "learning_rate", "warmup_steps", "log_every",
-             "allow_over_budget", "json_out"),
+             "allow_over_budget", "json_out", "plan_details"),
 }
 
 

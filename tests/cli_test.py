@@ -591,3 +591,17 @@ def test_train_refuses_a_negative_seed_and_log_every_zero_when_parsed(tmp_path):
     out = _cli(tmp_path, "train", "--config=tiny", "--steps=1", flag)
     assert out.returncode != 0, out.stdout[-2000:]
     assert bound in out.stderr and "step 1" not in out.stdout, out.stderr[-2000:]
+
+
+def test_plan_details_lists_every_leaf_within_the_width(tmp_path, monkeypatch):
+  # --details: one line per leaf, its reason under it, and every note; no line over the
+  # terminal's width.
+  monkeypatch.setenv("COLUMNS", "80")
+  plan = _cli(tmp_path, "plan", "--config=tiny", "--details")
+  assert plan.returncode == 0, plan.stderr[-2000:]
+  rows = [l for l in plan.stdout.splitlines() if re.match(r"\[[01]\]\S* ", l)]
+  assert len(rows) == 39, plan.stdout  # the tiny state's leaves
+  assert {l.split()[-1] for l in rows} == {"device"}
+  assert any(l.startswith("    parameter: ") for l in plan.stdout.splitlines())
+  assert max(len(l) for l in plan.stdout.splitlines()) <= 80
+  assert "note: transient device bytes" in plan.stdout

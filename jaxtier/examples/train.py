@@ -143,6 +143,7 @@ def run(
     overlap_update: bool = True,
     tokenizer: str = "byte",
     vocab_size: int | None = None,
+    plan_details: bool = False,
 ) -> dict[str, Any]:
   """Trains ``steps`` steps and reports the losses and the speed.
 
@@ -185,6 +186,7 @@ def run(
       `tokenizer.load_corpus`; the config's ``vocab_size`` becomes ``vocab_size``).
     vocab_size: with ``"bpe"``, 32768 (``None``), 65536 or 131072; with ``"byte"``,
       ``None`` or 256.
+    plan_details: print the plan's per-leaf table and every note (`Plan.table`).
 
   Returns:
     A dict with ``losses`` (one float per step), ``step_times`` (seconds per
@@ -274,8 +276,11 @@ def run(
       state = step.init(init_state, example_args=(first_batch,))
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
-    print(step.plan.format(reasons=False))
-    print("(each leaf's reason: print(step.plan), or python -m jaxtier plan --verbose)")
+    if plan_details:
+      print(step.plan.table(reasons=True))
+    else:
+      print(step.plan.format(reasons=False))
+      print("(each leaf's reason: print(step.plan), or python -m jaxtier plan --verbose)")
     over = None if allow_over_budget else over_budget(step.plan, offload,
                                                       remat_policy=config.remat_policy)
     if over:
@@ -467,6 +472,9 @@ _ALLOW_OVER_BUDGET = flags.DEFINE_bool(
 _OVERLAP_UPDATE = flags.DEFINE_bool(
     "overlap_update", True, "Update the layers' params and optimizer state layer by layer "
     "inside the backward pass, overlapped with it (--nooverlap_update: after it).")
+_PLAN_DETAILS = flags.DEFINE_bool(
+    "plan_details", False, "Print the plan's every leaf (its placement, bytes and why) and "
+    "every note, at the terminal's width.")
 _JSON_OUT = flags.DEFINE_string(
     "json_out", "", "Also write the run's results (losses, step times, tokens/s, memory "
     "figures; run()'s return value without the plan's text) as JSON to this file.")
@@ -502,7 +510,7 @@ def main(argv: Sequence[str]) -> None:
       device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
       remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value,
       overlap_update=_OVERLAP_UPDATE.value, tokenizer=_TOKENIZER.value,
-      vocab_size=_VOCAB_SIZE.value)
+      vocab_size=_VOCAB_SIZE.value, plan_details=_PLAN_DETAILS.value)
   if _JSON_OUT.value:
     import json  # pylint: disable=g-import-not-at-top
     with open(_JSON_OUT.value, "w") as f:

@@ -3,6 +3,7 @@ deterministic, offloaded and streamed equal to device training), budgets and bad
 refused before anything is allocated (CPU, < 1 minute)."""
 
 import math
+import re
 
 from examples._micro import MICRO
 import jax
@@ -78,6 +79,19 @@ def test_decoder_streamed_params_equal_device(corpus, device_run):
   got = _run(corpus, steps=20, offload="stream", log_every=20, clip=False)
   np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
   assert "host_stream" in got["plan"] and "['layers']" in got["plan"]
+
+
+def test_run_plan_details_prints_every_leaf(corpus, capsys, monkeypatch):
+  monkeypatch.setenv("COLUMNS", "80")
+  _run(corpus, steps=1, offload="optimizer_state_on_host", plan_details=True)
+  out = capsys.readouterr().out
+  rows = [l for l in out.splitlines() if re.match(r"\[[01]\]\S* ", l)]
+  assert len(rows) == 39  # the tiny state's leaves, one line each
+  placements = [l.split()[-1] for l in rows]
+  executor = "host_dha" if jax.default_backend() == "gpu" else "host_cpu"
+  assert placements.count(executor) == 24 and placements.count("device") == 15
+  assert any(l.startswith("    optimizer state") for l in out.splitlines()), out
+  assert max(len(l) for l in out.splitlines() if l in rows) <= 80
 
 
 def test_run_offload_auto_passes_budgets(corpus):

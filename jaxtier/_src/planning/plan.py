@@ -205,6 +205,31 @@ class Plan:
   def __str__(self) -> str:
     return self.format()
 
+  def summary(self, width: "int | None" = None, more: str = "plan.table()") -> str:
+    """The plan in at most 20 lines: state bytes per placement and role, the memory kinds
+    against their limits, the predicted step and peak, the verdict and the findings that
+    change what to do (a verdict, a re-plan, rates that are not this machine's).
+
+    Args:
+      width: columns (None: the terminal's: COLUMNS, else the terminal, else 80). No line is
+        longer.
+      more: where the per-leaf table and every note are, for the last line.
+    """
+    from jaxtier._src.planning import plan_text  # pylint: disable=g-import-not-at-top
+    return plan_text.summary(self, width, more)
+
+  def table(self, width: "int | None" = None, reasons: bool = True) -> str:
+    """Every leaf, one line each (path, `dtype[shape]`, bytes, role, placement; with `reasons`
+    why, indented under it), then the predictions and every note.
+
+    Args:
+      width: columns (None: the terminal's: COLUMNS, else the terminal, else 80). No line is
+        longer: a long leaf path is shortened in the middle (`…`), never broken across lines.
+      reasons: include each leaf's reason.
+    """
+    from jaxtier._src.planning import plan_text  # pylint: disable=g-import-not-at-top
+    return plan_text.table(self, width, reasons)
+
   def format(self, width: "int | None" = None, reasons: bool = True) -> str:
     """The plan as text: a table of the leaves, then the predictions and notes.
 
