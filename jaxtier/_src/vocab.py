@@ -28,6 +28,9 @@ class Placement(enum.StrEnum):
   - `host_xla`: in pinned_host; XLA's memory-kind transfers copy it to the device for the step.
   - `host_stream`: in pinned_host; a stack of layers fetched one layer ahead of its use by the
     copy engines, its gradient sent back layer by layer, its update a fused host update.
+
+  What each one means to the planner, the cost model and the lowering (memory kind, executor,
+  pinned bytes, eligibility, cost, lowering schedule): `planning/placements.py`'s registry.
   """
 
   DEVICE = "device"
@@ -37,19 +40,6 @@ class Placement(enum.StrEnum):
   HOST_XLA = "host_xla"
   HOST_STREAM = "host_stream"
 
-  @property
-  def memory_kind(self) -> MemoryKind:
-    return MemoryKind.DEVICE if self is Placement.DEVICE else MemoryKind.PINNED_HOST
-
-  @property
-  def on_host(self) -> bool:
-    return self is not Placement.DEVICE
-
-  @property
-  def executor(self) -> "Executor | None":
-    """The executor of a placement updated in place by the fused host update (else None)."""
-    return _EXECUTOR_OF.get(self)
-
 
 class Executor(enum.StrEnum):
   """Who runs a fused host update (the custom call's `executor` attribute)."""
@@ -57,17 +47,6 @@ class Executor(enum.StrEnum):
   HOST_DHA = "host_dha"  # a GPU kernel on the host buffers, zero-copy
   HOST_CPU = "host_cpu"  # host CPU threads (on a GPU, started in stream order)
   SPLIT = "split"  # both at once, each on a share of the elements
-
-  @property
-  def placement(self) -> Placement:
-    return Placement.HOST_SPLIT if self is Executor.SPLIT else Placement(self.value)
-
-
-_EXECUTOR_OF = {Placement.HOST_DHA: Executor.HOST_DHA, Placement.HOST_CPU: Executor.HOST_CPU,
-                Placement.HOST_SPLIT: Executor.SPLIT}
-# The placements whose leaves a fused host update updates where they live, by their executor.
-EXECUTOR_PLACEMENTS = tuple(_EXECUTOR_OF)
-HOST_PLACEMENTS = tuple(p for p in Placement if p.on_host)
 
 
 class Role(enum.StrEnum):

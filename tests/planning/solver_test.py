@@ -62,7 +62,7 @@ def test_solver_tight_budget_moves_optimizer_state_then_streams():
   assert sol.fits and sorted(sol.params.values()) == ["device", "host_stream"]
   assert sol.prediction.peak_hbm_bytes == 2 * 10**9 + 4 * 10**8
   # 4 GB of moments, the streamed stack, its gradient buffer and the compiled step's pinned
-  # copy of that gradient (cost_model.STREAM_PINNED_PER_BYTE)
+  # copy of that gradient (the host_stream record's `grad_buffers`, `placements.py`)
   assert sol.prediction.pinned_bytes == 7 * 10**9
   assert sol.prediction.resource_secs["link_h2d"] == pytest.approx(2 * 10**9 / (50 * GB))
   # Streaming costs only the first layer's fetch (0.1 GB at 50 GB/s) on top of the updates.

@@ -26,7 +26,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import lookups as lookups_lib
 from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
-from jaxtier._src.vocab import Placement, Role
+from jaxtier._src.planning.placements import Schedule, schedule_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ def schedule(jaxpr: Any, plan: Plan, host_eqns: "set[int]", first_scratch: int) 
     ValueError: a `host_dha` parameter that is not an embedding table (a plan not made by the
       planner).
   """
-  tables = [l for l in plan.leaves if l.placement == Placement.HOST_DHA and l.role == Role.PARAM]
+  tables = [l for l in plan.leaves if schedule_of(l.placement, l.role) is Schedule.GATHERED]
   if not tables:
     return EMPTY
   uses: dict[Any, list[int]] = {}

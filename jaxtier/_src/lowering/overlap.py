@@ -57,7 +57,8 @@ from jaxtier._src.analysis.op_program_compiler import CompiledComponent
 from jaxtier._src.lowering import dha_tables
 from jaxtier._src.lowering import streaming
 from jaxtier._src.primitives.base import ffi_disabled
-from jaxtier._src.vocab import MemoryKind, Placement
+from jaxtier._src.planning.placements import Schedule, schedule_of
+from jaxtier._src.vocab import MemoryKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +187,8 @@ def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
   the overlapped host updates (`schedule`): what the lowering of `plan` runs."""
   host_eqns = {k for cc in plan.components for k in cc.component.eqns}
   stream = streaming.schedule(
-      jaxpr, [l.index for l in plan.leaves if l.placement == Placement.HOST_STREAM], host_eqns)
+      jaxpr, [l.index for l in plan.leaves
+              if schedule_of(l.placement, l.role) is Schedule.STREAMED], host_eqns)
   lookup = dha_tables.schedule(jaxpr, plan, host_eqns, len(stream.scratch))
   stream = dataclasses.replace(stream, scratch=stream.scratch + lookup.scratch,
                                sent_vars={**stream.sent_vars, **lookup.sent_vars})

@@ -32,7 +32,8 @@ from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
 from jaxtier._src.primitives import dha
 from jaxtier._src.primitives import host_update as hu
-from jaxtier._src.vocab import MemoryKind, Placement
+from jaxtier._src.planning.placements import Schedule, schedule_of
+from jaxtier._src.vocab import MemoryKind
 
 
 @dataclasses.dataclass
@@ -122,7 +123,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}
-  xla_host = {l.index for l in plan.leaves if l.placement == Placement.HOST_XLA}
+  xla_host = {l.index for l in plan.leaves
+              if schedule_of(l.placement, l.role) is Schedule.COPIED}
   layered_host = list(ov.host_leaves)
   host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"
           and l.index not in ov.host_leaves]

@@ -28,7 +28,8 @@ from typing import Any, Iterable, Mapping
 
 from jaxtier._src.analysis.step_costs import bytes_per_sec
 from jaxtier._src.hardware.profile import HardwareProfile, split_fraction
-from jaxtier._src.vocab import Placement
+from jaxtier._src.planning import placements
+from jaxtier._src.vocab import Role
 
 # Forward share of a layer's compute without rematerialisation: backward = 2 x forward.
 FORWARD_SHARE = 1.0 / 3.0
@@ -43,23 +44,12 @@ ACTIVATION_POLICIES = (KEEP, REMAT, OFFLOAD)
 
 # ---- placement costs --------------------------------------------------------------------------
 
-# Pinned host bytes per byte of a `host_stream` leaf: the leaf, its gradient buffer (the
-# backward writes each layer's gradient there) and the compiled step's pinned_host output of
-# that gradient, which the update program reads (H200, 8b: one 7 GiB streamed leaf, 49 GiB
-# pinned_host live against 35 GiB of state).
-STREAM_PINNED_PER_BYTE = 3
-# Pinned bytes per byte of a table read in place (`host_dha`): the table and the pinned_host
-# buffer its gradient rows are scatter-added into.
-DHA_PINNED_PER_BYTE = 2
-
-
 def placed_pinned_bytes(placement: str, nbytes: int, sent_grad_nbytes: int) -> int:
-  """Pinned host bytes of a parameter of `nbytes` placed `placement` off the device; a
-  `host_stream` one's two gradient buffers hold `sent_grad_nbytes` each (its gradient as sent:
-  in bf16 where it is a bf16 value widened)."""
-  if placement == Placement.HOST_STREAM:
-    return nbytes + (STREAM_PINNED_PER_BYTE - 1) * sent_grad_nbytes
-  return nbytes * (DHA_PINNED_PER_BYTE if placement == Placement.HOST_DHA else 1)
+  """Pinned host bytes of a parameter of `nbytes` placed `placement` off the device (the
+  registry's `PlacementRecord.pinned_bytes`); its gradient buffers hold `sent_grad_nbytes`
+  each (its gradient as sent: in bf16 where it is a bf16 value widened)."""
+  return placements.record(placement).pinned_bytes(nbytes, role=Role.PARAM,
+                                                   sent_grad_nbytes=sent_grad_nbytes)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,22 +189,25 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
     return Cost(secs=parts[bound], h2d_bytes=d_out, d2h_bytes=d_in, cpu_secs=m / cpu_rate,
                 bound=bound)
 
-  if executor == Placement.HOST_DHA:
+  rec = placements.REGISTRY.get(executor)
+  if rec is None or rec.executor is None:
+    *most, last = placements.EXECUTOR_PLACEMENTS
+    raise ValueError(f"update_cost: expected executor {', '.join(most)} or {last}, got "
+                     f"{executor!r}")
+  if rec.dha_share == 1.0:
     return dha()
-  if executor == Placement.HOST_CPU:
+  if rec.dha_share == 0.0:
     return cpu()
-  if executor == Placement.HOST_SPLIT:
-    f = split_fraction(profile) if dha_fraction is None else float(dha_fraction)
-    a, b = dha(), cpu()
-    dram = (f * (r + w) + (1 - f) * (r + w + STAGING_DRAM_FACTOR *
-                                     (d_in + d_out))) / bytes_per_sec(profile.host_dram_gbps)
-    parts = {"dha": f * a.secs, b.bound: (1 - f) * b.secs, "host_dram": dram}
-    bound = max(parts, key=parts.get)
-    return Cost(secs=parts[bound], h2d_bytes=f * a.h2d_bytes + (1 - f) * b.h2d_bytes,
-                d2h_bytes=f * a.d2h_bytes + (1 - f) * b.d2h_bytes, cpu_secs=(1 - f) * b.cpu_secs,
-                dha_secs=f * a.dha_secs, bound=bound)
-  raise ValueError(f"update_cost: expected executor host_dha, host_cpu or host_split, got "
-                   f"{executor!r}")
+  # The split: the DHA kernel takes a share f of the elements, the CPU the rest, at once.
+  f = split_fraction(profile) if dha_fraction is None else float(dha_fraction)
+  a, b = dha(), cpu()
+  dram = (f * (r + w) + (1 - f) * (r + w + STAGING_DRAM_FACTOR *
+                                   (d_in + d_out))) / bytes_per_sec(profile.host_dram_gbps)
+  parts = {"dha": f * a.secs, b.bound: (1 - f) * b.secs, "host_dram": dram}
+  bound = max(parts, key=parts.get)
+  return Cost(secs=parts[bound], h2d_bytes=f * a.h2d_bytes + (1 - f) * b.h2d_bytes,
+              d2h_bytes=f * a.d2h_bytes + (1 - f) * b.d2h_bytes, cpu_secs=(1 - f) * b.cpu_secs,
+              dha_secs=f * a.dha_secs, bound=bound)
 
 
 def xla_copy_cost(nbytes: int, profile: HardwareProfile, *, platform: str = "gpu") -> Cost:

@@ -11,6 +11,8 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph, op_program_compiler
 from jaxtier._src.analysis.inventory import Inventory
 from jaxtier._src.hardware import profile
+from jaxtier._src.planning import placements
+from jaxtier._src.planning.placements import Schedule, schedule_of
 from jaxtier._src.primitives.host_update import ProgramTooLarge
 from jaxtier._src.vocab import Placement, Role
 
@@ -35,7 +37,8 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
   """
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
   while True:
-    streamed = {i for i in executor_leaves if placement[i] == Placement.HOST_STREAM}
+    streamed = {i for i in executor_leaves
+                if schedule_of(placement[i], inv.leaves[i].role) is Schedule.STREAMED}
     gathered = gathered_tables(inv, placement, executor_leaves)
     served = streamed | gathered
     comps = jaxpr_graph.components(jaxpr, executor_leaves, streamed, gathered)
@@ -66,7 +69,7 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
               reasons[i] += f"; updated with the leaves it shares a fused call with ({executor})"
               placement[i] = executor
           compiled.append(dataclasses.replace(
-              cc, executor=Placement(executor).executor,
+              cc, executor=placements.record(executor).executor,
               dha_fraction=profile.split_fraction(hardware)))
         except (op_program_compiler.Unsupported, ProgramTooLarge) as e:
           why = str(e)
@@ -114,8 +117,9 @@ def gathered_tables(inv: Inventory, placement: dict[int, str],
                     leaves: "set[int] | None" = None) -> set[int]:
   """The parameters placed `host_dha` (among `leaves`): embedding tables whose rows the DHA
   gather reads in place (`analysis/lookups.py`; the policy refuses other such parameters)."""
-  return {i for i, p in placement.items() if p == Placement.HOST_DHA
-          and inv.leaves[i].role == Role.PARAM and (leaves is None or i in leaves)}
+  return {i for i, p in placement.items()
+          if schedule_of(p, inv.leaves[i].role) is Schedule.GATHERED
+          and (leaves is None or i in leaves)}
 
 
 def _masters_for(jaxpr: Any, comp: jaxpr_graph.Component, inv: Inventory) -> set[int]:

@@ -25,15 +25,14 @@ from jaxtier._src.errors import PlanError
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
-from jaxtier._src.planning import cost_model, solver
+from jaxtier._src.planning import cost_model, placements, solver
 from jaxtier._src.planning import problem as problem_lib
 from jaxtier._src.planning.admission import admit, plan_device_budget
-from jaxtier._src.planning.cut import cut_updates, gathered_tables
+from jaxtier._src.planning.cut import cut_updates
 from jaxtier._src.planning.plan import BudgetViolation, DeviceBudget, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.units import format_bytes
-from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, Executor, NamedPolicy,
-                                Placement, Role, is_named)
+from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
 
 log = logging.getLogger("jaxtier")
 
@@ -98,10 +97,9 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   hardware = hardware or profile.DEFAULT_PROFILE
   req = requested(inv, policy, host_exec, stream_blocked)
   jaxpr = inv.closed_jaxpr.jaxpr
-  # host_stream leaves are read by the layer loops through the streaming calls and updated
-  # in place by a fused host update, like the executor placements.
-  streamed = {i for i, r in req.items() if r.placement == Placement.HOST_STREAM}
-  executor_leaves = {i for i, r in req.items() if r.placement in EXECUTOR_PLACEMENTS} | streamed
+  # The leaves a fused host update updates where they live: the executor placements', and
+  # host_stream stacks (read by the layer loops through the streaming calls).
+  executor_leaves = {i for i, r in req.items() if placements.record(r.placement).fused_update}
   reasons = {i: r.reason for i, r in req.items()}
   placement = {i: r.placement for i, r in req.items()}
   user_fixed = {i for i, r in req.items() if r.user_placed}
@@ -168,14 +166,14 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     # The layered split calls the planner placed run at the share it chose.
     compiled = [dataclasses.replace(cc, dha_fraction=layered_fraction)
                 if item.num_layers and item.fixed is None
-                and Executor(cc.executor).placement == Placement.HOST_SPLIT else cc
+                and placements.of_executor(cc.executor) == Placement.HOST_SPLIT else cc
                 for item, cc in zip(final.updates, compiled)]
   # A layer call's kernel shares the GPU with the compute: it takes the profile's share of it.
   compiled = [dataclasses.replace(cc, dha_grid=hardware.dha_layer_grid) for cc in compiled]
   final_updates = {
       u:
           next((placement[i] for i in item.seeds if i not in served),
-               Executor(cc.executor).placement)
+               placements.of_executor(cc.executor))
       for u, (item, cc) in enumerate(zip(final.updates, compiled))
   }
   final_params = {p.index: placement[p.index] for p in final.params}
@@ -223,7 +221,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   device_bytes = pinned_bytes = 0
   for leaf in inv.leaves:
     p = placement[leaf.index]
-    kind = "pinned_host" if p in HOST_PLACEMENTS else "device"
+    kind = placements.record(p).memory_kind.value
     master = leaf.index in masters
     master_nbytes = leaf.nbytes * 4 // jnp.dtype(leaf.dtype).itemsize if master else 0
     reason = reasons[leaf.index]
@@ -261,8 +259,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
 def served_leaves(inv: Inventory, placement: Mapping[int, str]) -> set[int]:
   """Host leaves that a custom call serves to the compute and whose update's executor is their
   fused call's: `host_stream` stacks and the tables read in place (`host_dha` parameters)."""
-  return {i for i, p in placement.items() if p == Placement.HOST_STREAM} | gathered_tables(
-      inv, dict(placement))
+  return {i for i, p in placement.items() if placements.served(p, inv.leaves[i].role)}
 
 
 def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str],
@@ -278,14 +275,14 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   masters), or None if no placement changed; the share, or None for host_cpu), or None if no
   update runs layer by layer."""
   problem = problem_for(placement)
-  executors = (Placement.HOST_DHA, Placement.HOST_CPU, Placement.HOST_SPLIT)
+  executors = placements.EXECUTOR_PLACEMENTS
   # A streamed stack's call: its param stays host_stream (the user's placement, which fixes
   # the call's executor only as the cut's choice), its moments take the executor.
   layered = [u for u, item in enumerate(problem.updates)
              if item.num_layers
-             and all(i not in user_fixed or placement[i] == Placement.HOST_STREAM
+             and all(i not in user_fixed or placements.streamed(placement[i])
                      for i in item.seeds)
-             and all(placement[i] in executors + (Placement.HOST_STREAM,) for i in item.seeds)
+             and all(placements.record(placement[i]).fused_update for i in item.seeds)
              and any(placement[i] in executors for i in item.seeds)]
   if not layered:
     return None
@@ -294,7 +291,7 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   others = {u: next((placement[i] for i in item.seeds if i not in served),
                     Placement.HOST_CPU)
             for u, item in enumerate(problem.updates) if u not in layered
-            and any(placement[i] in HOST_PLACEMENTS for i in item.seeds)}
+            and any(placements.record(placement[i]).on_host for i in item.seeds)}
 
   def step_secs(choice: tuple[str, "float | None"]) -> float:
     executor, fraction = choice
@@ -308,7 +305,7 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   changed = False
   for u in layered:
     for i in problem.updates[u].seeds:
-      if placement[i] == Placement.HOST_STREAM:
+      if placements.streamed(placement[i]):
         continue
       if placement[i] != best:
         placement[i] = best
@@ -379,7 +376,7 @@ def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventor
     else:
       executor_leaves.add(p.index)  # its update runs where it lives, in a fused host update
       how = ("prefetched layer by layer ahead of its use" + _not_read_in_place(problem.profile)
-             if where == Placement.HOST_STREAM else "read in place by the GPU (zero-copy)")
+             if placements.streamed(where) else "read in place by the GPU (zero-copy)")
       if where == Placement.HOST_DHA and p.dha_nbytes is not None:
         how = (f"an embedding table whose rows the DHA gather reads in place "
                f"({format_bytes(p.dha_nbytes)} of rows per step, not the "
@@ -436,7 +433,7 @@ def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int 
     inv, where, by_user = placed
     groups: dict[tuple[str, str, bool], int] = {}
     for leaf in inv.leaves:
-      if where[leaf.index] in HOST_PLACEMENTS:
+      if placements.record(where[leaf.index]).on_host:
         key = (leaf.role, where[leaf.index], leaf.index in by_user)
         groups[key] = groups.get(key, 0) + 1
     names = {Role.OPTIMIZER_STATE: "optimizer-state leaves", Role.PARAM: "parameters"}

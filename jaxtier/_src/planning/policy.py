@@ -6,11 +6,11 @@ import re
 from typing import Any, Callable, Mapping, NamedTuple
 import warnings
 
-from jaxtier._src.analysis import layer_stacks, lookups
 from jaxtier._src.analysis.inventory import Inventory, LeafInfo
 from jaxtier._src.errors import PlanError
-from jaxtier._src.vocab import (EXECUTOR_PLACEMENTS, HOST_PLACEMENTS, NamedPolicy, Placement, Role,
-                                is_named)
+from jaxtier._src.planning import placements
+from jaxtier._src.planning.placements import Schedule
+from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
 
 USER_PLACED = "placed by the user's policy"
 
@@ -86,46 +86,43 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
                       f"expected one of {', '.join(Placement)}")
     placement = Placement(placement)
     out[i] = request = request._replace(placement=placement)
-    if placement == Placement.HOST_STREAM and leaf.role == Role.OPTIMIZER_STATE:
+    rec = placements.record(placement)
+    if placements.streamed(placement) and leaf.role == Role.OPTIMIZER_STATE:
       # A pattern for the layers' params also matches their optimizer state, whose paths
       # mirror them: that state is not read by the layer loop; it lives on the host, updated
       # in place by the fused host update, as a streamed param's optimizer state must.
       placement = host_exec
+      rec = placements.record(placement)
       # (Not `user_placed`: the solver may still decide where its update runs.)
-      out[i] = Request(placement, f"{USER_PLACED} as host_stream: optimizer state is not "
-                       "streamed; it lives in pinned_host, updated in place by the fused host "
-                       "update")
-    if placement == Placement.HOST_STREAM:
-      why = stream_blocked or layer_stacks.stream_reason(inv.closed_jaxpr.jaxpr, i)
-      if why:
-        raise PlanError(
-            f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) cannot be "
-            f"placed 'host_stream': {why}. Streaming serves a stack of layers read by a layer "
-            "loop (`jax.lax.scan`, `nnx.scan`) one slice per iteration; place this leaf "
-            "'host_xla' (copied whole for the step) or keep it on the device"
-            + (" (a policy pattern matched it: anchor the pattern to the params, e.g. "
-               r"r'^\[0\]\['layers'\]')" if isinstance(policy, Mapping) else "") + ".")
-    if placement == Placement.HOST_DHA and leaf.role == Role.PARAM:
-      # A parameter is read in place only as an embedding table (its rows gathered by the DHA
-      # kernel, its gradient rows scatter-added on the host); its optimizer state's executor
-      # is its fused call's.
-      got = lookups.table_lookup(inv.closed_jaxpr.jaxpr, i)
-      if isinstance(got, str):
-        raise PlanError(
-            f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) cannot be "
-            f"placed 'host_dha': {got}. A parameter is read in place (zero-copy) as an "
-            "embedding table: its rows gathered by `jnp.take(table, ids, axis=0)` once per "
-            "step and its gradient read only by the optimizer's update; place this leaf "
-            "'host_stream' (a stack of layers), 'host_xla' (copied whole for the step) or keep "
-            "it on the device.")
-      continue
-    if placement in HOST_PLACEMENTS and not leaf.is_float:
-      raise PlanError(
-          f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)}) would be placed "
-          f"{placement}, but only floating-point leaves can live on the host (the fused host "
-          "update computes in floating point, and step counters are tiny). Keep it on the "
-          "device: return None or 'device' for it from the policy.")
-    if placement in EXECUTOR_PLACEMENTS and host_exec == Placement.HOST_CPU:
+      out[i] = Request(placement, f"{USER_PLACED} as {request.placement}: optimizer state is "
+                       "not streamed; it lives in pinned_host, updated in place by the fused "
+                       "host update")
+    refused = rec.refusal(inv, leaf, stream_blocked)
+    if refused is not None:
+      raise PlanError(_refused(refused, leaf, isinstance(policy, Mapping)))
+    if (rec.schedule_of(leaf.role) is Schedule.UPDATED_IN_PLACE
+        and host_exec == Placement.HOST_CPU):
       # On the CPU backend every executor is the CPU handler.
       out[i] = out[i]._replace(placement=Placement.HOST_CPU)
   return out
+
+
+def _refused(refused: placements.Refusal, leaf: LeafInfo, by_pattern: bool) -> str:
+  """The PlanError message of a leaf the policy placed where the registry refuses it."""
+  named = f"jaxtier.offload: leaf {leaf.path} ({leaf.dtype}{list(leaf.shape)})"
+  if refused.kind is placements.RefusalKind.NOT_FLOAT:
+    return (f"{named} would be placed {refused.placement}, but only floating-point leaves can "
+            "live on the host (the fused host update computes in floating point, and step "
+            "counters are tiny). Keep it on the device: return None or 'device' for it from the "
+            "policy.")
+  if refused.kind is placements.RefusalKind.NOT_A_TABLE:
+    return (f"{named} cannot be placed '{refused.placement}': {refused.why}. A parameter is "
+            "read in place (zero-copy) as an embedding table: its rows gathered by "
+            "`jnp.take(table, ids, axis=0)` once per step and its gradient read only by the "
+            "optimizer's update; place this leaf 'host_stream' (a stack of layers), 'host_xla' "
+            "(copied whole for the step) or keep it on the device.")
+  return (f"{named} cannot be placed '{refused.placement}': {refused.why}. Streaming serves a "
+          "stack of layers read by a layer loop (`jax.lax.scan`, `nnx.scan`) one slice per "
+          "iteration; place this leaf 'host_xla' (copied whole for the step) or keep it on the "
+          "device" + (" (a policy pattern matched it: anchor the pattern to the params, e.g. "
+                      r"r'^\[0\]\['layers'\]')" if by_pattern else "") + ".")

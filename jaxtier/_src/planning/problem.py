@@ -17,7 +17,9 @@ from jaxtier._src.analysis import op_program_compiler
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.planning import cost_model
-from jaxtier._src.vocab import Executor, Placement
+from jaxtier._src.planning import placements
+from jaxtier._src.planning.placements import Schedule, schedule_of, served
+from jaxtier._src.vocab import Placement
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,7 +246,7 @@ def _grad_itemsizes(scan: Any, grads: Mapping[int, int]) -> dict[int, int]:
 
 def _streams(scan: Any, jaxpr: Any, placement: Mapping[int, str]) -> bool:
   """Whether the top-level `scan` reads a `host_stream` state leaf."""
-  streamed = {jaxpr.invars[i] for i, p in placement.items() if p == Placement.HOST_STREAM}
+  streamed = {jaxpr.invars[i] for i, p in placement.items() if placements.streamed(p)}
   return any(isinstance(v, jc.Var) and v in streamed for v in scan.invars)
 
 
@@ -277,9 +279,10 @@ def _itemsize(dtype: Any) -> int:
 
 
 def host_executors(platform: str) -> tuple[str, ...]:
-  """The host-update executors a plan may choose on `platform`."""
+  """The host-update executors a plan may choose on `platform` (on the CPU backend every
+  executor is the CPU handler)."""
   if platform == "gpu":
-    return (Placement.HOST_DHA, Placement.HOST_CPU, Placement.HOST_SPLIT)
+    return placements.EXECUTOR_PLACEMENTS
   return (Placement.HOST_CPU,)
 
 
@@ -335,7 +338,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     fixed = None
     if any(i in user_fixed for i in seeds):
       # The call's executor (a call of host_stream leaves has one too: the cut's choice).
-      fixed = Executor(cc.executor).placement
+      fixed = placements.of_executor(cc.executor)
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
     got = loops.of(cc) if _shard_fraction(cc, leaves) == 1.0 else ""
     # A layer loop that streams leaves sends the gradients only host updates read to a
@@ -377,7 +380,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
         pinned_nbytes=sum(leaves[i].nbytes for i in seeds) + ms, costs=costs, fixed=fixed,
         result_nbytes=0 if num_layers else fresh_result_bytes(cc, leaves),
         num_layers=num_layers, table=table,
-        table_fixed=table is not None and placement.get(table[0]) == Placement.HOST_DHA))
+        table_fixed=table is not None and placement.get(table[0]) is not None
+        and schedule_of(placement[table[0]], param_role) is Schedule.GATHERED))
     for i in seeds:
       seeded[i] = u
   update_of_param: dict[int, int] = {}
@@ -392,10 +396,12 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       if not isinstance(v, jc.Literal):
         first_use.setdefault(v, k)
   stacked = layer_stacks.stacked_layers(jaxpr, len(leaves))
+  # The parameters the caller says can take each of the solver's host placements, by schedule.
+  candidates = {Schedule.STREAMED: streamable, Schedule.GATHERED: dha_readable}
   params = [
       l for l in leaves
       if l.role == param_role and l.index not in user_fixed and l.index not in seeded and l.is_float
-      and placement.get(l.index) in (Placement.DEVICE, Placement.HOST_STREAM, Placement.HOST_DHA)
+      and placement.get(l.index) in placements.PARAM_PLACEMENTS
   ]
   total = step_costs.compute_secs(profile)
   elements = sum(int(np.prod(l.shape, dtype=np.int64)) for l in params)
@@ -411,13 +417,12 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       order = first_use.get(jaxpr.invars[l.index], len(jaxpr.eqns))
       layers = 1
     opts = [Placement.DEVICE]
-    if placement.get(l.index) in (Placement.HOST_STREAM, Placement.HOST_DHA):
+    if placements.record(placement[l.index]).on_host:
       opts = [placement[l.index]]  # already placed (re-evaluating a plan)
     else:
-      if l.index in streamable:
-        opts.append(Placement.HOST_STREAM)
-      if l.index in dha_readable:
-        opts.append(Placement.HOST_DHA)
+      # The host placements the caller says this parameter may take, in the registry's order.
+      opts += [p for p in placements.PARAM_PLACEMENTS if placements.record(p).on_host
+               and l.index in candidates[placements.record(p).param_schedule]]
     items.append(ParamItem(index=l.index, path=l.path, nbytes=l.nbytes, grad_nbytes=l.nbytes,
                            stage=key, stage_order=order, num_layers=layers,
                            compute_secs=total * n / elements if elements else 0.0,
@@ -440,30 +445,28 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       grads += l.nbytes
     if l.index in in_items:
       continue
-    p = placement.get(l.index, Placement.DEVICE)
-    if p == Placement.DEVICE:
+    rec = placements.record(placement.get(l.index, Placement.DEVICE))
+    schedule = rec.schedule_of(l.role)
+    if schedule in (Schedule.RESIDENT, Schedule.COPIED):
+      # On the device during the step (a copied leaf: XLA copies it in).
       fixed_device += l.nbytes
-    elif p == Placement.HOST_XLA:
-      # On the device during the step (XLA copies it in), pinned between steps.
-      fixed_device += l.nbytes
-      fixed_pinned += l.nbytes
+    if schedule is Schedule.COPIED:
       fixed_costs.append(cost_model.xla_copy_cost(l.nbytes, profile, platform=platform))
-    else:
-      fixed_pinned += (cost_model.placed_pinned_bytes(
-          p, l.nbytes, int(l.nbytes * sent_ratio.get(l.index, 1.0)))
-                       if l.role == param_role else l.nbytes)
+    # Pinned between steps.
+    fixed_pinned += rec.pinned_bytes(l.nbytes, role=l.role,
+                                     sent_grad_nbytes=int(l.nbytes * sent_ratio.get(l.index, 1.0)))
   transient = max(int(step_costs.transient_bytes), grads)
   # Parameters already streamed (or read zero-copy) whose update call the cut seeded with them
   # are not decision units, but they still hold no gradient on the device (it goes down layer
   # by layer) and a streamed one has its layers double-buffered: as `_evaluate` counts a
   # streamed ParamItem, so that a plan re-evaluated after its cut predicts what the search did.
   placed_off = [l for l in leaves if l.role == param_role and l.is_float and l.index in seeded
-                and placement.get(l.index) in (Placement.HOST_STREAM, Placement.HOST_DHA)]
+                and l.index in placement and served(placement[l.index], param_role)]
   transient -= sum(l.nbytes for l in placed_off)
   fixed_buffers = max((4 * l.nbytes // max(1,
                                            stacked.get(l.index, (0, 1))[1])
                        for l in placed_off
-                       if placement.get(l.index) == Placement.HOST_STREAM),
+                       if placements.streamed(placement[l.index])),
                       default=0)
   return Problem(params=tuple(items), updates=tuple(updates), fixed_device_bytes=fixed_device,
                  fixed_pinned_bytes=fixed_pinned, fixed_costs=tuple(fixed_costs),

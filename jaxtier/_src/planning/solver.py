@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from jaxtier._src.hardware.profile import HardwareProfile
-from jaxtier._src.planning import cost_model
+from jaxtier._src.planning import cost_model, placements
 from jaxtier._src.planning.problem import ParamItem, Problem
 from jaxtier._src.vocab import Placement
 
@@ -80,7 +80,9 @@ def _stage_options(stage: list[ParamItem]) -> list[dict[int, str]]:
       out.append({**fixed, **{p.index: c for p, c in zip(free, combo)}})
     return out
   out = [{**fixed, **{p.index: Placement.DEVICE for p in free}}]
-  for host in (Placement.HOST_STREAM, Placement.HOST_DHA):
+  for host in placements.PARAM_PLACEMENTS:
+    if not placements.record(host).on_host:
+      continue
     eligible = sorted((p for p in free if host in p.options), key=lambda p: -p.nbytes)
     for j in range(1, len(eligible) + 1):
       chosen = {p.index for p in eligible[:j]}
@@ -97,13 +99,15 @@ def _stage_cost(stage: list[ParamItem], assign: Mapping[int, str], *, scale: flo
                 act_offload_bytes: float, profile: HardwareProfile) -> cost_model.Cost:
   compute = scale * sum(p.compute_secs for p in stage)
   layers = max(p.num_layers for p in stage)
-  fetch = sum(p.nbytes for p in stage if assign[p.index] == Placement.HOST_STREAM)
-  grads = sum(p.stream_grad_nbytes for p in stage if assign[p.index] == Placement.HOST_STREAM)
-  dha_r = sum(p.dha_read_nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
-  dha_w = sum(p.dha_write_nbytes for p in stage if assign[p.index] == Placement.HOST_DHA)
-  return cost_model.stream_stage(compute_secs=compute, num_layers=layers, fetch_bytes=fetch,
-                         grad_bytes=grads, dha_read_bytes=dha_r, dha_write_bytes=dha_w,
-                         act_offload_bytes=act_offload_bytes, profile=profile)
+  # Each parameter's traffic, as its placement's record charges it.
+  traffic = [placements.record(assign[p.index]).traffic(p) for p in stage]
+  return cost_model.stream_stage(
+      compute_secs=compute, num_layers=layers,
+      fetch_bytes=sum(t.fetch_bytes for t in traffic),
+      grad_bytes=sum(t.grad_bytes for t in traffic),
+      dha_read_bytes=sum(t.dha_read_bytes for t in traffic),
+      dha_write_bytes=sum(t.dha_write_bytes for t in traffic),
+      act_offload_bytes=act_offload_bytes, profile=profile)
 
 
 def _evaluate(problem: Problem, host_updates: frozenset[int],
@@ -141,12 +145,10 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
                                              for p in problem.params)
   buffers = problem.fixed_buffer_bytes
   if any_host_param:
-    # Double buffers of the largest layer that may be fetched: params + gradients, x 2; a
-    # table read in place holds only the rows it gathers and their gradient rows.
-    buffers = max([2 * (p.nbytes + p.grad_nbytes) // max(1, p.num_layers)
-                   for p in problem.params if Placement.HOST_STREAM in p.options]
-                  + [p.dha_read_nbytes + p.dha_write_nbytes
-                     for p in problem.params if Placement.HOST_DHA in p.options] + [buffers])
+    # The largest buffers a parameter may hold on the device while its stage runs, as its
+    # placements' records say (a streamed layer's double buffers, a table's gathered rows).
+    buffers = max([placements.record(o).buffers(p) for p in problem.params for o in p.options
+                   if placements.record(o).on_host] + [buffers])
 
   # One DP item per stage: (weight bytes, cost, extra update secs, assignment) per option.
   stage_opts: list[list[tuple[int, cost_model.Cost, dict[int, str], frozenset[int]]]] = []
@@ -226,7 +228,7 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
                     other_compute_secs=other_compute, updates=update_costs,
                     overlapped=overlapped, rows=rows, backward_share=problem.backward_share,
                     sent_lag_layers=int(problem.fixed_buffer_bytes > 0 or any(
-                        v == Placement.HOST_STREAM for v in params.values())),
+                        placements.streamed(v) for v in params.values())),
                     xla_copies=problem.fixed_costs, peak_hbm_bytes=peak, pinned_bytes=pinned,
                     profile=prof)
   fits = (budget is None or peak <= budget) and (
