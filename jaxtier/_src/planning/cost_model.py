@@ -6,8 +6,10 @@ tested with synthetic inputs. It models what jaxtier runs today:
 - the step's compute (forward, backward, rematerialisation) runs on the device; its time is
   FLOPs over the achieved matmul rate plus the memory-bound bytes over HBM bandwidth
   (`compute_secs`);
-- the fused host update runs AFTER the backward pass, one custom call after another, not
-  overlapped with compute: its seconds add to the step (`update_cost`);
+- a fused host update runs after the backward pass, one custom call after another: its
+  seconds add to the step (`update_cost`); the update of a stack of layers runs layer by
+  layer inside the backward pass instead, and the rows of a table read in place not named by
+  the step's ids while it computes: only what they leave exposed adds (`predict`);
 - a `host_stream` parameter is fetched twice (forward and backward) and its gradient sent
   down once, layer by layer, overlapped with compute (double buffering: the link can run one
   layer ahead): a layer takes the longer of its compute and its transfers (`stream_stage`);
@@ -164,7 +166,7 @@ def update_cost(executor: str, traffic: UpdateTraffic, profile: HardwareProfile,
       call's: `profile.dha_layer_grid`).
 
   Returns:
-    The `Cost` (secs add to the step: the update is not overlapped with compute).
+    The `Cost` (its secs add to the step where the update runs after the backward pass).
   """
 
   r, w = float(traffic.host_read_bytes), float(traffic.host_write_bytes)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
-from typing import Any
+from typing import Any, Mapping
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph, op_program_compiler
@@ -13,29 +12,48 @@ from jaxtier._src.analysis.inventory import Inventory
 from jaxtier._src.hardware import profile
 from jaxtier._src.planning import placements
 from jaxtier._src.planning.placements import Schedule, schedule_of
+from jaxtier._src.planning.reasons import Kind, Placed, reason, render
 from jaxtier._src.primitives.host_update import ProgramTooLarge
 from jaxtier._src.vocab import Placement, Role
 
 log = logging.getLogger("jaxtier")
 
 
-def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, str],
-         executor_leaves: set[int], hardware: "profile.HardwareProfile", host_exec: str,
-         user_placed: "set[int] | frozenset[int]" = frozenset()) -> tuple[list[Any], set[int]]:
-  """Cuts the host updates around `executor_leaves` and compiles each into an op program.
+@dataclasses.dataclass(frozen=True)
+class Cut:
+  """The cut of one placement of the leaves.
 
-  A component that cannot run as one op program falls back to `host_xla` (placement, reason and
-  `executor_leaves` are updated in place): only its parameters where it has any (a parameter
+  Attributes:
+    placed: the placements after the cut: its fallbacks to host_xla, its executors.
+    compiled: the fused host updates, each compiled to an op program
+      (`program_compiler.CompiledComponent`).
+    masters: indices of the bf16/f16 params that get fp32 masters.
+  """
+
+  placed: Placed
+  compiled: tuple[Any, ...]
+  masters: frozenset[int]
+
+
+def cut_updates(inv: Inventory, placed: Placed, hardware: "profile.HardwareProfile",
+                host_exec: str, user_placed: "set[int] | frozenset[int]" = frozenset()) -> Cut:
+  """Cuts the host updates around `placed.fused` and compiles each into an op program.
+
+  A component that cannot run as one op program falls back to `host_xla` (the returned
+  placements say so, with the reason): only its parameters where it has any (a parameter
   with an executor is read by the forward pass, which ties in every host leaf it reaches),
-  else all its leaves; re-cut until stable. `host_stream` leaves are in
-  `executor_leaves` (their update is a fused host update) but their reads by layer loops do
-  not taint; their call's executor is its other leaves' (else `host_exec`). `user_placed`:
-  the leaves whose placement the user's policy asked for (their executor wins a fused call).
+  else all its leaves; re-cut until stable. `host_stream` leaves are in `placed.fused`
+  (their update is a fused host update) but their reads by layer loops do not taint; their
+  call's executor is its other leaves' (else `host_exec`), and each leaf of a call takes its
+  executor. `user_placed`: the leaves whose placement the user's policy asked for (their
+  executor wins a fused call).
 
   Returns:
-    (compiled components, indices of the bf16/f16 params that get fp32 masters).
+    The `Cut`: new placements, the compiled components and the fp32-master params.
   """
   jaxpr, consts = inv.closed_jaxpr.jaxpr, list(inv.closed_jaxpr.consts)
+  placement, reasons = dict(placed.placement), dict(placed.reasons)
+  executor_leaves = set(placed.fused)
   while True:
     streamed = {i for i in executor_leaves
                 if schedule_of(placement[i], inv.leaves[i].role) is Schedule.STREAMED}
@@ -63,10 +81,10 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
           for i in comp.seeds:
             if i in served:
               # (A re-cut names the executor it chose in place of the last one.)
-              reasons[i] = re.sub(r"; updated in place by \w+", "", reasons[i])
-              reasons[i] += f"; updated in place by {executor}"
+              reasons[i] = reasons[i].without(Kind.UPDATED_IN_PLACE_BY).with_note(
+                  reason(Kind.UPDATED_IN_PLACE_BY, executor=executor))
             elif placement[i] != executor:
-              reasons[i] += f"; updated with the leaves it shares a fused call with ({executor})"
+              reasons[i] = reasons[i].with_note(reason(Kind.SHARES_CALL, executor=executor))
               placement[i] = executor
           compiled.append(dataclasses.replace(
               cc, executor=placements.record(executor).executor,
@@ -84,14 +102,10 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
           executor_leaves.discard(i)
           placement[i] = Placement.HOST_XLA
           if params:
-            by = "by the user's policy " if i in user_placed else ""
-            reasons[i] = (
-                f"a parameter placed {by}is "
-                f"{inv.leaves[i].why}, so no fused host update can serve it: it lives in "
-                "pinned_host and XLA copies it in and its new value out (host_xla). A stack of "
-                "layers read by a layer loop can be placed 'host_stream' instead")
+            reasons[i] = reason(Kind.PARAM_NOT_SERVED, by_user=i in user_placed,
+                                why=inv.leaves[i].why)
           else:
-            reasons[i] = f"update not one elementwise pass ({why}): XLA memory-kind transfers"
+            reasons[i] = reason(Kind.NOT_ELEMENTWISE, why=why)
         # One line per reason, with the leaves it names: warned where the user placed them; for
         # the planner's own candidates the solver decides next (most stay on the device), so
         # only logged.
@@ -99,21 +113,22 @@ def cut_updates(inv: Inventory, placement: dict[int, str], reasons: dict[int, st
           by_reason: dict[str, list[str]] = {}
           for i in params or comp.seeds:
             if (i in user_placed) == user:
-              by_reason.setdefault(reasons[i], []).append(inv.leaves[i].path)
-          for reason, paths in by_reason.items():
+              by_reason.setdefault(render(reasons[i]), []).append(inv.leaves[i].path)
+          for text, paths in by_reason.items():
             named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3
                                             else "")
             level("jaxtier: %s fall%s back to host_xla: %s",
                   f"{len(paths)} leaves ({named})" if len(paths) > 1 else f"leaf {named}",
-                  "" if len(paths) > 1 else "s", reason)
+                  "" if len(paths) > 1 else "s", text)
         demoted = True
       else:
         masters |= comp_masters
     if not demoted:
-      return compiled, masters
+      return Cut(Placed.of(placement, reasons, executor_leaves), tuple(compiled),
+                 frozenset(masters))
 
 
-def gathered_tables(inv: Inventory, placement: dict[int, str],
+def gathered_tables(inv: Inventory, placement: Mapping[int, str],
                     leaves: "set[int] | None" = None) -> set[int]:
   """The parameters placed `host_dha` (among `leaves`): embedding tables whose rows the DHA
   gather reads in place (`analysis/lookups.py`; the policy refuses other such parameters)."""

@@ -243,7 +243,11 @@ def record(placement: str) -> PlacementRecord:
   Raises:
     ValueError: `placement` names no placement.
   """
-  return REGISTRY[Placement(placement)]
+  try:
+    return REGISTRY[placement]  # (a StrEnum member and its name hash and compare alike)
+  except KeyError:
+    raise ValueError(f"{placement!r} is not a placement; expected one of "
+                     f"{', '.join(Placement)}") from None
 
 
 _BY_EXECUTOR = types.MappingProxyType(

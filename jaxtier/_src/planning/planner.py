@@ -31,6 +31,7 @@ from jaxtier._src.planning.admission import admit, plan_device_budget
 from jaxtier._src.planning.cut import cut_updates
 from jaxtier._src.planning.plan import BudgetViolation, DeviceBudget, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
+from jaxtier._src.planning.reasons import Kind, Placed, reason, render
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
 
@@ -99,12 +100,11 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   jaxpr = inv.closed_jaxpr.jaxpr
   # The leaves a fused host update updates where they live: the executor placements', and
   # host_stream stacks (read by the layer loops through the streaming calls).
-  executor_leaves = {i for i, r in req.items() if placements.record(r.placement).fused_update}
-  reasons = {i: r.reason for i, r in req.items()}
-  placement = {i: r.placement for i, r in req.items()}
-  user_fixed = {i for i, r in req.items() if r.user_placed}
-  compiled, masters = cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
-                           user_fixed)
+  placed = Placed.of({i: r.placement for i, r in req.items()},
+                     {i: r.reason for i, r in req.items()},
+                     {i for i, r in req.items() if placements.record(r.placement).fused_update})
+  user_fixed = frozenset(i for i, r in req.items() if r.user_placed)
+  cut = cut_updates(inv, placed, hardware, host_exec, user_fixed)
   solve = (not is_named(policy, NamedPolicy.NONE, NamedPolicy.OPTIMIZER_STATE_ON_HOST)
            and len(user_fixed) < len(inv.leaves))
   costs = step_costs or step_costs_lib.StepCosts(
@@ -124,11 +124,12 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   verdicts: list[str] = []
   violations: list[BudgetViolation] = []
 
-  def problem_for(placed, layered_dha_fraction=None):
+  def problem_for(placement, layered_dha_fraction=None):
     return problem_lib.build_problem(
-        leaves=inv.leaves, jaxpr=jaxpr, compiled=compiled, master_nbytes={
+        leaves=inv.leaves, jaxpr=jaxpr, compiled=cut.compiled, master_nbytes={
             i: inv.leaves[i].nbytes * 4 // jnp.dtype(inv.leaves[i].dtype).itemsize
-            for i in masters}, placement=placed, user_fixed=user_fixed, param_role=Role.PARAM,
+            for i in cut.masters}, placement=placement, user_fixed=user_fixed,
+        param_role=Role.PARAM,
         step_costs=costs, streamable=frozenset(streamable) - user_fixed,
         dha_readable=({i: b for i, b in dict(dha_readable or {}).items() if i not in user_fixed}
                       if platform == "gpu" else {}),
@@ -139,24 +140,25 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
 
   act_policy = None
   if solve:
-    problem = problem_for(placement)
+    problem = problem_for(cut.placed.placement)
     sol = solver.solve(problem)
-    _apply(sol, problem, inv, placement, reasons, executor_leaves, user_fixed, usable)
-    compiled, masters = cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
-                             user_fixed)
+    cut = cut_updates(inv, _apply(sol, problem, inv, cut.placed, user_fixed, usable),
+                      hardware, host_exec, user_fixed)
     if not sol.fits:
       verdict, missed = _not_fitting(sol, usable, host_limit, problem,
-                                     placed=(inv, placement, user_fixed))
+                                     placed=(inv, cut.placed.placement, user_fixed))
       verdicts.append(verdict)
       violations.extend(missed)
     act_policy = sol.activation_policy
   layered_fraction = None
   if platform == "gpu":
-    recut, layered_fraction = _layered_executor(
-        problem_for, placement, reasons, act_policy, served_leaves(inv, placement), user_fixed,
-        lambda: cut_updates(inv, placement, reasons, executor_leaves, hardware, host_exec,
-                            user_fixed)) or (None, None)
-    compiled, masters = recut or (compiled, masters)
+    layered = _layered_executor(problem_for, cut.placed, act_policy,
+                                served_leaves(inv, cut.placed.placement), user_fixed)
+    if layered is not None:
+      placed, changed, layered_fraction = layered
+      cut = (cut_updates(inv, placed, hardware, host_exec, user_fixed) if changed
+             else dataclasses.replace(cut, placed=placed))
+  placement, compiled, masters = cut.placed.placement, list(cut.compiled), cut.masters
   # The prediction of the plan as it stands (every placement fixed).
   final = problem_for(placement, layered_fraction)
   # A call's placement: its leaves' executor (a call of only host_stream leaves or tables
@@ -224,13 +226,12 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     kind = placements.record(p).memory_kind.value
     master = leaf.index in masters
     master_nbytes = leaf.nbytes * 4 // jnp.dtype(leaf.dtype).itemsize if master else 0
-    reason = reasons[leaf.index]
+    why = cut.placed.reasons[leaf.index]
     if master:
-      reason = (f"{reason}; its update runs on the host from an fp32 master copy, the new "
-                f"{leaf.dtype} value is sent to the device")
+      why = why.with_note(reason(Kind.FP32_MASTER, dtype=leaf.dtype))
     leaves.append(LeafPlan(index=leaf.index, path=leaf.path, shape=leaf.shape, dtype=leaf.dtype,
                            nbytes=leaf.nbytes, role=leaf.role, placement=p, memory_kind=kind,
-                           master_nbytes=master_nbytes, reason=reason,
+                           master_nbytes=master_nbytes, reason=render(why),
                            user_placed=leaf.index in user_fixed))
     if kind == "device":
       device_bytes += leaf.nbytes
@@ -262,18 +263,19 @@ def served_leaves(inv: Inventory, placement: Mapping[int, str]) -> set[int]:
   return {i for i, p in placement.items() if placements.served(p, inv.leaves[i].role)}
 
 
-def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str],
-                      reasons: dict[int, str], act_policy: "str | None", served: set[int],
-                      user_fixed: set[int], recut: Callable[[], Any]) -> Any:
+def _layered_executor(problem_for: Callable[..., Any], placed: Placed, act_policy: "str | None",
+                      served: set[int], user_fixed: frozenset[int]
+                      ) -> "tuple[Placed, bool, float | None] | None":
   """Picks the executor of the updates run layer by layer inside the backward pass (on a GPU):
   host_cpu, or host_split with the DHA kernel's share of the elements in `LAYERED_FRACTIONS`,
   whichever the prediction (`cost_model.predict`: hidden under the backward pass, the split's
   kernel slowing the compute it shares the GPU with) makes fastest, the same for all of them.
   A larger share pays where the update outlasts the backward pass: the kernel then runs on an
   idle GPU (host_dha alone would share the GPU with the compute for the whole update). Leaves
-  the user placed keep their executor and share. Returns (the new cut, `recut()`'s (compiled,
-  masters), or None if no placement changed; the share, or None for host_cpu), or None if no
-  update runs layer by layer."""
+  the user placed keep their executor and share. Returns (the new placements, whether a
+  placement changed (then the updates must be cut again), the share or None for host_cpu), or
+  None if no update runs layer by layer."""
+  placement = placed.placement
   problem = problem_for(placement)
   executors = placements.EXECUTOR_PLACEMENTS
   # A streamed stack's call: its param stays host_stream (the user's placement, which fixes
@@ -302,19 +304,17 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
   choices = [(Placement.HOST_CPU, None)] + [
       (Placement.HOST_SPLIT, f) for f in sorted({round(default, 2), *LAYERED_FRACTIONS})]
   best, fraction = min(choices, key=step_secs)
-  changed = False
+  new_placement, reasons = dict(placement), dict(placed.reasons)
+  note = reason(Kind.LAYERED, executor=best, fraction=fraction)
   for u in layered:
     for i in problem.updates[u].seeds:
       if placements.streamed(placement[i]):
         continue
-      if placement[i] != best:
-        placement[i] = best
-        changed = True
-      share = f" (the DHA kernel's share {fraction:.2f})" if fraction is not None else ""
-      note = f"; updated layer by layer inside the backward pass, by {best}{share}"
-      if note not in reasons[i]:
-        reasons[i] += note
-  return (recut() if changed else None), fraction
+      new_placement[i] = best
+      if note not in reasons[i].notes:
+        reasons[i] = reasons[i].with_note(note)
+  changed = new_placement != dict(placement)
+  return Placed.of(new_placement, reasons, placed.fused), changed, fraction
 
 
 # The DHA kernel's shares of a layered split update's elements the planner weighs (besides the
@@ -322,26 +322,15 @@ def _layered_executor(problem_for: Callable[..., Any], placement: dict[int, str]
 LAYERED_FRACTIONS = (0.6, 0.7, 0.8, 0.9)
 
 
-def _not_read_in_place(prof: Any) -> str:
-  """Why a streamed (matmul) weight is not read in place by the DHA matmul instead."""
-  dha, link = prof.dha_matmul_gbps, prof.link_h2d_gbps
-  if dha < link:
-    return (f" (the copy engines move it at {link:.1f} GB/s; the DHA matmul would read it in "
-            f"place at {dha:.1f}, profile)")
-  return (f" (the DHA matmul would read it in place at {dha:.1f} GB/s, above the copy engines' "
-          f"{link:.1f}, but only embedding tables are read in place)")
-
-
 def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventory,
-           placement: dict[int, str], reasons: dict[int, str], executor_leaves: set[int],
-           user_fixed: set[int], budget: "int | None") -> None:
-  """Writes the solver's choices into `placement`, `reasons` and `executor_leaves`."""
+           placed: Placed, user_fixed: frozenset[int], budget: "int | None") -> Placed:
+  """The placements `placed` with the solver's choices `sol` for `problem` applied."""
+  placement, reasons, fused = dict(placed.placement), dict(placed.reasons), set(placed.fused)
   pred = sol.prediction
-  fit = ("no device budget" if budget is None else
-         f"predicted peak {format_bytes(pred.peak_hbm_bytes)} of the "
-         f"{format_bytes(budget)} device budget")
+  fit = (reason(Kind.FIT_NO_BUDGET) if budget is None else
+         reason(Kind.FIT_PEAK, peak=pred.peak_hbm_bytes, budget=budget))
   if not sol.fits:
-    fit = "no plan fits the budgets; the rule-based plan keeps it here: see the notes"
+    fit = reason(Kind.FIT_NONE)
   for u, item in enumerate(problem.updates):
     if item.fixed:
       continue
@@ -350,49 +339,37 @@ def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventor
     for i in item.seeds:
       if where == Placement.DEVICE:
         placement[i] = Placement.DEVICE
-        executor_leaves.discard(i)
-        reasons[i] = (f"optimizer state: fits on the device ({fit}); on the host its update "
-                      f"would add {item.best()[1].secs * 1e3:.3g} ms per step")
+        fused.discard(i)
+        reasons[i] = reason(Kind.STATE_ON_DEVICE, fit=fit, host_secs=item.best()[1].secs)
       elif not sol.fits:
         placement[i] = where
-        executor_leaves.add(i)
-        reasons[i] = (f"optimizer state: no plan fits the budgets, so on the host as the "
-                      f"rule-based plan has it; updated by {where} "
-                      f"({cost.secs * 1e3:.3g} ms per step after the backward pass)")
+        fused.add(i)
+        reasons[i] = reason(Kind.STATE_RULE_BASED, executor=where, secs=cost.secs)
       else:
         placement[i] = where
-        executor_leaves.add(i)
-        reasons[i] = (f"optimizer state: moved to pinned_host to fit the device budget "
-                      f"(frees {format_bytes(item.device_nbytes)} with its call's other "
-                      f"leaves); its fused update ({where}) adds {cost.secs * 1e3:.3g} ms per "
-                      f"step after the backward pass, bound by {cost.bound}" if budget is not None
-                      else f"optimizer state: on the host, updated by {where}")
+        fused.add(i)
+        reasons[i] = (reason(Kind.STATE_MOVED, executor=where, freed=item.device_nbytes,
+                             secs=cost.secs, bound=cost.bound) if budget is not None
+                      else reason(Kind.STATE_ON_HOST, executor=where))
   for p in problem.params:
     where = sol.params.get(p.index, Placement.DEVICE)
     placement[p.index] = where
     if where == Placement.DEVICE:
-      reasons[p.index] = (f"parameter: read by the step's compute; stays on the device "
-                          f"({fit})")
+      reasons[p.index] = reason(Kind.PARAM_ON_DEVICE, fit=fit)
     else:
-      executor_leaves.add(p.index)  # its update runs where it lives, in a fused host update
-      how = ("prefetched layer by layer ahead of its use" + _not_read_in_place(problem.profile)
-             if placements.streamed(where) else "read in place by the GPU (zero-copy)")
-      if where == Placement.HOST_DHA and p.dha_nbytes is not None:
-        how = (f"an embedding table whose rows the DHA gather reads in place "
-               f"({format_bytes(p.dha_nbytes)} of rows per step, not the "
-               f"{format_bytes(p.nbytes)} a copy of the table would move; its gradient rows "
-               f"are added into a pinned_host buffer, so no table-sized gradient is in HBM)")
-      reasons[p.index] = (f"parameter: lives in pinned_host, {how}, to fit the device budget "
-                          f"(frees {format_bytes(p.nbytes + p.grad_nbytes)} with its "
-                          f"gradient); its optimizer state is updated on the host")
+      fused.add(p.index)  # its update runs where it lives, in a fused host update
+      reasons[p.index] = reason(
+          Kind.PARAM_ON_HOST, placement=where, nbytes=p.nbytes, freed=p.nbytes + p.grad_nbytes,
+          rows=p.dha_nbytes, dha_gbps=problem.profile.dha_matmul_gbps,
+          link_gbps=problem.profile.link_h2d_gbps)
   # Leaves served by XLA's transfers are on the device during the step anyway: they stay there
   # unless nothing fits (then every candidate goes to the host, as the rule-based plan did).
   for leaf in inv.leaves:
     i = leaf.index
     if placement[i] == Placement.HOST_XLA and i not in user_fixed and sol.fits:
       placement[i] = Placement.DEVICE
-      reasons[i] = (f"{reasons[i].split(': XLA')[0]}: served by XLA's transfers it would be on "
-                    "the device during the step anyway (no peak saved); kept on the device")
+      reasons[i] = reason(Kind.KEPT_ON_DEVICE, fallback=reasons[i])
+  return Placed.of(placement, reasons, fused)
 
 
 def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int | None",

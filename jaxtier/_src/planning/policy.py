@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 from typing import Any, Callable, Mapping, NamedTuple
 import warnings
 
@@ -10,9 +11,11 @@ from jaxtier._src.analysis.inventory import Inventory, LeafInfo
 from jaxtier._src.errors import PlanError
 from jaxtier._src.planning import placements
 from jaxtier._src.planning.placements import Schedule
+from jaxtier._src.planning.reasons import Kind, Reason, reason
+# The text of a user-placed leaf's reason, which the pipeline and the tests match.
+from jaxtier._src.planning.reasons import USER_PLACED  # pylint: disable=unused-import
 from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
 
-USER_PLACED = "placed by the user's policy"
 
 Policy = str | Callable[[str, LeafInfo], "str | None"] | Mapping[str, str]
 
@@ -21,7 +24,7 @@ class Request(NamedTuple):
   """What the policy asks for one leaf: its placement, why, and whether the user asked."""
 
   placement: Placement
-  reason: str
+  reason: Reason
   user_placed: bool = False
 
 
@@ -37,9 +40,15 @@ def check_policy_form(policy: Any, api: str) -> None:
 
 
 def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: str = ""
-               ) -> dict[int, Request]:
+               ) -> Mapping[int, Request]:
   """Placement asked by the policy for each leaf, with its reason (`stream_blocked`: why no
-  leaf may be streamed here, '' when they may)."""
+  leaf may be streamed here, '' when they may): {leaf index: request}, read-only.
+
+  Raises:
+    PlanError: an unknown placement, a policy pattern that is no regular expression, a
+      policy callable that raised, or a placement the leaf may not take (its record's
+      `refusal`).
+  """
   out: dict[int, Request] = {}
   if isinstance(policy, Mapping):
     for pat in policy:
@@ -51,14 +60,14 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
                         f"{inv.leaves[0].path if inv.leaves else '[0]'!s} (escape brackets: "
                         "r\"\\['w1'\\]\")") from e
   for leaf in inv.leaves:
-    auto = (Request(host_exec, "optimizer state: touched once per step, updated where it lives")
+    auto = (Request(host_exec, reason(Kind.STATE_AUTO))
             if leaf.role == Role.OPTIMIZER_STATE else Request(
-                Placement.DEVICE, leaf.why if leaf.role != Role.PARAM
-                else "parameter: read by the step's compute"))
+                Placement.DEVICE, reason(Kind.INVENTORY, why=leaf.why) if leaf.role != Role.PARAM
+                else reason(Kind.PARAM_AUTO)))
     if is_named(policy, NamedPolicy.AUTO, NamedPolicy.OPTIMIZER_STATE_ON_HOST):
       out[leaf.index] = auto
     elif is_named(policy, NamedPolicy.NONE):
-      out[leaf.index] = Request(Placement.DEVICE, "policy 'none'")
+      out[leaf.index] = Request(Placement.DEVICE, reason(Kind.POLICY_NONE))
     elif callable(policy):
       try:
         asked = policy(leaf.path, leaf)
@@ -66,10 +75,10 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
         raise PlanError(f"jaxtier.offload: the policy callable raised for leaf {leaf.path} "
                         f"({leaf.dtype}{list(leaf.shape)}): {e!r}; it is called as "
                         "policy(path: str, leaf) and returns a placement name or None") from e
-      out[leaf.index] = auto if asked is None else Request(asked, USER_PLACED, True)
+      out[leaf.index] = auto if asked is None else Request(asked, reason(Kind.USER_PLACED), True)
     elif isinstance(policy, Mapping):
       hit = next((p for pat, p in policy.items() if re.search(pat, leaf.path)), None)
-      out[leaf.index] = auto if hit is None else Request(hit, USER_PLACED, True)
+      out[leaf.index] = auto if hit is None else Request(hit, reason(Kind.USER_PLACED), True)
     else:
       check_policy_form(policy, "jaxtier.offload")
   if isinstance(policy, Mapping):
@@ -94,9 +103,7 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
       placement = host_exec
       rec = placements.record(placement)
       # (Not `user_placed`: the solver may still decide where its update runs.)
-      out[i] = Request(placement, f"{USER_PLACED} as {request.placement}: optimizer state is "
-                       "not streamed; it lives in pinned_host, updated in place by the fused "
-                       "host update")
+      out[i] = Request(placement, reason(Kind.STATE_NOT_STREAMED, asked=request.placement))
     refused = rec.refusal(inv, leaf, stream_blocked)
     if refused is not None:
       raise PlanError(_refused(refused, leaf, isinstance(policy, Mapping)))
@@ -104,7 +111,7 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
         and host_exec == Placement.HOST_CPU):
       # On the CPU backend every executor is the CPU handler.
       out[i] = out[i]._replace(placement=Placement.HOST_CPU)
-  return out
+  return types.MappingProxyType(out)
 
 
 def _refused(refused: placements.Refusal, leaf: LeafInfo, by_pattern: bool) -> str:
