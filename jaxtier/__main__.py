@@ -253,7 +253,8 @@ _PLAN_ONLY = ("platform", "plot", "verbose", "details", "stream")
 _NOT_READ = {
     "train": ("json",) + _PLAN_ONLY,
     "plan": ("steps", "data", "seed", "learning_rate", "warmup_steps", "log_every",
-             "allow_over_budget", "json_out", "plan_details"),
+             "allow_over_budget", "json_out", "plan_details", "checkpoint_dir",
+             "checkpoint_every", "keep_checkpoints"),
 }
 
 
@@ -276,6 +277,8 @@ def main(argv: list[str]) -> None:
   # would print them by default, mixed into the commands' output.
   if not flags.FLAGS["verbosity"].present:
     logging.getLogger("jaxtier").setLevel(logging.WARNING)
+    # Nor orbax's (through absl's logger): some twenty lines per checkpoint saved.
+    logging.getLogger("absl").setLevel(logging.WARNING)
   if len(argv) < 2:
     got = "no command given"
   elif argv[1] not in COMMANDS:
@@ -301,10 +304,14 @@ def main(argv: list[str]) -> None:
   if argv[1] == "train":
     try:
       train_lib.main(argv[:1])
-    except KeyboardInterrupt:
-      # Ctrl-C ends the command; nothing is saved (the trainer keeps no checkpoint), so a
-      # traceback through the training loop would say nothing more.
-      print("\ninterrupted: training stopped (Ctrl-C); nothing was saved", file=sys.stderr)
+    except KeyboardInterrupt as e:
+      # Ctrl-C ends the command (--json_out is written); a traceback through the training loop
+      # would say nothing more. With --checkpoint_dir the run was saved at its step's end.
+      where = getattr(e, "checkpoint", None)
+      print(f"\ninterrupted at step {e.step} (Ctrl-C): " + (
+          f"the newest checkpoint is {where}; the same command resumes from it" if where else
+          "nothing was saved (--checkpoint_dir keeps the run)") if hasattr(e, "step") else
+          "\ninterrupted (Ctrl-C) before training: nothing was saved", file=sys.stderr)
       # Exit at once: the interpreter's teardown, with XLA's threads still mid-compile or
       # mid-step, can crash (a segfault after this line).
       sys.stdout.flush()
@@ -312,6 +319,9 @@ def main(argv: list[str]) -> None:
       os._exit(130)
     except train_lib.OverBudgetError as e:
       print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
+      sys.exit(1)
+    except train_lib.NonFiniteLossError as e:
+      print(f"error: {e}", file=sys.stderr)  # the step, the loss and the fix
       sys.exit(1)
     except (jaxtier.PlanError, OSError, ValueError, train_lib.tokenizer_lib.TokenizersMissingError
             ) as e:

@@ -5,8 +5,11 @@ cache, on small configs (a few seconds each).
 """
 
 import json
+import math
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
 
@@ -192,9 +195,13 @@ def _train(tmp_path, *args):
 def test_train_state_over_the_budget_names_what_is_left_to_try(tmp_path):
   # Under auto the planner has already put the optimizer state on the host: the params alone
   # are over 1 MiB. The command-line fix names streaming, not the mode already tried.
-  out = _train(tmp_path, "--offload=auto", "--device_budget=1MiB")
+  out = _train(tmp_path, "--offload=auto", "--device_budget=1MiB",
+               f"--json_out={tmp_path / 'refused.json'}")
   assert out.returncode == 1, out.stderr[-2000:]
   assert "error: PlanError: the state needs" in out.stderr, out.stderr[-2000:]
+  # --json_out is written on this exit path too, saying how the run ended.
+  said = json.loads((tmp_path / "refused.json").read_text())
+  assert said["ended"] == "refused" and said["error"].startswith("PlanError: the state needs")
   hint = next(l for l in out.stderr.splitlines() if l.startswith("from the command line:"))
   assert "--offload=stream moves the layers' params to pinned_host" in hint, hint
   assert "optimizer_state_on_host" not in hint and "--host_budget" not in hint, hint
@@ -605,3 +612,63 @@ def test_plan_details_lists_every_leaf_within_the_width(tmp_path, monkeypatch):
   assert any(l.startswith("    parameter: ") for l in plan.stdout.splitlines())
   assert max(len(l) for l in plan.stdout.splitlines()) <= 80
   assert "note: transient device bytes" in plan.stdout
+
+
+def test_train_stops_at_the_first_non_finite_loss_with_the_step_and_a_hint(tmp_path):
+  # --learning_rate=1e6 trained 20 NaN steps and exited 0.
+  out = _train(tmp_path, "--learning_rate=1e6", "--steps=20", f"--json_out={tmp_path / 'r.json'}")
+  assert out.returncode == 1, out.stderr[-2000:]
+  said = json.loads((tmp_path / "r.json").read_text())
+  assert said["ended"] == "non_finite_loss", said
+  losses = said["losses"]
+  bad = next(i for i, x in enumerate(losses) if not math.isfinite(x)) + 1
+  assert bad == len(losses) < 20  # stopped at the first non-finite loss, not after the run
+  assert f"error: the loss at step {bad} is nan: training stopped there" in out.stderr
+  assert "lower --learning_rate (it is 1e+06)" in out.stderr
+  assert not any(l.startswith(f"step {bad + 2:>6}/") for l in out.stdout.splitlines())
+  assert "done: loss" not in out.stdout and "Traceback" not in out.stderr
+
+
+def test_train_interrupted_then_run_again_resumes_with_an_uninterrupted_runs_losses(tmp_path):
+  # Ctrl-C (SIGINT) at a random step of `train --checkpoint_dir=D` saves a checkpoint at the
+  # end of that step and exits 130; the same command again resumes from it, and its losses
+  # are those of a run never interrupted, exactly.
+  text = tmp_path / "text.txt"
+  text.write_text(json.__doc__ * 40)
+  steps, at = 200, random.Random().randint(3, 15)
+  flags = ["train", "--config=tiny", f"--steps={steps}", "--batch_size=2", "--seq_len=16",
+           f"--data={text}", "--log_every=1", "--offload=optimizer_state_on_host"]
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+             PYTHONUNBUFFERED="1")
+  kept = [f"--checkpoint_dir={tmp_path / 'D'}", "--checkpoint_every=50"]
+  first = subprocess.Popen([sys.executable, "-m", "jaxtier", *flags, *kept,
+                            f"--json_out={tmp_path / 'first.json'}"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+  for line in first.stdout:
+    if line.startswith(f"step {at:>6}/"):
+      first.send_signal(signal.SIGINT)
+      break
+  stdout, stderr = first.communicate(timeout=120)
+  assert first.returncode == 130, (at, stderr[-2000:])
+  said = json.loads((tmp_path / "first.json").read_text())
+  stopped = said["losses"] and len(said["losses"])
+  assert said["ended"] == "interrupted" and at <= stopped < steps, (at, said)
+  saved = str(tmp_path / "D" / f"step_{stopped:08d}")
+  assert said["checkpoint"] == saved
+  assert (f"interrupted at step {stopped} (Ctrl-C): the newest checkpoint is {saved}; the same "
+          "command resumes from it") in stderr, stderr[-2000:]
+  again = subprocess.run([sys.executable, "-m", "jaxtier", *flags, *kept,
+                          f"--json_out={tmp_path / 'again.json'}"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=300)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert f"resuming from {saved} (step {stopped} of {steps})" in again.stdout
+  whole = _cli(tmp_path, *flags, f"--json_out={tmp_path / 'whole.json'}", timeout=300)
+  assert whole.returncode == 0, whole.stderr[-2000:]
+  resumed = json.loads((tmp_path / "again.json").read_text())
+  reference = json.loads((tmp_path / "whole.json").read_text())
+  assert resumed["ended"] == "completed" and resumed["resumed_from"] == stopped
+  assert resumed["losses"][stopped:] == reference["losses"][stopped:]
+  assert resumed["losses"][:stopped] == said["losses"]  # kept with the checkpoint
+  # The newest 3 checkpoints are kept (every 50 steps and the last).
+  assert sorted(p.name for p in (tmp_path / "D").iterdir()) == [
+      f"step_{n:08d}{ext}" for n in (100, 150, 200) for ext in ("", ".json")]

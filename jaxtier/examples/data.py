@@ -285,11 +285,13 @@ def batches(
     batch_size: int,
     seq_len: int,
     seed: int = 0,
+    start: int = 0,
 ) -> Iterator[np.ndarray]:
   """An infinite stream of random windows of ``tokens``.
 
   Each row is ``seq_len + 1`` consecutive tokens starting at a uniformly random
-  offset; the stream is a deterministic function of ``seed``.
+  offset; the stream is a deterministic function of ``seed``, and with ``start=n`` it is that
+  stream from its batch ``n`` on (a resumed run reads the batches an uninterrupted one reads).
 
   Args:
     tokens: int ``[num_tokens]`` token ids.
@@ -297,6 +299,7 @@ def batches(
     seq_len: model sequence length; rows hold ``seq_len + 1`` tokens (inputs
       plus the shifted targets).
     seed: seed of the ``numpy.random.Generator`` picking the offsets.
+    start: batches of the stream to skip (>= 0).
 
   Yields:
     int32 ``[batch_size, seq_len + 1]`` arrays.
@@ -307,21 +310,23 @@ def batches(
       first ``next``).
   """
   tokens = np.asarray(tokens)
-  if batch_size <= 0 or seq_len <= 0:
+  if batch_size <= 0 or seq_len <= 0 or start < 0:
     raise ValueError(
-        f"batches: expected batch_size > 0 and seq_len > 0, got "
-        f"batch_size={batch_size}, seq_len={seq_len}.")
+        f"batches: expected batch_size > 0, seq_len > 0 and start >= 0, got "
+        f"batch_size={batch_size}, seq_len={seq_len}, start={start}.")
   if tokens.ndim != 1 or tokens.size < seq_len + 1:
     raise ValueError(
         f"batches: expected a 1-D corpus of at least seq_len + 1 = {seq_len + 1} "
         f"tokens, got shape {tokens.shape}; use more text or a shorter --seq_len.")
-  return _random_windows(tokens, batch_size, seq_len, seed)
+  return _random_windows(tokens, batch_size, seq_len, seed, start)
 
 
-def _random_windows(tokens, batch_size, seq_len, seed):
+def _random_windows(tokens, batch_size, seq_len, seed, start):
   rng = np.random.default_rng(seed)
   window = np.arange(seq_len + 1)
   num_starts = tokens.size - seq_len
+  for _ in range(start):  # the offsets of the batches skipped, drawn as the stream draws them
+    rng.integers(0, num_starts, size=batch_size)
   while True:
     starts = rng.integers(0, num_starts, size=batch_size)
     yield tokens[starts[:, None] + window].astype(np.int32)

@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 from collections.abc import Sequence
+import contextlib
 import dataclasses
 import math
 import time
@@ -31,6 +32,7 @@ import tqdm
 
 import jaxtier
 
+from . import checkpoints as checkpoints_lib
 from . import data as data_lib
 from . import llama
 from . import tokenizer as tokenizer_lib
@@ -40,6 +42,8 @@ from .train_state import (OptimizerConfig, lookup_config, make_optimizer, make_t
                           placement_table, state_initializer)
 
 __all__ = [
+    "Interrupted",
+    "NonFiniteLossError",
     "OptimizerConfig",
     "OverBudgetError",
     "RUN_DEFAULTS",
@@ -75,6 +79,37 @@ RUN_DEFAULTS: dict[str, RunDefaults] = {
 }
 _FALLBACK_DEFAULTS = RunDefaults(steps=100, batch_size=8, learning_rate=1e-3,
                                  log_every=10)
+
+
+class NonFiniteLossError(ValueError):
+  """`run` stopped at the first step whose loss is not finite (NaN or inf).
+
+  Attributes:
+    step: that step (counted from 1).
+    loss: its loss.
+    result: what `run` returns, for the steps run (``losses`` ends with this one).
+  """
+
+  def __init__(self, message: str, *, step: int, loss: float, result: dict[str, Any]):
+    super().__init__(message)
+    self.step, self.loss, self.result = step, loss, result
+
+
+class Interrupted(KeyboardInterrupt):
+  """`run` stopped by Ctrl-C (SIGINT) in its training loop.
+
+  With a ``checkpoint_dir`` the run stops at the end of the step it was in and saves a
+  checkpoint there first; without one it stops at once.
+
+  Attributes:
+    step: the steps completed and saved (with a checkpoint), else those whose loss was read.
+    checkpoint: the checkpoint's path, or None (no ``checkpoint_dir``).
+    result: what `run` returns, for the steps in ``result["losses"]``.
+  """
+
+  def __init__(self, *, step: int, checkpoint: "str | None", result: dict[str, Any]):
+    super().__init__(step, checkpoint)
+    self.step, self.checkpoint, self.result = step, checkpoint, result
 
 
 def _check_host_memory(config: llama.LlamaConfig, config_name: str,
@@ -144,6 +179,9 @@ def run(
     tokenizer: str = "byte",
     vocab_size: int | None = None,
     plan_details: bool = False,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    keep_checkpoints: int = 3,
 ) -> dict[str, Any]:
   """Trains ``steps`` steps and reports the losses and the speed.
 
@@ -187,6 +225,14 @@ def run(
     vocab_size: with ``"bpe"``, 32768 (``None``), 65536 or 131072; with ``"byte"``,
       ``None`` or 256.
     plan_details: print the plan's per-leaf table and every note (`Plan.table`).
+    checkpoint_dir: keep the run in this directory (`checkpoints`): a checkpoint (the state
+      with orbax, the step, the losses so far) every ``checkpoint_every`` steps, after the last
+      step and on Ctrl-C; where it holds a complete checkpoint of this run, the newest is
+      restored and the run goes on from its step, reading the batches an uninterrupted run
+      reads from there (so its losses are that run's). ``None``: nothing is kept.
+    checkpoint_every: steps between checkpoints; ``None``: only after the last step and on
+      Ctrl-C.
+    keep_checkpoints: how many of the newest checkpoints to keep (older ones are deleted).
 
   Returns:
     A dict with ``losses`` (one float per step), ``step_times`` (seconds per
@@ -207,6 +253,10 @@ def run(
     jaxtier.AdmissionError: the plan (or, with ``"none"``, the jitted step: `jaxtier.admit`)
       needs more memory than this machine gives, raised before the state is allocated.
     tokenizer.TokenizersMissingError: ``"bpe"`` without the ``tokenizers`` package.
+    NonFiniteLossError: a step's loss is NaN or inf; raised at it (the next step may have been
+      dispatched, none after), with the results so far.
+    Interrupted: Ctrl-C in the training loop (a KeyboardInterrupt), with the results so far
+      and, given ``checkpoint_dir``, the checkpoint saved at the step's end.
   """
   if offload not in OFFLOAD_MODES:
     raise ValueError(f"run: expected offload in {OFFLOAD_MODES}, got {offload!r}.")
@@ -227,6 +277,21 @@ def run(
         f"run: expected steps, batch_size, seq_len and log_every >= 1, got "
         f"{steps}, {batch_size}, {seq_len}, {log_every}.")
   check_seq_len(config, config_name, seq_len)
+  if checkpoint_every is not None and checkpoint_every < 1 or keep_checkpoints < 1:
+    raise ValueError(f"run: expected checkpoint_every >= 1 (or None) and keep_checkpoints >= 1, "
+                     f"got {checkpoint_every} and {keep_checkpoints}.")
+  settings = dict(config=config_name, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                  data=(f"<{data.size} token ids>" if isinstance(data, np.ndarray)
+                        else data or ""), tokenizer=tokenizer, vocab_size=config.vocab_size,
+                  learning_rate=learning_rate, warmup_steps=warmup_steps, clip=clip,
+                  offload=offload, steps=steps)
+  resumed = None
+  if checkpoint_dir:
+    kept = checkpoints_lib.complete(checkpoint_dir)
+    if kept:
+      resumed = kept[-1]
+      checkpoints_lib.check_resumable(resumed, settings)
+  start = resumed.step if resumed else 0
 
   if isinstance(data, np.ndarray):
     tokens = data
@@ -238,7 +303,7 @@ def run(
     _, tokens = tokenizer_lib.load_corpus(data, config.vocab_size, progress=progress)
   else:
     tokens = data_lib.load_corpus(data, vocab_size=config.vocab_size)
-  batch_iter = data_lib.batches(tokens, batch_size, seq_len, seed)
+  batch_iter = data_lib.batches(tokens, batch_size, seq_len, seed, start=start)
   small = data_lib.corpus_size_warning(len(tokens), batch_size, seq_len, steps)
   if small:
     logging.warning("run: %s", small)
@@ -263,6 +328,8 @@ def run(
   print(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens{vocab} of "
         f"data, batch {batch_size} x seq {seq_len}, {steps} step{'s' if steps != 1 else ''}, "
         f"offload={offload}")
+  if resumed:
+    print(f"resuming from {resumed.path} (step {start} of {steps})")
 
   first_batch = jnp.asarray(next(batch_iter))
   plan = None
@@ -273,7 +340,11 @@ def run(
                          device_budget=_budget(device_budget), host_budget=_budget(host_budget),
                          overlap_update=overlap_update)
     with verdicts_printed():  # the plan printed below says whether it fits
-      state = step.init(init_state, example_args=(first_batch,))
+      if resumed:  # restored straight into its planned memory kinds
+        state = step.restore(resumed.path, jax.eval_shape(init_state),
+                             example_args=(first_batch,))
+      else:
+        state = step.init(init_state, example_args=(first_batch,))
     plan = str(step.plan)
     plan_bytes = step.plan.bytes_by_memory_kind()
     if plan_details:
@@ -300,52 +371,104 @@ def run(
     # Refused before the state exists where the step would run out of device memory, as
     # jaxtier refuses a plan (the refusal names the allocator fraction that admits it).
     jaxtier.admit(step.lower(shapes, first_batch))
-    state = jax.jit(init_state)()
+    state = _restore_jitted(resumed.path, init_state) if resumed else jax.jit(init_state)()
     print("state placement (no offload):")
     print(placement_table(state))
 
   tokens_per_step = batch_size * seq_len
-  losses: list[float] = []
+  losses: list[float] = list(resumed.losses) if resumed else []
   step_times: list[float] = []
-  pending: list[jax.Array] = []
+  unread: list[jax.Array] = []  # the losses of the steps run, not read yet
   # disable=None: a bar on a terminal, none in a log file.
-  bar = tqdm.tqdm(total=steps, disable=None if progress else True, unit="step",
+  bar = tqdm.tqdm(total=steps, initial=start, disable=None if progress else True, unit="step",
                   dynamic_ncols=True)
   window_start = time.perf_counter()
   window_steps = 0
-  batch = first_batch
   compile_secs = 0.0
+  saved = resumed.path if resumed else None
+  sigint = checkpoints_lib.SigintDeferred()
+
+  def result(**figures) -> dict[str, Any]:
+    timed = step_times[1:] or step_times
+    return {
+        "losses": list(losses),
+        "step_times": list(step_times),
+        "tokens_per_sec": tokens_per_step * len(timed) / sum(timed) if sum(timed) else None,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "compile_secs": compile_secs,
+        "total_secs": time.perf_counter() - t_start,
+        "num_params": num_params,
+        "vocab_size": config.vocab_size,
+        "state_bytes": state_bytes,
+        "plan_bytes": plan_bytes,
+        "plan": plan,
+        "memory": None,
+        "resumed_from": start,
+        "checkpoint": saved,
+    } | figures
+
+  def read(keep: int) -> None:
+    """Reads the losses of all but the newest `keep` steps run; raises at a non-finite one."""
+    while len(unread) > keep:
+      losses.append(float(unread.pop(0)))
+      if not math.isfinite(losses[-1]):
+        raise NonFiniteLossError(
+            f"the loss at step {len(losses)} is {losses[-1]}: training stopped there (the "
+            f"first non-finite loss); lower --learning_rate (it is {learning_rate:g})"
+            + ("" if clip else ", or pass --clip (gradients clipped to norm 1.0)"),
+            step=len(losses), loss=losses[-1], result=result())
+
+  def save(done: int) -> str:
+    read(0)
+    write = ((lambda path: step.save(path, state)) if offload != "none" else
+             (lambda path: _save_jitted(path, state)))
+    return checkpoints_lib.save(checkpoint_dir, done, losses, settings, write, keep_checkpoints)
+
+  batch = first_batch
   try:
-    for i in range(steps):
-      if i > 0:
-        batch = jnp.asarray(next(batch_iter))
-      state, metrics = step(state, batch)
-      pending.append(metrics["loss"])
-      window_steps += 1
-      bar.update(1)
-      # Sync after the first (compiling) step, at each log point and at the end.
-      if i == 0 or (i + 1) % log_every == 0 or i + 1 == steps:
-        losses.extend(float(x) for x in jax.device_get(pending))
-        pending.clear()
-        now = time.perf_counter()
-        secs = (now - window_start) / window_steps
-        step_times.extend([secs] * window_steps)
-        window_start, window_steps = now, 0
-        if i == 0:
-          compile_secs = secs
-        tok_s = tokens_per_step / secs
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}")
-        if i > 0 or steps == 1:
-          tqdm.tqdm.write(f"step {i + 1:>6}/{steps}  loss {losses[-1]:.4f}  "
-                          f"{tok_s:,.0f} tokens/s  {secs * 1e3:.1f} ms/step")
+    # With a checkpoint directory a first Ctrl-C ends the run at the end of its step, saved.
+    with sigint.deferred() if checkpoint_dir else contextlib.nullcontext():
+      for i in range(start, steps):
+        if i > start:
+          batch = jnp.asarray(next(batch_iter))
+        state, metrics = step(state, batch)
+        unread.append(metrics["loss"])
+        window_steps += 1
+        bar.update(1)
+        done = i + 1
+        # Sync after the first (compiling) step, at each log point and at the end; else read
+        # the step before's loss (done, or nearly) while this one runs.
+        logged = i == start or done % log_every == 0 or done == steps
+        read(0 if logged else 1)
+        if logged:
+          now = time.perf_counter()
+          secs = (now - window_start) / window_steps
+          step_times.extend([secs] * window_steps)
+          window_start, window_steps = now, 0
+          if i == start:
+            compile_secs = secs
+          tok_s = tokens_per_step / secs
+          bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}")
+          if i > start or steps - start == 1:
+            tqdm.tqdm.write(f"step {done:>6}/{steps}  loss {losses[-1]:.4f}  "
+                            f"{tok_s:,.0f} tokens/s  {secs * 1e3:.1f} ms/step")
+        if checkpoint_dir and (done == steps or sigint.asked or (
+            checkpoint_every and done % checkpoint_every == 0)):
+          saved = save(done)
+        if sigint.asked and done < steps:
+          raise Interrupted(step=done, checkpoint=saved, result=result())
+  except KeyboardInterrupt as e:
+    if isinstance(e, Interrupted):
+      raise
+    # Mid-step: the losses read so far, and the newest checkpoint (if any) as it was.
+    raise Interrupted(step=len(losses), checkpoint=saved, result=result()) from None
   finally:
     bar.close()
   total_secs = time.perf_counter() - t_start
 
   timed = step_times[1:] or step_times
   tokens_per_sec = tokens_per_step * len(timed) / sum(timed)
-  if not all(math.isfinite(x) for x in losses):
-    print("warning: non-finite loss seen")
   print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
         f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
         f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
@@ -360,21 +483,28 @@ def run(
     rates = f" ({step.plan.rates_of})" if step.plan.rates_of else ""
     print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms{rates}, "
           f"measured {measured * 1e3:.3g} ms (calls 2-4)")
-  return {
-      "losses": losses,
-      "step_times": step_times,
-      "tokens_per_sec": tokens_per_sec,
-      "first_loss": losses[0],
-      "last_loss": losses[-1],
-      "compile_secs": compile_secs,
-      "total_secs": total_secs,
-      "num_params": num_params,
-      "vocab_size": config.vocab_size,
-      "state_bytes": state_bytes,
-      "plan_bytes": plan_bytes,
-      "plan": plan,
-      "memory": memory,
-  }
+  if saved:
+    print(f"checkpoint: {saved}")
+  return result(tokens_per_sec=tokens_per_sec, total_secs=total_secs, memory=memory)
+
+
+def _save_jitted(path: str, state: Any) -> None:
+  """Writes the state of a `jax.jit` step (``offload="none"``) with orbax to `path`."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, {"state": state})
+    ckptr.wait_until_finished()
+
+
+def _restore_jitted(path: str, init_state) -> Any:
+  """Reads `_save_jitted`'s state, each leaf on the default device (where `jax.jit(init_state)`
+  puts it)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                        jax.eval_shape(init_state))
+  with ocp.StandardCheckpointer() as ckptr:
+    return ckptr.restore(path, {"state": target})["state"]
 
 
 def _no_activations(plan) -> bool:
@@ -477,7 +607,20 @@ _PLAN_DETAILS = flags.DEFINE_bool(
     "every note, at the terminal's width.")
 _JSON_OUT = flags.DEFINE_string(
     "json_out", "", "Also write the run's results (losses, step times, tokens/s, memory "
-    "figures; run()'s return value without the plan's text) as JSON to this file.")
+    "figures; run()'s return value without the plan's text) as JSON to this file, however "
+    "the run ends: its field 'ended' says how ('completed', 'interrupted', 'non_finite_loss', "
+    "'refused' before training, or 'error'), 'error' what stopped it.")
+_CHECKPOINT_DIR = flags.DEFINE_string(
+    "checkpoint_dir", "", "Keep the run here: orbax checkpoints of the state (step_<n>/, with "
+    "the step and the losses so far beside it) every --checkpoint_every steps, after the last "
+    "step and on Ctrl-C. Where it holds a checkpoint of this run, the run resumes from the "
+    "newest (the same flags; --steps may be larger).")
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    "checkpoint_every", None, "With --checkpoint_dir: steps between checkpoints; default: only "
+    "after the last step and on Ctrl-C.", lower_bound=1)
+_KEEP_CHECKPOINTS = flags.DEFINE_integer(
+    "keep_checkpoints", 3, "With --checkpoint_dir: the newest checkpoints kept (older ones are "
+    "deleted).", lower_bound=1)
 
 
 def _valid_json_out(value: str) -> bool:
@@ -501,20 +644,51 @@ flags.register_validator("json_out", _valid_json_out)
 
 
 def main(argv: Sequence[str]) -> None:
+  """Runs `run` with the flags; writes --json_out however it ends, then re-raises what ended
+  it (the command line turns that into its message and exit status)."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  result = run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
-      seq_len=_SEQ_LEN.value, offload=_OFFLOAD.value, data=_DATA.value,
-      seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
-      warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
-      device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
-      remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value,
-      overlap_update=_OVERLAP_UPDATE.value, tokenizer=_TOKENIZER.value,
-      vocab_size=_VOCAB_SIZE.value, plan_details=_PLAN_DETAILS.value)
-  if _JSON_OUT.value:
-    import json  # pylint: disable=g-import-not-at-top
-    with open(_JSON_OUT.value, "w") as f:
-      json.dump({k: v for k, v in result.items() if k != "plan"}, f, indent=1)
+  try:
+    result = run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
+        seq_len=_SEQ_LEN.value, offload=_OFFLOAD.value, data=_DATA.value,
+        seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
+        warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
+        device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
+        remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value,
+        overlap_update=_OVERLAP_UPDATE.value, tokenizer=_TOKENIZER.value,
+        vocab_size=_VOCAB_SIZE.value, plan_details=_PLAN_DETAILS.value,
+        checkpoint_dir=_CHECKPOINT_DIR.value or None,
+        checkpoint_every=_CHECKPOINT_EVERY.value, keep_checkpoints=_KEEP_CHECKPOINTS.value)
+  except Interrupted as e:
+    _write_json_out(e.result, "interrupted", None)
+    raise
+  except KeyboardInterrupt:  # before the training loop
+    _write_json_out({}, "interrupted", None)
+    raise
+  except NonFiniteLossError as e:
+    _write_json_out(e.result, "non_finite_loss", e)
+    raise
+  except (ValueError, OSError, tokenizer_lib.TokenizersMissingError) as e:
+    # Refused before training (a bad setting or file, a plan over a budget or the machine).
+    _write_json_out({}, "refused", e)
+    raise
+  except Exception as e:
+    _write_json_out({}, "error", e)
+    raise
+  _write_json_out(result, "completed", None)
+
+
+def _write_json_out(result: dict[str, Any], ended: str, error: "BaseException | None") -> None:
+  """Writes --json_out (where given): `result` without the plan's text, `ended` (how the run
+  ended) and `error` (what stopped it, or None)."""
+  if not _JSON_OUT.value:
+    return
+  import json  # pylint: disable=g-import-not-at-top
+  out = {k: v for k, v in result.items() if k != "plan"}
+  out.update(ended=ended, error=None if error is None else
+             f"{type(error).__name__}: {str(error).removeprefix('jaxtier: ')}")
+  with open(_JSON_OUT.value, "w") as f:
+    json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ deterministic, offloaded and streamed equal to device training), budgets and bad
 refused before anything is allocated (CPU, < 1 minute)."""
 
 import math
+import os
 import re
+import shutil
 
 from examples._micro import MICRO
 import jax
@@ -242,3 +244,40 @@ def test_run_warns_when_the_warmup_is_not_under_the_steps(corpus, capsys):
           "peak of 0.01") in capsys.readouterr().out
   _run(corpus, steps=2, warmup_steps=1)
   assert "warmup_steps" not in capsys.readouterr().out
+
+
+def test_run_resumes_from_its_newest_checkpoint_with_an_uninterrupted_runs_losses(
+    corpus, tmp_path, capsys):
+  # Checkpoints at steps 3 and 6; with the last one gone (as if the run had stopped after step
+  # 3), the same run resumes from step 3: the state, the step and the batch order.
+  where = str(tmp_path / "run")
+  whole = _run(corpus, steps=6, checkpoint_dir=where, checkpoint_every=3, log_every=3)
+  assert whole["checkpoint"] == f"{where}/step_00000006" and whole["resumed_from"] == 0
+  assert sorted(os.listdir(where)) == ["step_00000003", "step_00000003.json", "step_00000006",
+                                       "step_00000006.json"]
+  shutil.rmtree(f"{where}/step_00000006")  # no .json, no state: not a checkpoint
+  os.remove(f"{where}/step_00000006.json")
+  capsys.readouterr()
+  resumed = _run(corpus, steps=6, checkpoint_dir=where, checkpoint_every=3, log_every=3,
+                 keep_checkpoints=1)
+  assert f"resuming from {where}/step_00000003 (step 3 of 6)" in capsys.readouterr().out
+  assert resumed["resumed_from"] == 3 and resumed["losses"] == whole["losses"]
+  assert sorted(os.listdir(where)) == ["step_00000006", "step_00000006.json"]  # the newest 1
+  # The run is done: nothing left to train. Another run's settings are refused, named.
+  with pytest.raises(ValueError, match=r"is at step 6, this run's last \(--steps=6\): nothing "
+                     r"is left to train"):
+    _run(corpus, steps=6, checkpoint_dir=where)
+  with pytest.raises(ValueError, match=r"is of another run: --batch_size=4 \(the checkpoint's "
+                     r"run: 8\), --seed=1 \(the checkpoint's run: 0\); resume it with"):
+    _run(corpus, steps=9, checkpoint_dir=where, seed=1, batch_size=4)
+
+
+def test_run_stops_at_the_first_non_finite_loss(corpus):
+  # A learning rate of 1e6: the loss turns NaN within a few steps of 20; the run stops there.
+  with pytest.raises(train.NonFiniteLossError, match=r"the loss at step \d+ is nan: training "
+                     r"stopped there \(the first non-finite loss\); lower --learning_rate "
+                     r"\(it is 1e\+06\)") as err:
+    _run(corpus, steps=20, learning_rate=1e6, log_every=20)
+  e = err.value
+  assert math.isnan(e.loss) and e.step == len(e.result["losses"]) < 20
+  assert all(math.isfinite(x) for x in e.result["losses"][:-1])

@@ -1,0 +1,149 @@
+"""How the example trainer keeps a run: numbered checkpoints in one directory, the newest resumed.
+
+A checkpoint of the run after step ``n`` (steps counted from 1) is two entries of the run's
+directory:
+
+- ``step_0000000n/``: the training state written by orbax-checkpoint (through
+  ``OffloadedStep.save``, the step's fp32 masters included, or, for a ``jax.jit`` step, an orbax
+  ``StandardCheckpointer`` of the state alone);
+- ``step_0000000n.json``: the run's settings that a resumed run must share, the step count and
+  the losses so far. Written after the state, by a rename: a checkpoint is complete when both
+  exist, and only a complete one is resumed or counted.
+
+The batch order is a function of the seed and the step (`data.batches(start=...)`), so a run
+resumed from step ``n`` reads the batches an uninterrupted run reads from there, and its losses
+are that run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+_NAME = re.compile(r"step_(\d{8})")
+
+# The settings a resumed run must share with its checkpoint's run: they fix the state's
+# structure, the data and the batch order (`--steps` may differ: the schedule then follows it).
+SHARED_SETTINGS = ("config", "batch_size", "seq_len", "seed", "data", "tokenizer", "vocab_size",
+                   "learning_rate", "warmup_steps", "clip", "offload")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """A complete checkpoint of a run.
+
+  Attributes:
+    path: the state's directory (``<checkpoint_dir>/step_0000000n``).
+    step: the steps the run had completed when it was saved (n).
+    losses: the loss of each of those steps (float per step).
+    settings: the run's settings (`SHARED_SETTINGS` and ``steps``).
+  """
+
+  path: str
+  step: int
+  losses: tuple[float, ...]
+  settings: dict[str, Any]
+
+
+def path_of(directory: str, step: int) -> str:
+  """The state directory of the checkpoint after `step` steps."""
+  return os.path.join(os.path.abspath(directory), f"step_{step:08d}")
+
+
+def complete(directory: str) -> list[Checkpoint]:
+  """The complete checkpoints in `directory`, oldest first; [] when it does not exist."""
+  if not os.path.isdir(directory):
+    return []
+  found = []
+  for name in os.listdir(directory):
+    m = _NAME.fullmatch(name)
+    path = os.path.join(os.path.abspath(directory), name)
+    if not m or not os.path.isdir(path) or not os.path.isfile(path + ".json"):
+      continue
+    with open(path + ".json") as f:
+      record = json.load(f)
+    found.append(Checkpoint(path, int(m.group(1)), tuple(record["losses"]), record["settings"]))
+  return sorted(found, key=lambda c: c.step)
+
+
+def check_resumable(checkpoint: Checkpoint, settings: dict[str, Any]) -> None:
+  """Raises ValueError where `settings` (this run's) differ from `checkpoint`'s run in one of
+  `SHARED_SETTINGS`, naming each, or where the checkpoint is at or past this run's last step."""
+  differ = [f"--{k}={settings[k]!r} (the checkpoint's run: {checkpoint.settings.get(k)!r})"
+            for k in SHARED_SETTINGS if checkpoint.settings.get(k) != settings[k]]
+  if differ:
+    raise ValueError(
+        f"checkpoint {checkpoint.path} is of another run: {', '.join(differ)}; resume it with "
+        "the settings it was saved with, or pass another --checkpoint_dir to start a new run")
+  if checkpoint.step >= settings["steps"]:
+    raise ValueError(
+        f"checkpoint {checkpoint.path} is at step {checkpoint.step}, this run's last "
+        f"(--steps={settings['steps']}): nothing is left to train; pass a larger --steps to go "
+        "on, or another --checkpoint_dir to start a new run")
+
+
+def save(directory: str, step: int, losses: list[float], settings: dict[str, Any],
+         write_state: Callable[[str], None], keep: int) -> str:
+  """Writes the checkpoint after `step` steps and keeps the newest `keep` complete ones.
+
+  Args:
+    directory: the run's checkpoint directory (made if missing).
+    step: the steps completed.
+    losses: the loss of each of them.
+    settings: the run's settings (`SHARED_SETTINGS` and ``steps``).
+    write_state: writes the state to the path it is given (which does not exist yet).
+    keep: how many complete checkpoints to keep (>= 1); older ones are deleted.
+
+  Returns:
+    The state's path.
+  """
+  os.makedirs(directory, exist_ok=True)
+  path = path_of(directory, step)
+  if os.path.exists(path):
+    if os.path.isfile(path + ".json"):
+      return path  # saved already at this step
+    shutil.rmtree(path)  # the state of a save that never completed
+  write_state(path)
+  with open(path + ".json.tmp", "w") as f:
+    json.dump({"step": step, "losses": losses, "settings": settings}, f)
+  os.replace(path + ".json.tmp", path + ".json")
+  for old in complete(directory)[:-keep]:
+    os.remove(old.path + ".json")  # incomplete first, then gone
+    shutil.rmtree(old.path, ignore_errors=True)
+  return path
+
+
+class SigintDeferred:
+  """Within `deferred()`, a first Ctrl-C (SIGINT) sets `asked` instead of raising, so that the
+  loop can stop at a step's end with its state whole; a second one raises KeyboardInterrupt at
+  once. Outside it (or off the main thread, where Python delivers no signals) SIGINT acts as
+  usual."""
+
+  def __init__(self):
+    self.asked = False
+
+  @contextlib.contextmanager
+  def deferred(self) -> Iterator["SigintDeferred"]:
+    if threading.current_thread() is not threading.main_thread():
+      yield self
+      return
+
+    def handler(signum, frame):
+      del signum, frame
+      if self.asked:
+        raise KeyboardInterrupt
+      self.asked = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+      yield self
+    finally:
+      signal.signal(signal.SIGINT, previous)
