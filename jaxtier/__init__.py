@@ -13,6 +13,7 @@ from jaxtier._src.api import calibrate as calibrate
 from jaxtier._src.api import offload as offload
 from jaxtier._src.api import plan as plan
 from jaxtier._src.errors import AdmissionError as AdmissionError
+from jaxtier._src.errors import CheckpointMismatchError as CheckpointMismatchError
 from jaxtier._src.errors import OptionError as OptionError
 from jaxtier._src.errors import PlanError as PlanError
 from jaxtier._src.hardware.profile import DEFAULT_PROFILE as DEFAULT_PROFILE

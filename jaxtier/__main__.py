@@ -307,11 +307,15 @@ def main(argv: list[str]) -> None:
     except KeyboardInterrupt as e:
       # Ctrl-C ends the command (--json_out is written); a traceback through the training loop
       # would say nothing more. With --checkpoint_dir the run was saved at its step's end.
-      where = getattr(e, "checkpoint", None)
-      print(f"\ninterrupted at step {e.step} (Ctrl-C): " + (
-          f"the newest checkpoint is {where}; the same command resumes from it" if where else
-          "nothing was saved (--checkpoint_dir keeps the run)") if hasattr(e, "step") else
-          "\ninterrupted (Ctrl-C) before training: nothing was saved", file=sys.stderr)
+      if not isinstance(e, train_lib.Interrupted):  # before the training loop
+        said = "interrupted (Ctrl-C) before training: nothing was saved"
+      elif e.checkpoint:
+        said = (f"interrupted at step {e.step} (Ctrl-C): the newest checkpoint is "
+                f"{e.checkpoint}; the same command resumes from it")
+      else:
+        said = (f"interrupted at step {e.step} (Ctrl-C): nothing was saved (--checkpoint_dir "
+                "keeps the run)")
+      print(f"\n{said}", file=sys.stderr)
       # Exit at once: the interpreter's teardown, with XLA's threads still mid-compile or
       # mid-step, can crash (a segfault after this line).
       sys.stdout.flush()

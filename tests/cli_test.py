@@ -672,3 +672,23 @@ def test_train_interrupted_then_run_again_resumes_with_an_uninterrupted_runs_los
   # The newest 3 checkpoints are kept (every 50 steps and the last).
   assert sorted(p.name for p in (tmp_path / "D").iterdir()) == [
       f"step_{n:08d}{ext}" for n in (100, 150, 200) for ext in ("", ".json")]
+
+
+def test_train_refuses_a_batch_that_cannot_fit_before_compiling_it(tmp_path):
+  # --batch_size=100000 on the CPU: refused only after 130 s of XLA's constant folding. Now
+  # from the shapes: the layers' inputs and the logits alone are 100000 x 128 x (2 x 128 + 256)
+  # x 4 bytes = 24.4 GiB, over the host's memory (this machine's, or any under 24 GiB).
+  text = tmp_path / "text.txt"
+  text.write_text(json.__doc__ * 40)
+  available = jaxtier.available_host_bytes()
+  if available is None or available > 24 * 2**30:
+    pytest.skip("needs a host with under 24 GiB of available memory")
+  out = _cli(tmp_path, "train", "--config=tiny", "--steps=1", "--batch_size=100000",
+             f"--data={text}", f"--json_out={tmp_path / 'r.json'}")
+  assert out.returncode == 1, out.stderr[-2000:]
+  said = json.loads((tmp_path / "r.json").read_text())
+  assert said["ended"] == "refused" and said["error"].startswith(
+      "AdmissionError: step refused before compiling it: a batch of 100000 x 128 tokens needs "
+      "at least 24.42 GiB"), said
+  assert "from the command line: a smaller --batch_size, or --seq_len" in out.stderr
+  assert "constant folding" not in out.stderr.lower() and "step 1" not in out.stdout

@@ -12,6 +12,9 @@ import os
 from typing import Any, Mapping
 
 import jax
+import numpy as np
+
+from jaxtier._src.errors import CheckpointMismatchError
 
 # The checkpoint's top-level entries.
 STATE, MASTERS = "state", "masters"
@@ -42,6 +45,51 @@ def save(directory: "str | os.PathLike[str]", state: Any, masters: Mapping[str, 
   with _checkpointer() as ckptr:
     ckptr.save(path, {STATE: state, MASTERS: dict(masters)})
     ckptr.wait_until_finished()
+
+
+def check_like(directory: "str | os.PathLike[str]", state: Any) -> None:
+  """Checks that the checkpoint at `directory` holds a state of the structure, shapes and
+  dtypes of `state` (arrays or `jax.ShapeDtypeStruct`s), from the checkpoint's metadata alone.
+
+  Raises:
+    FileNotFoundError: no checkpoint at `directory`.
+    CheckpointMismatchError: the first leaf that differs, named with its dtype and shape on
+      each side. A checkpoint whose metadata cannot be read is not checked here (`restore`
+      says what orbax says of it).
+  """
+  path = os.path.abspath(os.fspath(directory))
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"jaxtier checkpoint: no checkpoint at {path}")
+  with _checkpointer() as ckptr:
+    try:
+      saved = ckptr.metadata(path).item_metadata[STATE]
+    except Exception:  # pylint: disable=broad-except  (restore reports what orbax finds)
+      return
+  key = lambda p: tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                        for k in p)
+  held = {key(p): (jax.tree_util.keystr(p), leaf)
+          for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  given = jax.tree_util.tree_flatten_with_path(state)[0]
+  what = lambda x: f"{np.dtype(x.dtype).name}{list(x.shape)}"
+
+  def differs(leaf: str, mine: "str | None", theirs: "str | None") -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"jaxtier checkpoint: {path} does not hold a state like the one given: its first leaf "
+        f"that differs is {leaf}, {theirs or 'absent'} in the checkpoint and "
+        f"{mine or 'absent'} in the state given. Restore with the state the checkpoint was "
+        "saved from (or `jax.eval_shape` of its initialiser)", leaf=leaf, given=mine,
+        saved=theirs)
+
+  for p, x in given:
+    _, leaf = held.get(key(p), (None, None))
+    if leaf is None:
+      raise differs(jax.tree_util.keystr(p), what(x), None)
+    if tuple(leaf.shape) != tuple(x.shape) or np.dtype(leaf.dtype) != np.dtype(x.dtype):
+      raise differs(jax.tree_util.keystr(p), what(x), what(leaf))
+  extra = sorted(set(held) - {key(p) for p, _ in given})
+  if extra:
+    name, leaf = held[extra[0]]
+    raise differs(name, None, what(leaf))
 
 
 def restore(directory: "str | os.PathLike[str]", state: Any, masters: Mapping[str, Any]

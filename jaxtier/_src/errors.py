@@ -32,6 +32,20 @@ class OptionError(PlanError, TypeError):
     self.option, self.value, self.expected = option, value, expected
 
 
+class CheckpointMismatchError(ValueError):
+  """A checkpoint restored into a state of another structure, shapes or dtypes than it holds.
+
+  Raised before the step is traced or anything is read. `leaf` is the first leaf that differs
+  (its path, as `jax.tree_util.keystr` writes it), in the order of the state given (a leaf only
+  the checkpoint has comes after those); `given` and `saved` are that leaf's dtype and shape on
+  each side ('float32[8, 4]'), None where that side has no such leaf.
+  """
+
+  def __init__(self, message: str, *, leaf: str, given: "str | None", saved: "str | None"):
+    super().__init__(message)
+    self.leaf, self.given, self.saved = leaf, given, saved
+
+
 class AdmissionError(PlanError):
   """The plan needs more memory than the budget, the host or XLA's allocators allow.
 

@@ -242,10 +242,14 @@ class OffloadedStep:
     Raises:
       TypeError: no example arguments before a plan exists.
       FileNotFoundError: no checkpoint at `directory`.
-      ValueError: the checkpoint does not hold a state of this structure, shapes and dtypes.
+      jaxtier.CheckpointMismatchError (a ValueError): the checkpoint holds a state of another
+        structure, shapes or dtypes; it names the first leaf that differs, before the step is
+        traced for the state given.
+      ValueError: the fp32 masters differ (the step was planned another way than the saved one).
     """
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), state)
+    checkpoint_lib.check_like(directory, abstract)  # before the step is traced for it
     leaves, treedef = self._plan_abstract(
         abstract, example_args, "restore", "the state has",
         "step.restore(path, state, example_args=(batch,))")

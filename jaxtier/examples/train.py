@@ -135,6 +135,39 @@ def _check_host_memory(config: llama.LlamaConfig, config_name: str,
         "(--offload=auto places there what does not fit the GPU).")
 
 
+def _check_step_memory(config: llama.LlamaConfig, batch_size: int, seq_len: int,
+                       state_bytes: int) -> None:
+  """Raises jaxtier.AdmissionError, from the shapes alone (before the step is traced or
+  compiled), where the step's activations cannot fit however its state is placed.
+
+  What the backward pass needs whatever the activation policy: each layer's input (kept even
+  under ``nothing_saveable``) and the logits, ``(num_layers * d_model + vocab_size) * T`` bytes
+  of ``config.dtype`` for ``T = batch_size * seq_len`` tokens. On the CPU backend these and the
+  state (`state_bytes`) share the host's available memory; on a GPU they must fit what JAX's
+  allocator holds. A lower bound: a step under it may still be refused by its plan.
+  """
+  tokens = batch_size * seq_len
+  need = (config.num_layers * config.d_model + config.vocab_size) * tokens * jnp.dtype(
+      config.dtype).itemsize
+  if jax.default_backend() == "cpu":
+    need += state_bytes
+    limit, limit_name = jaxtier.available_host_bytes(), "host_memory"
+    what = "the state and the step's activations", "this host has available"
+  else:
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    limit_name = "device_memory"
+    what = "the step's activations alone", "JAX's allocator holds on this device"
+  if limit is None or need <= limit:
+    return
+  reason = (f"a batch of {batch_size} x {seq_len} tokens needs at least "
+            f"{jaxtier.format_bytes(need)} for {what[0]} (each layer's input, kept for the "
+            f"backward pass, and the logits), over the {jaxtier.format_bytes(limit)} {what[1]}")
+  error = jaxtier.AdmissionError(f"step refused before compiling it: {reason}. Fix: a smaller "
+                                 "batch or sequence.")
+  error.reason, error.limit = reason, limit_name
+  raise error
+
+
 def check_seq_len(config: llama.LlamaConfig, config_name: str, seq_len: int) -> None:
   """Raises ValueError, before anything is allocated, for a sequence longer than the model's
   maximum (`config.max_seq_len`)."""
@@ -251,7 +284,9 @@ def run(
       size the tokenizer does not allow.
     OverBudgetError: the plan misses a budget given (only with ``allow_over_budget=False``).
     jaxtier.AdmissionError: the plan (or, with ``"none"``, the jitted step: `jaxtier.admit`)
-      needs more memory than this machine gives, raised before the state is allocated.
+      needs more memory than this machine gives, raised before the state is allocated; or the
+      batch's activations alone cannot fit (`_check_step_memory`), raised before the step is
+      compiled.
     tokenizer.TokenizersMissingError: ``"bpe"`` without the ``tokenizers`` package.
     NonFiniteLossError: a step's loss is NaN or inf; raised at it (the next step may have been
       dispatched, none after), with the results so far.
@@ -330,6 +365,7 @@ def run(
         f"offload={offload}")
   if resumed:
     print(f"resuming from {resumed.path} (step {start} of {steps})")
+  _check_step_memory(config, batch_size, seq_len, state_bytes)
 
   first_batch = jnp.asarray(next(batch_iter))
   plan = None

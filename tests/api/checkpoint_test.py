@@ -102,9 +102,43 @@ def test_save_refuses_an_existing_directory_and_restore_a_missing_one(tmp_path):
     off.restore(tmp_path / "missing", placed)
   back = off.restore(tmp_path / "ck", placed)
   np.testing.assert_array_equal(np.asarray(back["params"]["w"]), np.ones((4, 4)))
-  # A state of other shapes than the one saved: said in jaxtier's words, orbax's quoted.
+  # A state of other shapes than the one saved: the first leaf that differs is named, with
+  # its shape and dtype on each side.
   wrong = jax.tree.map(lambda x: jax.ShapeDtypeStruct((8, 4), x.dtype) if x.ndim == 2 else x,
                        back)
-  with pytest.raises(ValueError, match=r"does not hold a state like the one given \(its "
-                     r"structure, shapes, dtypes or fp32 masters differ; orbax says: "):
+  with pytest.raises(ValueError, match=r"does not hold a state like the one given: its first "
+                     r"leaf that differs is \['params'\]\['w'\], float32\[4, 4\] in "
+                     r"the checkpoint and float32\[8, 4\] in the state given") as err:
     off.restore(tmp_path / "ck", wrong)
+  assert isinstance(err.value, jaxtier.CheckpointMismatchError)
+  assert (err.value.leaf, err.value.given, err.value.saved) == (
+      "['params']['w']", "float32[8, 4]", "float32[4, 4]")
+
+
+def test_restore_into_another_structure_names_the_first_leaf_before_tracing(tmp_path):
+  # restore(path, {"params": 1}) in a new step failed with a jax.grad error from tracing the
+  # user's step for that state; now the checkpoint's metadata is read first.
+  tx = optax.adam(0.1)
+  params = {"w": jnp.ones((4, 4))}
+  traced = []
+
+  def step(state, x):
+    traced.append(1)
+    g = jax.grad(lambda p: jnp.sum(x @ p["w"]))(state["params"])
+    u, o = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {}
+  off = jaxtier.offload(step)
+  off.save(tmp_path / "ck", off.place({"params": params, "opt": tx.init(params)},
+                                      jnp.ones((2, 4))))
+  fresh, traced[:] = jaxtier.offload(step), []
+  with pytest.raises(jaxtier.CheckpointMismatchError, match=r"its first leaf that differs is "
+                     r"\['params'\], absent in the checkpoint and int32\[\] in the state given"
+                     ) as err:
+    fresh.restore(tmp_path / "ck", {"params": 1}, example_args=(jnp.ones((2, 4)),))
+  assert (err.value.leaf, err.value.given, err.value.saved) == ("['params']", "int32[]", None)
+  assert not traced and fresh.plan is None  # refused before the step was traced
+  # A leaf only the checkpoint has: named after the state's own leaves.
+  with pytest.raises(jaxtier.CheckpointMismatchError) as err:
+    fresh.restore(tmp_path / "ck", {"params": params}, example_args=(jnp.ones((2, 4)),))
+  assert (err.value.leaf, err.value.given, err.value.saved) == (
+      "['opt'][0]['count']", None, "int32[]")

@@ -281,3 +281,23 @@ def test_run_stops_at_the_first_non_finite_loss(corpus):
   e = err.value
   assert math.isnan(e.loss) and e.step == len(e.result["losses"]) < 20
   assert all(math.isfinite(x) for x in e.result["losses"][:-1])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend's host memory")
+def test_a_batch_whose_activations_cannot_fit_is_refused_before_compiling(corpus, monkeypatch):
+  # --batch_size=100000 was refused after 130 s of XLA constant folding. The layers' inputs
+  # and the logits (8 x 32 tokens: 2 x 32 + 256 values of 4 bytes each) and the state are
+  # over the host's memory, made 600 KiB here: refused from the shapes, no step planned.
+  import jaxtier  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(host_lib, "available_bytes", lambda: 600 << 10)
+  planned = []
+  monkeypatch.setattr(train, "_offload_step", lambda *a, **k: planned.append(1))
+  with pytest.raises(jaxtier.AdmissionError, match=r"^step refused before compiling it: a batch "
+                     r"of 8 x 32 tokens needs at least [\d.]+ KiB for the state and the step's "
+                     r"activations \(each layer's input, kept for the backward pass, and the "
+                     r"logits\), over the 600\.00 KiB this host has available") as err:
+    _run(corpus, steps=1, offload="auto")
+  assert err.value.limit == "host_memory" and not planned and err.value.plan is None
+  state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+      train.make_train_state(MICRO, 1e-2, abstract=True)[1]))
+  assert jaxtier.format_bytes((2 * 32 + 256) * 8 * 32 * 4 + state) in err.value.reason
