@@ -1,28 +1,100 @@
 """The command line (`python -m jaxtier train|plan|calibrate`): exit codes and what it prints.
 
-Each test runs the installed package in a subprocess (as a user would) with an empty profile
-cache, on small configs (a few seconds each).
+Each test runs the installed package in a process of its own (as a user would) with an empty
+profile cache, on small configs (a few seconds each). Most are forked from one process that has
+imported jax, flax and optax once (`_Forks`), the seconds a new interpreter spends on its imports
+saved per command: the child runs `python -m jaxtier` as a new one would, with its own
+arguments, environment, working directory, output files and exit status.
 """
 
+import atexit
 import json
 import math
 import os
 import random
 import re
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 
 import jax
 import pytest
 
 import jaxtier
 
+# The forking process: imports the example trainer (jax, flax, optax; no backend is started),
+# then per request line forks a child that runs `python -m jaxtier <args>` and answers with the
+# child's pid, then its exit status.
+_FORKS = r"""
+import json, os, runpy, sys, traceback
+import jaxtier.examples.train
+for line in sys.stdin:
+  req = json.loads(line)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:
+    code = 1
+    try:
+      os.chdir(req["cwd"])
+      os.environ.clear()
+      os.environ.update(req["env"])
+      for fd, path in ((1, req["out"]), (2, req["err"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+      os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+      sys.argv = ["jaxtier", *req["args"]]
+      sys.orig_argv = [sys.executable, "-m", "jaxtier", *req["args"]]
+      try:
+        runpy.run_module("jaxtier", run_name="__main__", alter_sys=True)
+        code = 0
+      except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+          code = e.code or 0
+        else:
+          print(e.code, file=sys.stderr)
+    except BaseException:
+      traceback.print_exc()
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+  print(json.dumps({"pid": pid}), flush=True)
+  _, status = os.waitpid(pid, 0)
+  print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
 
-def _cli(tmp_path, *args, timeout=120):
+
+class _Forks:
+  """The forking process (one per test process, started at the first command)."""
+
+  proc = None
+
+  @classmethod
+  def run(cls, args, env, cwd, timeout):
+    if cls.proc is None or cls.proc.poll() is not None:
+      cls.proc = subprocess.Popen([sys.executable, "-c", _FORKS], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, cwd=cwd, env=env)
+      atexit.register(cls.proc.kill)
+    with tempfile.TemporaryDirectory() as folder:
+      out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
+      cls.proc.stdin.write(json.dumps(dict(args=list(args), env=env, cwd=str(cwd), out=out,
+                                           err=err)).encode() + b"\n")
+      cls.proc.stdin.flush()
+      pid = json.loads(cls.proc.stdout.readline())["pid"]
+      if not select.select([cls.proc.stdout], [], [], timeout)[0]:
+        os.kill(pid, signal.SIGKILL)
+        cls.proc.stdout.readline()
+        raise subprocess.TimeoutExpired(["python", "-m", "jaxtier", *args], timeout)
+      code = json.loads(cls.proc.stdout.readline())["returncode"]
+      read = lambda path: open(path, encoding="utf-8", errors="replace").read()
+      return subprocess.CompletedProcess(args, code, read(out), read(err))
+
+
+def _cli(tmp_path, *args, timeout=300):
   env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "jaxtier", *args], capture_output=True,
-                        text=True, env=env, cwd=tmp_path, timeout=timeout)
+  return _Forks.run(args, env, tmp_path, timeout)
 
 
 @pytest.mark.slow
@@ -122,9 +194,8 @@ def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tm
   # plan's against the user's budget (the compiled check, whose verdict train prints as its
   # error when over): the notes do not say DOES NOT FIT. (--allow_over_budget: the plan is
   # printed either way.)
-  out = _cli(tmp_path, "train", "--config=tiny", "--batch_size=1", "--seq_len=32",
-             "--device_budget=7MiB", "--remat_policy=nothing_saveable", "--steps=2",
-             "--allow_over_budget")
+  out = _train(tmp_path, "--batch_size=1", "--seq_len=32", "--device_budget=7MiB",
+               "--remat_policy=nothing_saveable", "--allow_over_budget")
   assert out.returncode == 0, out.stderr[-2000:]
   assert "re-planned (" in out.stdout
   notes = [l for l in out.stdout.splitlines() if l.startswith("note:")]
@@ -585,7 +656,7 @@ def test_a_flag_the_command_does_not_read_is_said_to_be_ignored(tmp_path):
   assert out.returncode == 0, out.stderr[-2000:]
   assert "warning: python -m jaxtier plan does not use --steps, --data; ignored" in out.stderr
   # A boolean flag is named as typed.
-  out = _cli(tmp_path, "train", "--config=tiny", "--steps=1", "--nostream")
+  out = _train(tmp_path, "--nostream")  # (a small corpus: the default one takes seconds)
   assert "warning: python -m jaxtier train does not use --nostream; ignored" in out.stderr
   quiet = _cli(tmp_path, "plan", "--config=tiny", "--batch_size=2", "--nostream", "--verbose")
   assert quiet.returncode == 0 and "does not use" not in quiet.stderr, quiet.stderr[-2000:]
