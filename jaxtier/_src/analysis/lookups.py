@@ -45,6 +45,17 @@ class TableLookup:
     return self.num_ids * self.row_nbytes
 
 
+@dataclasses.dataclass(frozen=True)
+class NotATable:
+  """A leaf the DHA gather cannot serve in place (`table_lookup`).
+
+  Attributes:
+    why: a sentence saying why.
+  """
+
+  why: str
+
+
 def _is_row_scatter(eqn: Any) -> bool:
   if eqn.primitive.name != "scatter-add" or len(eqn.invars) != 3:
     return False
@@ -67,9 +78,9 @@ def _is_zeros(eqn: Any) -> bool:
   return isinstance(v, jc.Literal) and np.all(np.asarray(v.val) == 0)
 
 
-def table_lookup(jaxpr: Any, index: int) -> "TableLookup | str":
+def table_lookup(jaxpr: Any, index: int) -> "TableLookup | NotATable":
   """The lookup of state leaf `index` of the traced step's top-level `jaxpr`, or why there is
-  none (a sentence).
+  none (`NotATable`).
 
   A leaf qualifies when it is a 2-d float table whose every top-level read is either one row
   `gather` (the forward) or an elementwise equation over all its elements (its update), and
@@ -80,7 +91,8 @@ def table_lookup(jaxpr: Any, index: int) -> "TableLookup | str":
   v = jaxpr.invars[index]
   shape = tuple(v.aval.shape)
   if len(shape) != 2:
-    return f"it is {len(shape)}-d; a zero-copy lookup serves a 2-d table [rows, width]"
+    return NotATable(
+        f"it is {len(shape)}-d; a zero-copy lookup serves a 2-d table [rows, width]")
   n = jaxpr_graph.size_of(v.aval)
   gathers: list[int] = []
   for k, eqn in enumerate(jaxpr.eqns):
@@ -91,31 +103,36 @@ def table_lookup(jaxpr: Any, index: int) -> "TableLookup | str":
       continue
     if (eqn.primitive.name == "gather" and eqn.invars[0] is v
         and jaxpr_graph.mode_name(eqn.params.get("mode")) not in jaxpr_graph.ROW_GATHER_MODES):
-      return (f"its rows are gathered with mode {jaxpr_graph.mode_name(eqn.params.get('mode'))}"
-              " (ids clamped into the table), which the DHA gather does not do (an id out of "
-              "range reads zeros there): use `jnp.take`'s default mode")
+      return NotATable(
+          f"its rows are gathered with mode {jaxpr_graph.mode_name(eqn.params.get('mode'))}"
+          " (ids clamped into the table), which the DHA gather does not do (an id out of "
+          "range reads zeros there): use `jnp.take`'s default mode")
     if not jaxpr_graph.elementwise_over(eqn, n):
       why = (" (an update applied under a condition, as optax.apply_if_finite's, reads it "
              "there)" if eqn.primitive.name in ("cond", "while") else "")
-      return (f"the step reads it with `{eqn.primitive.name}`{why}, not only as rows gathered "
-              "by `jnp.take(table, ids, axis=0)` and elementwise by its update")
+      return NotATable(
+          f"the step reads it with `{eqn.primitive.name}`{why}, not only as rows gathered "
+          "by `jnp.take(table, ids, axis=0)` and elementwise by its update")
   if len(gathers) != 1:
-    return ("the step reads no rows of it" if not gathers else
-            f"the step gathers its rows {len(gathers)} times; one lookup per step is served")
+    return NotATable(
+        "the step reads no rows of it" if not gathers else
+        f"the step gathers its rows {len(gathers)} times; one lookup per step is served")
   g = jaxpr.eqns[gathers[0]]
   idx = g.invars[1]
   producer = {o: k for k, e in enumerate(jaxpr.eqns) for o in e.outvars}
   scatters = [k for k, e in enumerate(jaxpr.eqns) if _is_row_scatter(e) and e.invars[1] is idx
               and tuple(e.invars[0].aval.shape) == shape]
   if len(scatters) != 1:
-    return "its gradient is not one scatter-add of the gathered rows (is it differentiated?)"
+    return NotATable(
+        "its gradient is not one scatter-add of the gathered rows (is it differentiated?)")
   s = jaxpr.eqns[scatters[0]]
   z = producer.get(s.invars[0])
   if z is None or not _is_zeros(jaxpr.eqns[z]):
-    return "its gradient's scatter-add does not start from zeros"
+    return NotATable("its gradient's scatter-add does not start from zeros")
   why = _elementwise_uses(jaxpr, s.outvars[0], n)
   if why:
-    return f"its gradient is {why}; a zero-copy lookup's gradient is read only by its update"
+    return NotATable(
+        f"its gradient is {why}; a zero-copy lookup's gradient is read only by its update")
   row = shape[1] * np.dtype(v.aval.dtype).itemsize
   return TableLookup(leaf=index, gather=gathers[0], scatter=scatters[0], zeros=z,
                      num_ids=int(np.prod(idx.aval.shape[:-1], dtype=np.int64)),

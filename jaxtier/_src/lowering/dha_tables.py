@@ -78,9 +78,9 @@ def schedule(jaxpr: Any, plan: Plan, host_eqns: "set[int]", first_scratch: int) 
   gathers, scatters, skip, scratch, sent, notes = {}, {}, set(), [], {}, []
   for leaf in tables:
     got = lookups_lib.table_lookup(jaxpr, leaf.index)
-    if isinstance(got, str):
+    if isinstance(got, lookups_lib.NotATable):
       raise ValueError(f"leaf {leaf.path} is placed host_dha but is not an embedding table the "
-                       f"DHA gather can serve: {got}")
+                       f"DHA gather can serve: {got.why}")
     gathers[got.gather] = leaf.index
     grad = jaxpr.eqns[got.scatter].outvars[0]
     if not set(uses.get(grad, ())) <= host_eqns:

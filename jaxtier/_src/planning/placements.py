@@ -187,17 +187,18 @@ def _table_check(inv: Inventory, leaf: LeafInfo, stream_blocked: str) -> "Refusa
   if leaf.role != Role.PARAM:
     return None
   got = lookups.table_lookup(inv.closed_jaxpr.jaxpr, leaf.index)
-  if isinstance(got, lookups.TableLookup):
-    return None
-  return Refusal(Placement.HOST_DHA, RefusalKind.NOT_A_TABLE, got)
+  if isinstance(got, lookups.NotATable):
+    return Refusal(Placement.HOST_DHA, RefusalKind.NOT_A_TABLE, got.why)
+  return None
 
 
-def _executor(placement: Placement, executor: Executor, dha_share: "float | None",
+def _executor(placement: Placement, executor: Executor, dha_share: "float | None", *,
+              param_schedule: Schedule = Schedule.UPDATED_IN_PLACE,
               **kw: Any) -> PlacementRecord:
+  """The record of a placement whose leaves `executor` updates in place in pinned_host."""
   return PlacementRecord(placement=placement, memory_kind=MemoryKind.PINNED_HOST,
                          executor=executor, schedule=Schedule.UPDATED_IN_PLACE,
-                         dha_share=dha_share, **{"param_schedule": Schedule.UPDATED_IN_PLACE,
-                                                 **kw})
+                         param_schedule=param_schedule, dha_share=dha_share, **kw)
 
 
 _RECORDS = (
