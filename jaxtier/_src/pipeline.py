@@ -22,18 +22,18 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.analysis import layer_stacks, lookups
 from jaxtier._src.analysis import step_costs as step_costs_lib
+from jaxtier._src.analysis import update_schedule
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import compiled as compiled_lib
 from jaxtier._src.options import OffloadOptions
-from jaxtier._src.lowering import overlap as overlap_lib
 from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
 from jaxtier._src.planning.plan import DeviceBudget, Plan, verdict_lines
 from jaxtier._src.units import format_bytes
-from jaxtier._src.vocab import NamedPolicy, Placement, Role, is_named
+from jaxtier._src.vocab import MemoryKind, NamedPolicy, Placement, Role, is_named
 
 log = logging.getLogger("jaxtier")
 
@@ -87,7 +87,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
                streamable=set() if blocked else _streamable(inv),
                dha_readable={} if blocked else dha_readable_tables(inv),
                resident_bytes=_resident_bytes(state), stream_blocked=blocked,
-               overlap_update=options.overlap_update)
+               overlap_update=options.overlap_update, meshed=_meshed(state))
   sig = signature(state, args)
 
   def make(step_costs):
@@ -95,7 +95,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
 
   def lower(plan):
     programs = compiled_lib.build(inv, plan, state, args, options.overlap_update)
-    notes = _overlap_notes(plan, programs.split.overlap) + programs.split.lookup.notes
+    notes = _schedule_notes(plan) + programs.split.lookup.notes
     return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
                    programs, sig)
 
@@ -256,12 +256,9 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       step_costs=_step_costs(inv, state, args, platform, options.policy, always=True),
       streamable=streamable, dha_readable=dha_readable, activations=activations,
       resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what,
-      stream_blocked=blocked, overlap_update=options.overlap_update)
+      stream_blocked=blocked, overlap_update=options.overlap_update, meshed=_meshed(state))
   _warn_unfit(result)  # not compiled: the prediction is all there is
-  # Which updates the lowering runs layer by layer (its schedule alone: nothing is lowered).
-  _, ov, _ = overlap_lib.schedules(inv.closed_jaxpr.jaxpr, result, None,
-                                   options.overlap_update)
-  notes = _overlap_notes(result, ov)
+  notes = _schedule_notes(result)
   if notes:
     result = dataclasses.replace(result, notes=result.notes + notes)
   if platform != here:
@@ -350,8 +347,8 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
   return planned, max(1, budget - over)
 
 
-def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...]:
-  """What the plan's notes say of the per-layer host updates (`lowering/overlap.py`)."""
+def _schedule_notes(plan: Plan) -> tuple[str, ...]:
+  """What the plan's notes say of when its host updates run (`Plan.schedule`)."""
   if not plan.components:
     return ()
   def named(paths: list[str]) -> str:
@@ -359,22 +356,26 @@ def _overlap_notes(plan: Any, ov: overlap_lib.OverlapSchedule) -> tuple[str, ...
     return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
   notes = []
-  layered = [u for u in ov.updates if u.rows is None]
+  layered = [s for s in plan.schedule if s.mode == update_schedule.Mode.LAYERED]
   if layered:
-    written = {i for u in layered for kind, i in u.buffers if kind == "leaf"}
-    leaves = [plan.leaves[i].path for i in ov.host_leaves if i in written]
+    pinned = {l.index for l in plan.leaves if l.memory_kind == MemoryKind.PINNED_HOST}
+    leaves = [plan.leaves[i].path
+              for i in update_schedule.host_leaves_written(layered, pinned)]
     notes.append(f"{len(layered)} of {len(plan.components)} host updates run layer by layer "
                  f"inside the backward pass, overlapped with it (their {len(leaves)} host "
                  f"leaves: {named(leaves)})")
-  for u in ov.tables:
-    table = plan.leaves[u.rows.table].path
+  for s in plan.schedule:
+    if s.mode != update_schedule.Mode.ROWS:
+      continue
+    table = plan.leaves[s.table].path
     notes.append(f"the update of {table} (host_dha: read in place) and its state runs row by "
                  "row on the host CPUs: the rows the step's ids do not name, whose gradient is "
                  "zero, while the step computes; the others once their gradient rows have "
                  "landed (the same numbers as one update after the backward pass)")
-  by_reason: dict[str, list[int]] = {}
-  for c, why in ov.serial.items():
-    by_reason.setdefault(why, []).append(c)
+  by_reason: dict[update_schedule.Refusal, list[int]] = {}
+  for s in plan.schedule:
+    if s.mode == update_schedule.Mode.SERIAL:
+      by_reason.setdefault(s.reason, []).append(s.component)
   for why, comps in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
     seeds = [plan.leaves[i].path for c in comps for i in plan.components[c].component.seeds]
     notes.append(f"{len(comps)} host update{'s run' if len(comps) > 1 else ' runs'} after the "
@@ -572,6 +573,20 @@ def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platfor
       # backward pass, and so their executor, rests on the compute's time.
       time_scans=(solves or is_named(policy, NamedPolicy.OPTIMIZER_STATE_ON_HOST))
       and _time_scans(platform))
+
+
+def _meshed(state: Any) -> frozenset[int]:
+  """The state leaves the lowering places on a mesh of more than one device: a leaf with a
+  `NamedSharding` on its mesh, any other on the state's (`compiled.state_shardings`)."""
+  leaves = jax.tree_util.tree_leaves(state)
+  common = jc.common_mesh(leaves)
+  out = set()
+  for i, x in enumerate(leaves):
+    sh = getattr(x, "sharding", None)
+    mesh = sh.mesh if isinstance(sh, jax.sharding.NamedSharding) else common
+    if mesh is not None and mesh.size > 1:
+      out.add(i)
+  return frozenset(out)
 
 
 def _resident_bytes(state: Any) -> int:

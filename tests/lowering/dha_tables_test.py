@@ -188,6 +188,14 @@ def test_the_row_by_row_update_gives_the_serial_update_s_bits(tx):
     off = jaxtier.offload(_step_fn(tx), policy={TABLE: "host_dha"}, overlap_update=overlap)
     state = off.place(_state(tx), *_batch(0))
     assert any("runs row by row" in n for n in off.plan.notes) == overlap, off.plan.notes
+    # The lowered program updates by rows what the plan records so (`Plan.schedule`).
+    tables = off._programs.split.overlap.tables
+    rows = [s for s in off.plan.schedule if s.mode == "rows"]
+    assert len(rows) == int(overlap), off.plan.schedule
+    assert [(u.component, u.rows.table, u.rows.gather, u.rows.scatter) for u in tables] == [
+        (s.component, s.table, s.loop, s.scatter) for s in rows]
+    if overlap:
+      assert off.plan.leaves[rows[0].table].path == EMB
     runs[overlap] = _train(off, state, 12)
   (serial, serial_losses), (rows, rows_losses) = runs[False], runs[True]
   np.testing.assert_array_equal(rows_losses, serial_losses)

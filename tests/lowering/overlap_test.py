@@ -8,7 +8,9 @@ a global-norm clip keeps the stack serial, with its reason; the compiled program
 leaves in place; a step that fails after the layered updates began names what it left.
 """
 
+import dataclasses
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +21,11 @@ from flax import nnx
 
 import _stacks
 import jaxtier
+from jaxtier._src.analysis.update_schedule import Mode, Refusal, Why
+from jaxtier._src.analysis import inventory
 from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import hlo as hlo_lib
+from jaxtier._src.lowering import overlap
 from jaxtier._src.planning import planner
 from jaxtier._src.primitives import host_update as hu
 
@@ -115,16 +120,28 @@ def test_layered_equals_serial(name, where):
   _assert_same(s_state, l_state, s_losses, l_losses)
   ov = layered._programs.split.overlap
   assert not serial._programs.split.overlap.updates
+  # The lowered programs run what each plan records (`Plan.schedule`), which it costed.
+  for step in (serial, layered):
+    lowered = step._programs.split.overlap
+    assert lowered.components == {s.component for s in step.plan.schedule
+                                  if s.mode != Mode.SERIAL}
+    assert lowered.serial == {s.component: s.reason for s in step.plan.schedule
+                              if s.mode == Mode.SERIAL}
+    assert {u.scan for u in lowered.updates} == {s.loop for s in step.plan.schedule
+                                                 if s.mode == Mode.LAYERED}
+  assert set(serial._programs.split.overlap.serial.values()) == {Refusal(Why.OVERLAP_OFF)}
   if name.startswith("clip"):
     # The clip scale needs every gradient: nothing can run before the backward pass ends.
     assert not ov.updates
-    assert any("global-norm clip" in why for why in ov.serial.values()), ov.serial
+    assert any(why.kind == Why.WAITS_FOR_EVERY_GRADIENT for why in ov.serial.values()), ov.serial
+    assert any("global-norm clip" in str(why) for why in ov.serial.values()), ov.serial
   else:
     # The stacked block's kernel and bias are layered; the head (no layer loop) is not.
     assert len(ov.updates) == 2, ov.serial
     assert all("blocks" in p for p in _layered_paths(layered)), _layered_paths(layered)
     if where == "host":
-      assert any("not a layer loop" in why for why in ov.serial.values()), ov.serial
+      assert any(why.kind == Why.NO_LAYER_LOOP for why in ov.serial.values()), ov.serial
+      assert any("not a layer loop" in str(why) for why in ov.serial.values()), ov.serial
     else:
       # Streamed: the params are layered host leaves too, their gradients read where they
       # land; the head's state stays on the device (no host update of it).
@@ -346,3 +363,36 @@ def test_jaxtier_plan_says_and_costs_the_schedule_the_lowering_runs(case):
     assert not layered and "layered host update (exposed)" not in phases, (plan.notes, phases)
     assert {"clip": "global-norm clip", "off": "overlap_update is off"}[case] in serial, (
         plan.notes)
+
+
+def test_a_lowering_that_cannot_build_the_plan_s_schedule_raises(monkeypatch):
+  # The plan records two layered updates: a lowering under other options, of a state on a
+  # mesh, or of a plan that records no schedule refuses to build another one.
+  tx = optax.adam(1e-2)
+  graphdef, params = _model()
+  step = _step(graphdef, tx)
+  state = {"params": params, "opt": tx.init(params)}
+  inv = inventory.take_inventory(step, state, (_batch(0),))
+  plan = planner.make_plan(inv, platform="cpu", policy=ON_HOST)
+  jaxpr = inv.closed_jaxpr.jaxpr
+  assert sum(s.mode == Mode.LAYERED for s in plan.schedule) == 2
+  _, ov, _ = overlap.schedules(jaxpr, plan)
+  assert len(ov.updates) == 2 and ov.components == {
+      s.component for s in plan.schedule if s.mode == Mode.LAYERED}
+  with pytest.raises(overlap.ScheduleError, match="overlap_update is off"):
+    overlap.schedules(jaxpr, plan, None, enabled=False)
+  with monkeypatch.context() as m:
+    m.setenv("JAXTIER_DISABLE_FFI", "1")
+    with pytest.raises(overlap.ScheduleError, match="JAXTIER_DISABLE_FFI"):
+      overlap.schedules(jaxpr, plan)
+
+  class OnMesh:  # pylint: disable=too-few-public-methods
+    mesh = types.SimpleNamespace(size=2)
+  with pytest.raises(overlap.ScheduleError, match="sharded over a mesh of 2 devices"):
+    overlap.schedules(jaxpr, plan, [OnMesh()] * len(plan.leaves))
+  with pytest.raises(overlap.ScheduleError, match="records the schedule of 0 host updates"):
+    overlap.schedules(jaxpr, dataclasses.replace(plan, schedule=()))
+  # A plan made with overlap_update=False records every update serial: lowered so.
+  off = planner.make_plan(inv, platform="cpu", policy=ON_HOST, overlap_update=False)
+  _, ov, _ = overlap.schedules(jaxpr, off, None, enabled=False)
+  assert not ov.updates and set(ov.serial.values()) == {Refusal(Why.OVERLAP_OFF)}

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph
 
@@ -66,14 +64,9 @@ def stream_reason(jaxpr: Any, index: int) -> str:
 
 
 class LayerLoops:
-  """Which fused host updates can run layer by layer inside a top-level layer loop.
-
-  A component qualifies (`of`) when its gradient operands are `ys` outputs of one top-level
-  `scan` of length L >= 2, every other vector operand is stacked `[L, ...]` with the
-  component's N = L * n elements, and every scalar operand depends on nothing that scan
-  computes (a global-norm clip's scale does: it needs every gradient). What the lowering adds
-  (memory kinds, streaming, meshes) is `lowering/overlap.py`'s.
-  """
+  """The top-level equations' dataflow, for the updates run inside a layer loop
+  (`update_schedule.layer_loop`): each var's producer and readers, each scan's `ys` outputs,
+  and what depends on an equation."""
 
   def __init__(self, jaxpr: Any):
     self.jaxpr = jaxpr
@@ -103,44 +96,3 @@ class LayerLoops:
           t.update(v for v in eqn.outvars if isinstance(v, jc.Var))
       self._tainted[k] = t
     return self._tainted[k]
-
-  def of(self, cc: Any) -> "tuple[int, dict[int, int]] | str":
-    """(the scan's equation index, {operand position: its gradient's outvar position in the
-    scan}) for component `cc`, or why it has no layer loop."""
-    if not cc.results:
-      return "no results"
-    n_total = int(np.prod(cc.results[0].shape))
-    grads: dict[int, int] = {}
-    scans = set()
-    for pos, spec in enumerate(cc.operands):
-      if spec.kind == "value" and spec.var in self.scan_out:
-        k, out_pos = self.scan_out[spec.var]
-        scans.add(k)
-        grads[pos] = out_pos
-    if len(scans) != 1:
-      return ("the gradient is not a layer loop's output alone (the leaf is no stack of layers, "
-              "or it is read outside the loop too)" if not scans
-              else "the update reads the outputs of several layer loops")
-    (k,) = scans
-    length = int(self.jaxpr.eqns[k].params["length"])
-    if length < 2 or n_total % length:
-      return f"{n_total} elements do not split into {length} layers"
-    late = self.tainted(k)
-    for pos, spec in enumerate(cc.operands):
-      if spec.kind == "const" or pos in grads:
-        continue
-      aval = spec.var.aval if spec.kind == "value" else self.jaxpr.invars[spec.index].aval
-      shape = tuple(aval.shape)
-      if int(np.prod(shape)) == 1:
-        if spec.kind == "value" and spec.var in late:
-          return ("the update waits for a value computed from every gradient (a global-norm "
-                  "clip or a non-finite check)")
-        continue
-      if int(np.prod(shape)) != n_total or not shape or shape[0] != length:
-        return f"operand {pos} is not stacked over the {length} layers"
-      if spec.kind == "value" and spec.var in late:
-        return f"operand {pos} is computed after the layer loop"
-    for r in cc.results:
-      if int(np.prod(r.shape)) != n_total or not r.shape or r.shape[0] != length:
-        return "a result is not stacked over the layers"
-    return k, grads

@@ -14,19 +14,11 @@ final (a caller reading it, or a checkpoint, sees the serial step's values), and
 of the next step needs no per-layer wait. The cost is the exposed tail (the last layer's update,
 and the leaves outside the stack, which stay in the serial update program).
 
-Which components qualify (`schedule`; otherwise they stay serial, with the reason):
-- every vector operand is `[L, ...]` with N = L * n elements: the gradient (a `ys` output of
-  one top-level scan; a streamed scan sends it to a pinned_host scratch buffer, and the call
-  reads the landed window there), the leaf and its moments and master; every scalar operand
-  (the learning rate, the bias corrections) depends on nothing that scan computes. A scalar
-  computed from every gradient (a global-norm clip, a non-finite check) must wait for the whole
-  backward pass: such a component stays serial, so that the layered ones compute what the
-  serial step does (the unrolled backward scan, compiled apart from the rolled one, may round a
-  gradient differently in the last bit);
-- each result is a state leaf's new value (or its master), returned by the step only as that
-  leaf; a device leaf written in place is read elsewhere only as `xs` by the layer loop and by
-  loops it depends on (so every read of layer t's slice comes before iteration t's call);
-- the leaf is not sharded over a mesh.
+Which components run so, and how each is cut, the plan records (`Plan.schedule`, decided
+by `analysis/update_schedule.py`, which the planner costs); `schedule` builds that record and
+raises `ScheduleError` where this lowering cannot (a mesh, or a schedule of tables or scratch
+buffers other than the plan's). A gradient that a streamed scan sends to a pinned_host
+scratch buffer is read there: the call reads the landed window.
 
 The writes are unseen by XLA: each call names iteration t's outputs as order-only operands
 (every read of slice t, in the forward or the backward, comes before), and the written buffers
@@ -46,13 +38,10 @@ back the table, its state and the gradient buffer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
-import numpy as np
-
-from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import jaxpr_graph
-from jaxtier._src.analysis import layer_stacks
+from jaxtier._src.analysis import update_schedule
 from jaxtier._src.analysis.op_program_compiler import CompiledComponent
 from jaxtier._src.lowering import dha_tables
 from jaxtier._src.lowering import streaming
@@ -140,7 +129,7 @@ class OverlapSchedule:
   host_leaves: tuple[int, ...] = ()
   masters: tuple[int, ...] = ()
   device_leaves: tuple[int, ...] = ()
-  serial: dict[int, str] = dataclasses.field(default_factory=dict)
+  serial: "dict[int, update_schedule.Refusal]" = dataclasses.field(default_factory=dict)
 
   def by_scan(self, k: int) -> list[LayeredUpdate]:
     return [u for u in self.updates if u.scan == k and u.rows is None]
@@ -178,13 +167,23 @@ class OverlapSchedule:
 EMPTY = OverlapSchedule()
 
 
+class ScheduleError(ValueError):
+  """The lowering cannot build the update schedule the plan records (`Plan.schedule`): the
+  plan was made for another state (a mesh), other options (`overlap_update`, the
+  `JAXTIER_DISABLE_FFI` switch), or not by the planner."""
+
+
 def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
               enabled: bool = True
               ) -> tuple[streaming.StreamSchedule, OverlapSchedule, dha_tables.LookupSchedule]:
   """The streaming schedule of `plan`'s host_stream leaves (`streaming.schedule`), the tables
   read in place (`dha_tables.schedule`; their gradient buffers follow the streamed gradients'
   among the scratch buffers, and the returned streaming schedule lists both), and given them
-  the overlapped host updates (`schedule`): what the lowering of `plan` runs."""
+  the overlapped host updates the plan records (`schedule`): what the lowering of `plan` runs.
+
+  Raises:
+    ScheduleError: as `schedule`.
+  """
   host_eqns = {k for cc in plan.components for k in cc.component.eqns}
   stream = streaming.schedule(
       jaxpr, [l.index for l in plan.leaves
@@ -192,104 +191,68 @@ def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
   lookup = dha_tables.schedule(jaxpr, plan, host_eqns, len(stream.scratch))
   stream = dataclasses.replace(stream, scratch=stream.scratch + lookup.scratch,
                                sent_vars={**stream.sent_vars, **lookup.sent_vars})
-  return (stream, schedule(jaxpr, plan.components, plan.leaves, stream, shardings, enabled,
-                           lookup), lookup)
+  return stream, schedule(jaxpr, plan, stream, shardings, enabled, lookup), lookup
 
 
-def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence[Any],
-             stream: streaming.StreamSchedule, shardings: "Sequence[Any] | None" = None,
-             enabled: bool = True, lookup: "dha_tables.LookupSchedule" = dha_tables.EMPTY
-             ) -> OverlapSchedule:
-  """Which components of `compiled` run layer by layer in the backward pass (module doc).
+def schedule(jaxpr: Any, plan: Any, stream: streaming.StreamSchedule,
+             shardings: "Sequence[Any] | None" = None, enabled: bool = True,
+             lookup: "dha_tables.LookupSchedule" = dha_tables.EMPTY) -> OverlapSchedule:
+  """The components of `plan` run layer by layer in the backward pass or row by row, as
+  `plan.schedule` records (module doc).
 
   Args:
     jaxpr: the traced step's top-level jaxpr (state leaves first among its invars).
-    compiled: the plan's components.
-    leaves: the plan's `LeafPlan`s (memory kind per state leaf).
+    plan: the plan: its components, its leaves (memory kind per state leaf) and its schedule.
     stream: the streaming schedule (a streamed leaf's gradient goes to a scratch buffer).
     shardings: one `NamedSharding` per state leaf, or None.
-    enabled: False keeps every component serial (`OffloadOptions.overlap_update`).
-    lookup: the tables read in place (their updates run row by row where they qualify).
+    enabled: `OffloadOptions.overlap_update`: False where the plan runs none during the step.
+    lookup: the tables read in place (their gradient buffers).
 
   Returns:
-    The schedule; `serial` gives each other component's reason.
+    The schedule; `serial` gives each other component's reason (an `update_schedule.Refusal`).
+
+  Raises:
+    ScheduleError: the plan records no schedule of its components, or one this lowering
+      cannot build: a layered or row update under `overlap_update=False` or
+      `JAXTIER_DISABLE_FFI`, of a leaf sharded over a mesh, or of a table whose gradient the
+      lookup schedule does not send to a pinned_host buffer.
   """
+  compiled = plan.components
   if not compiled:
     return EMPTY
-  if not enabled or ffi_disabled():
-    why = "overlap_update is off" if not enabled else "JAXTIER_DISABLE_FFI is set"
-    return OverlapSchedule(serial={c: why for c in range(len(compiled))})
-  n_state = len(leaves)
-  loops = layer_stacks.LayerLoops(jaxpr)
-  uses, producer = loops.uses, loops.producer
-  out_count: dict[Any, int] = {}
-  for v in jaxpr.outvars:
-    if isinstance(v, jc.Var):
-      out_count[v] = out_count.get(v, 0) + 1
-
-  def scan_only(var: Any, own: set[int], k: int) -> bool:
-    """Read only by the component, by layer loop k as `xs`, and by loops as `xs` that k
-    depends on (the forward scan): every such read comes before k's iterations' calls."""
-    for j in uses.get(var, []):
-      if j in own:
-        continue
-      eqn = jaxpr.eqns[j]
-      if eqn.primitive.name != "scan":
-        return False
-      xs = set(range(sum(jc.scan_counts(eqn)), len(eqn.invars)))
-      if any(x is var and p not in xs for p, x in enumerate(eqn.invars)):
-        return False
-      if j != k and not (j < k and any(isinstance(x, jc.Var) and x in loops.tainted(j)
-                                       for x in jaxpr.eqns[k].invars)):
-        return False
-    return True
-
-  in_components = {k for cc in compiled for k in cc.component.eqns}
-
-  def hoisted(k: int, values: list[Any]) -> "tuple[int, ...] | str":
-    """Equations after equation k that make `values`, or why they cannot run before it."""
-    need, stack = set(), [producer[v] for v in values if producer.get(v, -1) > k]
-    made_at_k = set(jaxpr.eqns[k].outvars)
-    while stack:
-      e = stack.pop()
-      if e in need:
-        continue
-      if e in in_components:
-        return "an operand is computed by another host update"
-      if any(isinstance(x, jc.Var) and x in made_at_k for x in jaxpr.eqns[e].invars):
-        return ("a scalar operand depends on the step's compute (a global-norm clip or a "
-                "non-finite check)")
-      need.add(e)
-      stack.extend(producer[x] for x in jaxpr.eqns[e].invars
-                   if isinstance(x, jc.Var) and producer.get(x, -1) > k)
-    return tuple(sorted(need))
-
+  records = plan.schedule
+  if [s.component for s in records] != list(range(len(compiled))):
+    raise ScheduleError(f"the plan records the schedule of {len(records)} host updates, not of "
+                        f"its {len(compiled)} (a plan made by `jaxtier.plan` records it)")
   updates: list[LayeredUpdate] = []
-  serial: dict[int, str] = {}
-  table_scratch = {s for s in lookup.sent_vars.values()}
-  for c, cc in enumerate(compiled):
-    if any(spec.kind == "value" and stream.sent_vars.get(spec.var) in table_scratch
-           for spec in cc.operands):
-      got = _table_rows(c, cc, jaxpr, leaves, n_state, lookup, shardings, uses, out_count)
+  serial: dict[int, update_schedule.Refusal] = {}
+  for rec in records:
+    if rec.mode == update_schedule.Mode.SERIAL:
+      serial[rec.component] = rec.reason
+      continue
+    cc = compiled[rec.component]
+    what = (f"the plan runs the host update of {plan.leaves[cc.component.seeds[0]].path} "
+            f"{rec.mode} during the step, but")
+    if not enabled:
+      raise ScheduleError(f"{what} overlap_update is off: plan with the same options")
+    if ffi_disabled():
+      raise ScheduleError(f"{what} JAXTIER_DISABLE_FFI is set (no custom call runs): plan "
+                          "with the same setting")
+    leaf = rec.table if rec.mode == update_schedule.Mode.ROWS else cc.component.seeds[0]
+    sh = shardings[leaf] if shardings is not None else None
+    if sh is not None and getattr(sh, "mesh", None) is not None and sh.mesh.size > 1:
+      raise ScheduleError(f"{what} {plan.leaves[leaf].path} is sharded over a mesh of "
+                          f"{sh.mesh.size} devices: plan for the state as it is sharded")
+    if rec.mode == update_schedule.Mode.ROWS:
+      updates.append(_table_update(rec, cc, lookup, what))
     else:
-      got = _layered(c, cc, jaxpr, leaves, n_state, stream, shardings, loops, scan_only,
-                     out_count)
-    if not isinstance(got, str):
-      early = [spec.var for p, spec in enumerate(cc.operands)
-               if spec.kind == "value" and p not in got.grads
-               and (got.rows is None or p != got.rows.grad)]
-      hoist = hoisted(got.scan, early)
-      got = hoist if isinstance(hoist, str) else dataclasses.replace(got, hoist=hoist)
-    if isinstance(got, str):
-      serial[c] = got
-    else:
-      updates.append(got)
+      updates.append(_layer_update(rec, cc, jaxpr, stream))
   host, masters, device = set(), set(), set()
   for u in updates:
     for kind, i in u.buffers:
       if kind == "master":
         masters.add(i)
-      elif leaves[i].memory_kind == MemoryKind.PINNED_HOST:
+      elif plan.leaves[i].memory_kind == MemoryKind.PINNED_HOST:
         host.add(i)
       else:
         device.add(i)
@@ -297,153 +260,35 @@ def schedule(jaxpr: Any, compiled: Sequence[CompiledComponent], leaves: Sequence
                          tuple(sorted(device)), serial)
 
 
-def _layered(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n_state: int,
-             stream: streaming.StreamSchedule, shardings: Any, loops: layer_stacks.LayerLoops,
-             scan_only: Any, out_count: dict[Any, int]) -> "LayeredUpdate | str":
-  """The layered form of component `c`, or why it has none."""
-  seed = cc.component.seeds[0]
-  sh = shardings[seed] if shardings is not None else None
-  if sh is not None and getattr(sh, "mesh", None) is not None and sh.mesh.size > 1:
-    return "sharded over a mesh"
-  got = loops.of(cc)
-  if isinstance(got, str):
-    return got
-  k, grads = got
+def _layer_update(rec: update_schedule.UpdateSchedule, cc: CompiledComponent, jaxpr: Any,
+                  stream: streaming.StreamSchedule) -> LayeredUpdate:
+  """The `LayeredUpdate` of a layered record: its gradients read where a streamed scan sends
+  them, or passed in bf16 where they are a bf16 value widened."""
+  grads = dict(rec.grads)
   sent = {p: stream.sent_vars[cc.operands[p].var] for p in grads
           if cc.operands[p].var in stream.sent_vars}
-  length = int(jaxpr.eqns[k].params["length"])
-  count = int(np.prod(cc.results[0].shape)) // length
-  own = set(cc.component.eqns)
-  for spec in cc.operands:
-    if spec.kind == "host" and not scan_only(jaxpr.invars[spec.index], own, k):
-      return f"host leaf {leaves[spec.index].path} is read outside its update"
-  def over_device_leaf(r: Any, j: int) -> "int | str | None":
-    if out_count.get(jaxpr.outvars[j], 0) != 1:
-      return f"the step returns {leaves[j].path}'s new value more than once"
-    leaf = leaves[j]
-    if (leaf.memory_kind != MemoryKind.DEVICE or tuple(leaf.shape) != tuple(r.shape)
-        or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
-      return f"the new value of {leaves[j].path} is not written over that device leaf"
-    old = jaxpr.invars[j]
-    if old in jaxpr.outvars or not scan_only(old, own, k):
-      return (f"{leaves[j].path}'s old value is read outside the layer loops (for example "
-              "cast or scaled before the scan)")
-    at = [p for p, spec in enumerate(cc.operands) if spec.kind == "value" and spec.var is old]
-    return at[0] if at else None
-
-  got = _targets(cc, leaves, n_state, over_device_leaf)
-  if isinstance(got, str):
-    return got
-  targets, extra = got
-  return LayeredUpdate(c, k, length, count, grads, tuple(targets), tuple(extra),
-                       buffers=_buffers(cc, targets, extra, jaxpr), sent=sent,
+  scan = jaxpr.eqns[rec.loop]
+  return LayeredUpdate(rec.component, rec.loop, rec.length, rec.count, grads, rec.targets,
+                       rec.extra, hoist=rec.hoist, buffers=rec.buffers, sent=sent,
                        narrow={p: d for p, j in grads.items() if p not in sent
-                               and (d := jaxpr_graph.scan_ys_narrow_dtype(jaxpr.eqns[k], j))
+                               and (d := jaxpr_graph.scan_ys_narrow_dtype(scan, j))
                                is not None})
 
 
-def _targets(cc: CompiledComponent, leaves: Sequence[Any], n_state: int,
-             over_leaf: Callable[[Any, int], "int | str | None"]
-             ) -> "tuple[list[int], list[int]] | str":
-  """(per result the operand position it is written into, the extra state leaves appended as
-  operands), or why the results cannot be written in place. A result that is state leaf j's
-  new value without overwriting an operand goes where `over_leaf(result, j)` says: an operand
-  position, None for a new extra operand (leaf j itself), or a reason it cannot."""
-  targets: list[int] = []
-  extra: list[int] = []
-  for r in cc.results:
-    got = _result_target(r, cc, leaves, n_state)
-    if isinstance(got, str):
-      return got
-    kind, j = got
-    at = j if kind == "operand" else over_leaf(r, j)
-    if isinstance(at, str):
-      return at
-    if at is None:
-      at = len(cc.operands) + len(extra)
-      extra.append(j)
-    targets.append(at)
-  if len(set(targets)) != len(targets):
-    return "two results write one buffer"
-  return targets, extra
+def _table_update(rec: update_schedule.UpdateSchedule, cc: CompiledComponent,
+                  lookup: "dha_tables.LookupSchedule", what: str) -> LayeredUpdate:
+  """The `LayeredUpdate` of a row-by-row record, its gradient in the lookup schedule's
+  pinned_host buffer.
 
-
-def _result_target(r: Any, cc: CompiledComponent, leaves: Sequence[Any], n_state: int
-                   ) -> "tuple[str, int] | str":
-  """Where result `r` goes: ('operand', its position) when it overwrites a host leaf or a
-  master in place, ('leaf', j) when it is state leaf j's new value otherwise, or why it can
-  be neither."""
-  if r.alias >= 0 and cc.operands[r.alias].kind in ("host", "master"):
-    spec = cc.operands[r.alias]
-    if spec.kind == "host" and tuple(r.outputs) != (spec.index,):
-      return f"the step returns {leaves[spec.index].path}'s new value more than once"
-    if spec.kind == "master" and r.outputs:
-      return "a master's new value is returned"
-    return "operand", r.alias
-  if len(r.outputs) != 1 or r.outputs[0] >= n_state:
-    return "a result is not one state leaf's new value"
-  return "leaf", r.outputs[0]
-
-
-def _buffers(cc: CompiledComponent, targets: Sequence[int], extra: Sequence[int], jaxpr: Any
-             ) -> tuple[tuple[str, int], ...]:
-  """Per target, the buffer it is (`LayeredUpdate.buffers`)."""
-  buffers = []
-  for t in targets:
-    spec = cc.operands[t] if t < len(cc.operands) else None
-    buffers.append(("leaf", extra[t - len(cc.operands)]) if spec is None
-                   else ("master", spec.index) if spec.kind == "master"
-                   else ("leaf", spec.index) if spec.kind == "host"
-                   else ("leaf", jaxpr.invars.index(spec.var)))
-  return tuple(buffers)
-
-
-def _table_rows(c: int, cc: CompiledComponent, jaxpr: Any, leaves: Sequence[Any], n_state: int,
-                lookup: "dha_tables.LookupSchedule", shardings: Any, uses: dict[Any, list[int]],
-                out_count: dict[Any, int]) -> "LayeredUpdate | str":
-  """The row-by-row form of the update of a table read in place, or why it has none."""
-  if ffi_disabled():
-    return "JAXTIER_DISABLE_FFI is set"
-  grads = [p for p, spec in enumerate(cc.operands)
-           if spec.kind == "value" and spec.var in lookup.sent_vars]
-  if len(grads) != 1:
-    return "it reads more than one table's gradient"
-  grad = grads[0]
-  s = lookup.sent_vars[cc.operands[grad].var]
-  scatter = next(k for k, v in lookup.scatters.items() if v == s)
-  table = lookup.scratch[s - min(lookup.sent_vars.values())].leaf
-  gather = next(k for k, i in lookup.gathers.items() if i == table)
-  sh = shardings[table] if shardings is not None else None
-  if sh is not None and getattr(sh, "mesh", None) is not None and sh.mesh.size > 1:
-    return "sharded over a mesh"
-  shape = tuple(leaves[table].shape)
-  size = int(np.prod(shape))
-  own = set(cc.component.eqns)
-  for p, spec in enumerate(cc.operands):
-    if p == grad or spec.kind == "const":
-      continue
-    n = int(np.prod(spec.var.aval.shape)) if spec.kind == "value" else None
-    if spec.kind == "value" and n != 1:
-      return "a vector operand of the table's update is on the device"
-    if spec.kind == "host":
-      if int(np.prod(leaves[spec.index].shape)) != size:
-        return f"host leaf {leaves[spec.index].path} is not shaped like the table"
-      readers = set(uses.get(jaxpr.invars[spec.index], ())) - own
-      if readers - ({gather} if spec.index == table else set()):
-        return f"host leaf {leaves[spec.index].path} is read outside its update"
-  def over_host_leaf(r: Any, j: int) -> "str | None":
-    leaf = leaves[j]
-    if (out_count.get(jaxpr.outvars[j], 0) != 1 or leaf.memory_kind != MemoryKind.PINNED_HOST
-        or int(np.prod(leaf.shape)) != size or np.dtype(leaf.dtype) != np.dtype(r.dtype)):
-      return f"the new value of {leaf.path} is not written over that host leaf"
-    if set(uses.get(jaxpr.invars[j], ())) - own - ({gather} if j == table else set()):
-      return f"host leaf {leaf.path} is read outside its update"
-    return None
-
-  got = _targets(cc, leaves, n_state, over_host_leaf)
-  if isinstance(got, str):
-    return got
-  targets, extra = got
-  return LayeredUpdate(c, gather, shape[0], size // shape[0], {}, tuple(targets), tuple(extra),
-                       buffers=_buffers(cc, targets, extra, jaxpr),
-                       rows=TableRows(gather, scatter, grad, s, table))
+  Raises:
+    ScheduleError: the lookup schedule does not gather the table at the record's gather or
+      does not send its gradient to a buffer at the record's scatter.
+  """
+  s = lookup.sent_vars.get(cc.operands[rec.grad].var)
+  if (s is None or lookup.gathers.get(rec.loop) != rec.table
+      or lookup.scatters.get(rec.scatter) != s):
+    raise ScheduleError(f"{what} the table's gather and gradient scatter are not lowered as "
+                        "the plan's schedule says (the plan was made for another step)")
+  return LayeredUpdate(rec.component, rec.loop, rec.length, rec.count, {}, rec.targets,
+                       rec.extra, hoist=rec.hoist, buffers=rec.buffers,
+                       rows=TableRows(rec.loop, rec.scatter, rec.grad, s, rec.table))

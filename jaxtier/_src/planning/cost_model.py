@@ -6,10 +6,11 @@ tested with synthetic inputs. It models what jaxtier runs today:
 - the step's compute (forward, backward, rematerialisation) runs on the device; its time is
   FLOPs over the achieved matmul rate plus the memory-bound bytes over HBM bandwidth
   (`compute_secs`);
-- a fused host update runs after the backward pass, one custom call after another: its
-  seconds add to the step (`update_cost`); the update of a stack of layers runs layer by
-  layer inside the backward pass instead, and the rows of a table read in place not named by
-  the step's ids while it computes: only what they leave exposed adds (`predict`);
+- each fused host update runs when its schedule (`Plan.schedule`, `update_schedule.decide`)
+  says: after the backward pass, one custom call after another, its seconds added to the step
+  (`update_cost`); layer by layer inside the backward pass, overlapped with it (what shows is
+  its tail and the DHA kernel's slowing of the compute); or, for an embedding table read in
+  place, row by row on the host CPUs while the step computes (`predict`);
 - a `host_stream` parameter is fetched twice (forward and backward) and its gradient sent
   down once, layer by layer, overlapped with compute (double buffering: the link can run one
   layer ahead): a layer takes the longer of its compute and its transfers (`stream_stage`);

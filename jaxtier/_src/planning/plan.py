@@ -142,6 +142,9 @@ class Plan:
       them, before the notes that verifying and refining added).
     components: the fused host updates the lowering runs, one compiled op program each
       (`op_program_compiler.CompiledComponent`); not part of the plan's JSON.
+    schedule: when each of them runs, one `update_schedule.UpdateSchedule` per component
+      (serial, layered inside the backward pass, or row by row; why where serial): what the
+      planner costed and what the lowering builds; not part of the plan's JSON.
     rates_of: whose rates the predictions use, where not this machine's ('' when they are:
       a calibrated profile, or a GPU plan with the default H200 profile).
     pinnable_bytes, pinnable_what: what the host can pin per device (None: not checked), and
@@ -171,6 +174,7 @@ class Plan:
   verdicts: tuple[str, ...] = ()
   num_planning_notes: "int | None" = None
   components: tuple = dataclasses.field(default=(), repr=False, compare=False)
+  schedule: tuple = dataclasses.field(default=(), repr=False, compare=False)
   rates_of: str = ""
   pinnable_bytes: "int | None" = None
   pinnable_what: str = ""
@@ -188,11 +192,12 @@ class Plan:
     return {leaf.path: leaf.placement for leaf in self.leaves}
 
   def to_json(self) -> str:
-    """The plan as JSON: its fields (not `components`), the device budget as two figures
-    (`device_budget`, the one given; `planned_device_budget`, the one planned against)."""
+    """The plan as JSON: its fields (not `components` nor `schedule`), the device budget as two
+    figures (`device_budget`, the one given; `planned_device_budget`, the one planned
+    against)."""
     fields = {}
     for f in dataclasses.fields(self):
-      if f.name == "components":
+      if f.name in ("components", "schedule"):
         continue
       if f.name == "device_budget":
         fields["device_budget"] = self.device_budget.given

@@ -47,7 +47,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               dha_readable: "Mapping[int, int] | None" = None,
               activations: "cost_model.ActivationModel | None" = None,
               resident_bytes: int = 0, pinnable_what: str = HERE_PINNABLE,
-              stream_blocked: str = "", overlap_update: bool = True) -> Plan:
+              stream_blocked: str = "", overlap_update: bool = True,
+              meshed: "frozenset[int] | set[int]" = frozenset()) -> Plan:
   """Plans every leaf of `inv` and checks the budgets.
 
   Under policy 'auto' (and for the leaves a callable / mapping policy leaves to 'auto') the
@@ -81,8 +82,11 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       backend's arrays), taken off what a plan without a device budget needs there.
     pinnable_what: where `pinnable_bytes` comes from, for the refusal's message (default: this
       host's free memory).
-    overlap_update: updates of leaves stacked over a layer loop are costed as run layer by
-      layer inside the backward pass (`cost_model.predict`), as the lowering runs them.
+    overlap_update: updates may run during the step (layer by layer inside the backward
+      pass, or row by row), where `update_schedule.decide` says they do: the plan records
+      that (`Plan.schedule`), the prediction costs it and the lowering builds it.
+    meshed: state leaves on a mesh of more than one device (their updates run after the
+      backward pass).
     stream_blocked: why no leaf may be placed `host_stream` here ('' when they may): a policy
       asking for it is refused with this reason.
 
@@ -135,7 +139,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
                       if platform == "gpu" else {}),
         tables=dict(dha_readable or {}), activations=activations,
         device_budget=usable, host_budget=host_limit,
-        profile=hardware, platform=platform, overlap_update=overlap_update,
+        profile=hardware, platform=platform, overlap_update=overlap_update, meshed=meshed,
         layered_dha_fraction=layered_dha_fraction)
 
   act_policy = None
@@ -245,7 +249,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               activation_policy=act_label, assumed_checkpoint_policy=assumed,
               notes=tuple(notes), fits=not verdicts, violations=tuple(violations),
               verdicts=tuple(verdicts), num_planning_notes=len(notes),
-              components=tuple(compiled),
+              components=tuple(compiled), schedule=final.schedule,
               rates_of=("" if not hardware.is_default or platform == "gpu"
                         else "the default profile's H200 rates, not this machine's"),
               pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what)

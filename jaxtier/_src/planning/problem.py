@@ -15,6 +15,7 @@ from jaxtier._src.analysis import jaxpr_graph
 from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis import op_program_compiler
 from jaxtier._src.analysis import step_costs as step_costs_lib
+from jaxtier._src.analysis import update_schedule
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.planning import cost_model
 from jaxtier._src.planning import placements
@@ -91,12 +92,13 @@ class UpdateItem:
       its call cannot write over their old value, `fresh_result_bytes`): while the old
       param is still read the step's peak holds one more.
     num_layers: L where the update runs layer by layer inside the backward pass (one call per
-      layer, each writing its window in place: `analysis.layer_stacks.LayerLoops`); 0 where
-      it runs after it.
+      layer, each writing its window in place: `update_schedule.Mode.LAYERED`); 0 where it
+      runs after it.
     table: (the table's param leaf, the fraction of its rows one step's ids name at most)
       where this is the update of an embedding table that, read in place (`host_dha`), is
-      updated row by row on the host CPUs (`lowering/overlap.py`): the other rows while the
-      step computes, the named ones after its backward pass; None otherwise.
+      updated row by row on the host CPUs (`update_schedule.Mode.ROWS`): the other rows while
+      the step computes, the named ones after its backward pass; where the table is not yet
+      placed, the update of the table the solver may place so; None otherwise.
     table_fixed: the table is placed `host_dha` by the cut (the user's policy), not by the
       solver.
   """
@@ -158,6 +160,9 @@ class Problem:
     activations: the model's activation options (None: keep the traced policy).
     device_budget, host_budget: per device, bytes (None: no limit).
     profile, platform: rates, and 'gpu' / 'cpu'.
+    schedule: when each update runs under the placements the problem was built for, one
+      `update_schedule.UpdateSchedule` per update (`update_schedule.decide`): its
+      `num_layers` and `table` follow it.
   """
 
   params: tuple[ParamItem, ...]
@@ -175,6 +180,7 @@ class Problem:
   host_budget: "int | None" = None
   profile: HardwareProfile
   platform: str = "gpu"
+  schedule: tuple[update_schedule.UpdateSchedule, ...] = ()
 
 
 _LAYER_INDEX = re.compile(r"^(.*?(?:\[|_|\.|/)(\d+)\]?)")
@@ -265,9 +271,13 @@ def fresh_result_bytes(cc: Any, leaves: Sequence[Any]) -> int:
 
 def _shard_fraction(cc: Any, leaves: Sequence[Any]) -> float:
   """The share of `cc`'s global sizes each device holds: its first leaf's shard fraction."""
-  seed = leaves[cc.component.seeds[0]]
-  global_bytes = int(np.prod(seed.shape, dtype=np.int64)) * _itemsize(seed.dtype)
-  return seed.nbytes / global_bytes if global_bytes else 1.0
+  return _shard_fraction_of(leaves[cc.component.seeds[0]])
+
+
+def _shard_fraction_of(leaf: Any) -> float:
+  """The share of `leaf`'s global bytes each device holds."""
+  global_bytes = int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
+  return leaf.nbytes / global_bytes if global_bytes else 1.0
 
 
 def _itemsize(dtype: Any) -> int:
@@ -296,6 +306,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                   device_budget: "int | None", host_budget: "int | None",
                   profile: HardwareProfile, platform: str,
                   overlap_update: bool = True,
+                  meshed: "frozenset[int] | set[int]" = frozenset(),
                   layered_dha_fraction: "float | None" = None) -> Problem:
   """The solver's `Problem` for a traced step, from the planner's first cut.
 
@@ -319,8 +330,11 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     activations: the model's activation options, or None.
     device_budget, host_budget: per device, bytes (None: no limit).
     profile, platform: the rates and 'gpu' / 'cpu'.
-    overlap_update: updates of leaves stacked over a layer loop run layer by layer inside the
-      backward pass (`OffloadOptions.overlap_update`).
+    overlap_update: updates may run during the step, layer by layer inside the backward pass
+      or row by row (`OffloadOptions.overlap_update`), where `update_schedule.decide` says
+      they do.
+    meshed: state leaves on a mesh of more than one device (besides those `leaves` shows
+      sharded): their updates run after the backward pass.
     layered_dha_fraction: the DHA kernel's share of a layered host_split update's elements
       (None: the profile's `split_fraction`); the other updates' splits keep the profile's.
   """
@@ -328,6 +342,18 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
   if tables is None:
     tables = dha_readable if isinstance(dha_readable, Mapping) else {}
   loops = layer_stacks.LayerLoops(jaxpr)
+  decided = update_schedule.decide(
+      jaxpr, compiled, leaves,
+      pinned={i for i, p in placement.items() if p in placements.HOST_PLACEMENTS},
+      tables={i for i, p in placement.items()
+              if p == Placement.HOST_DHA and leaves[i].role == param_role},
+      meshed=set(meshed) | {l.index for l in leaves
+                            if l.is_float and _shard_fraction_of(l) < 1.0},
+      overlap_update=overlap_update)
+  # A table the solver may still place `host_dha` is costed row by row where it does
+  # (`UpdateItem.by_rows`); under a schedule that runs nothing during the step, never.
+  runs_during = not any(s.reason is not None and s.reason.kind in (
+      update_schedule.Why.OVERLAP_OFF, update_schedule.Why.FFI_DISABLED) for s in decided)
   seeded: dict[int, int] = {}
   sent_ratio: dict[int, float] = {}  # streamed param leaf -> its gradient's sent/full bytes
   updates: list[UpdateItem] = []
@@ -340,12 +366,14 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       # The call's executor (a call of host_stream leaves has one too: the cut's choice).
       fixed = placements.of_executor(cc.executor)
     names = executors + ((fixed,) if fixed is not None and fixed not in executors else ())
-    got = loops.of(cc) if _shard_fraction(cc, leaves) == 1.0 else ""
+    got = (update_schedule.layer_loop(loops, cc) if _shard_fraction(cc, leaves) == 1.0
+           else update_schedule.Refusal(update_schedule.Why.ON_MESH))
     # A layer loop that streams leaves sends the gradients only host updates read to a
     # pinned_host scratch buffer (`lowering/streaming.py`): the update reads them there.
     # A gradient that is a bf16 value widened is sent in bf16 (the bytes streaming would send),
     # and a layered update takes it in bf16 on the device too (`overlap.LayeredUpdate.narrow`).
-    sizes = {} if isinstance(got, str) else _grad_itemsizes(jaxpr.eqns[got[0]], got[1])
+    sizes = ({} if isinstance(got, update_schedule.Refusal)
+             else _grad_itemsizes(jaxpr.eqns[got[0]], got[1]))
     if sizes:
       ratio = sum(sizes.values()) / sum(_itemsize(cc.operands[p].var.aval.dtype) for p in sizes)
       for i in set(seeds) | set(cc.component.outputs):
@@ -353,9 +381,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
           sent_ratio[i] = ratio
     streams = bool(sizes) and _streams(jaxpr.eqns[got[0]], jaxpr, placement)
     sent = frozenset(sizes) if streams else frozenset()
-    if not overlap_update:
-      got = ""
-    num_layers = 0 if isinstance(got, str) else int(jaxpr.eqns[got[0]].params["length"])
+    mode = decided[u].mode
+    num_layers = decided[u].length if mode == update_schedule.Mode.LAYERED else 0
     read_as = sizes if sent or num_layers else {}
     # The calls run one after the other: their costs add. A layered update is one call per
     # layer, writing device and host results in place alike.
@@ -369,9 +396,12 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                                grid=profile.dha_layer_grid if num_layers else 1.0)
         for call in calls]) for e in names}
     table = None
-    if overlap_update and not num_layers:
+    if mode == update_schedule.Mode.ROWS:
+      j = decided[u].table
+      table = (j, min(1.0, tables.get(j, leaves[j].nbytes) / max(1, leaves[j].nbytes)))
+    elif runs_during and not num_layers:
       named = [j for j in cc.component.outputs if j in tables]
-      if len(named) == 1:
+      if len(named) == 1 and placement.get(named[0]) != Placement.HOST_DHA:
         j = named[0]
         table = (j, min(1.0, tables[j] / max(1, leaves[j].nbytes)))
     updates.append(UpdateItem(
@@ -475,7 +505,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                  other_compute_secs=0.0 if elements else total,
                  backward_share=_backward_share(step_costs), activations=activations,
                  device_budget=device_budget, host_budget=host_budget, profile=profile,
-                 platform=platform)
+                 platform=platform, schedule=decided)
 
 
 def _backward_share(step_costs: step_costs_lib.StepCosts) -> float:
