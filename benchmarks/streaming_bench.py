@@ -178,13 +178,13 @@ def main(argv):
   st = tr.place({"W": jax.device_put(W_host, on_host), "opt": tx.init(W_host)}, x)
   c = tr.lower(st, x).compile()
   # The compute program alone (internal handles): fwd + bwd + gradients to the host.
-  dev_leaves, host_leaves = tr._programs.leaf_groups(jax.tree.leaves(st))
-  layered = tr._programs.layered_group(jax.tree.leaves(st), tr._masters)  # none: serial
+  leaves = jax.tree.leaves(st)
   tr._ensure_scratch()
 
   def compute_only():
-    _, _, _, tr._scratch, _, _ = tr._programs.compute(dev_leaves, host_leaves, [x],
-                                                      tr._scratch, *layered)
+    # No masters: the serial update keeps none in the compute program.
+    inputs = tr._programs.split.compute_inputs(leaves, [x], tr._scratch, {})
+    tr._scratch = list(tr._programs.compute(inputs).scratch)
     return tr._scratch
   s, t = median_secs(compute_only, a.reps)
   grad = np.asarray(tr._scratch[0].astype(jnp.float32))

@@ -363,7 +363,6 @@ class OffloadedStep:
     """The step's programs over the placed state leaves `moved`: (new state, metrics)."""
     t0 = time.perf_counter()
     split = self._programs.split
-    dev, host = self._programs.leaf_groups(moved)
     # 1. Forward, backward, streaming, and the updates of leaves stacked over layers, layer by
     #    layer (`split.overlap`): those host leaves and masters are donated to it; the other
     #    host leaves are read, not donated (a failure here leaves them intact).
@@ -374,33 +373,27 @@ class OffloadedStep:
     #    note naming the leaves it may have left half-updated; a plan with neither does not
     #    wait (dispatch stays asynchronous).
     master_of = dict(zip(self._programs.master_indices, self._masters))
-    layered, layered_masters = self._programs.layered_group(moved, self._masters)
+    inputs = split.compute_inputs(moved, arg_leaves, self._scratch, master_of)
     try:
-      first, feeds, rest, self._scratch, layered_new, layered_masters_new = (
-          self._programs.compute(dev, host, arg_leaves, self._scratch, layered,
-                                 layered_masters))
+      computed = self._programs.compute(inputs)
+      self._scratch = list(computed.scratch)
       if split.has_update or split.layered_host or split.layered_masters:
-        jax.block_until_ready((first, feeds, rest, self._scratch, layered_new,
-                               layered_masters_new))
+        jax.block_until_ready(computed)
     except Exception as e:
       self._scratch = []  # donated to the failed program; fresh buffers next time
       if split.layered_host or split.layered_masters:
         self._masters, self._master_sources = [], ()  # donated too: derived again
       if hasattr(e, "add_note"):
-        e.add_note(self._failure_note(dev))
+        e.add_note(self._failure_note(inputs.device_leaves))
       raise
-    update_outs = []
+    updated = None
     if split.has_update:
-      update = self._programs.update([x.sharding for x in feeds])
-      update_outs, new_masters = update(
-          [moved[i] for i in split.updated_host], [moved[i] for i in split.read_host],
-          [master_of[i] for i in split.update_masters], *split.split_feeds(feeds),
-          self._scratch)
-      master_of.update(zip(split.update_masters, new_masters))
-    master_of.update(zip(split.layered_masters, layered_masters_new))
+      update = self._programs.update([x.sharding for x in computed.feeds])
+      updated = update(split.update_inputs(moved, master_of, computed.feeds, self._scratch))
+    master_of.update(split.new_masters(computed, updated))
     self._masters = [master_of[i] for i in self._programs.master_indices]
-    outs = split.assemble(moved, list(first) + list(rest), update_outs,
-                          self._planned.inventory.out_treedef.num_leaves, layered_new)
+    outs = split.assemble(moved, computed, updated,
+                          self._planned.inventory.out_treedef.num_leaves)
     self._master_sources = tuple(outs[i] for i in self._programs.master_indices)
     if timing:
       self._record_step_time(outs, time.perf_counter() - t0)
@@ -452,27 +445,20 @@ class OffloadedStep:
     """
     self._ensure_plan(state, args)
     specs = self._programs.state_specs(state)
-    dev, host = self._programs.leaf_groups(specs)
-    split = self._programs.split
-    return self._programs.compute.lower(
-        dev, host, jax.tree_util.tree_leaves(args), self._scratch_avals(),
-        [specs[i] for i in split.layered_host],
-        self._programs.master_specs(specs, split.layered_masters))
+    return self._programs.compute.lower(self._programs.split.compute_inputs(
+        specs, jax.tree_util.tree_leaves(args), self._scratch_avals(),
+        self._programs.master_specs(specs)))
 
   def lower_update(self, state: Any, *args: Any):
     """`jax.stages.Lowered` of the step's fused host-update program (its custom calls)."""
     self._ensure_plan(state, args)
     leaves = jax.tree_util.tree_leaves(state)
-    split = self._programs.split
     compiled = self.lower(state, *args).compile()
-    feed_sh = list(compiled.output_shardings[1])
-    feed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
-                  compiled.out_info[1]]
+    feed_sh = list(compiled.output_shardings.feeds)
+    feed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in compiled.out_info.feeds]
     update = self._programs.update(feed_sh)
-    masters = self._programs.master_specs(leaves, split.update_masters)
-    return update.lower([leaves[i] for i in split.updated_host],
-                        [leaves[i] for i in split.read_host], masters,
-                        *split.split_feeds(feed_avals), self._scratch_avals())
+    return update.lower(self._programs.split.update_inputs(
+        leaves, self._programs.master_specs(leaves), feed_avals, self._scratch_avals()))
 
   def _scratch_avals(self) -> list[Any]:
     return self._scratch or [jax.ShapeDtypeStruct(s.shape, s.dtype)

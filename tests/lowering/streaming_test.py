@@ -159,7 +159,7 @@ def test_hlo_guard_stream_calls(loss_fn):
     assert hlo_lib.hlo_violations(hlo, target=target) == [], target
   assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 4
   dtype = "bf16" if loss_fn is _loss_bf16 else "f32"
-  assert re.search(rf"%scratch_leaves[\w.\-]* = {dtype}\[4,32,32\]", hlo), dtype
+  assert re.search(rf"%scratch_\d[\w.\-]* = {dtype}\[4,32,32\]", hlo), dtype
   assert hlo.count(f'custom_call_target="{stream.FETCH_TARGET}"') == 2 * 4  # fwd + bwd
   # XLA's GPU passes host-offload-legalize and host-offloader follow each pinned_host
   # parameter through the custom calls that alias it; at a call with several results they
@@ -172,9 +172,9 @@ def test_hlo_guard_stream_calls(loss_fn):
 
 
 def _host_tuple_calls(hlo: str) -> list[str]:
-  """Custom calls of `hlo` that alias a host buffer (a `host_leaves`/`scratch_leaves`
-  parameter, or a value aliased to one) into a result of more than one element."""
-  host = set(re.findall(r"%((?:host|scratch)_leaves[\w.\-]*) = ", hlo))
+  """Custom calls of `hlo` that alias a host buffer (a parameter of `ComputeIn.host_leaves` or
+  `ComputeIn.scratch`, or a value aliased to one) into a result of more than one element."""
+  host = set(re.findall(r"%((?:host_leaves|scratch)_\d[\w.\-]*) = ", hlo))
   bad = []
   for line in hlo.splitlines():
     m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*?) (custom-call|get-tuple-element|copy|"
@@ -202,10 +202,10 @@ def _host_tuple_calls(hlo: str) -> list[str]:
 def test_host_tuple_call_checker_finds_a_multi_result_send():
   # The checker `test_hlo_guard_stream_calls` relies on finds such a call: one send into two
   # scratch buffers.
-  fake = ("  %scratch_leaves_0.1 = f32[2,3]{1,0} parameter(0)\n"
-          "  %scratch_leaves_1.1 = f32[2,3]{1,0} parameter(1)\n"
-          "  %s = (f32[2,3]{1,0}, f32[2,3]{1,0}) custom-call(%scratch_leaves_0.1, "
-          "%scratch_leaves_1.1, %v), custom_call_target=\"x\", "
+  fake = ("  %scratch_0_.1 = f32[2,3]{1,0} parameter(0)\n"
+          "  %scratch_1_.1 = f32[2,3]{1,0} parameter(1)\n"
+          "  %s = (f32[2,3]{1,0}, f32[2,3]{1,0}) custom-call(%scratch_0_.1, "
+          "%scratch_1_.1, %v), custom_call_target=\"x\", "
           "output_to_operand_aliasing={{0}: (0, {}), {1}: (1, {})}\n")
   assert len(_host_tuple_calls(fake)) == 1
 

@@ -1,4 +1,8 @@
-"""The step's two jitted programs (compute, then update), with the plan's shardings."""
+"""The step's two jitted programs (compute, then update), with the plan's shardings.
+
+They are called as `lowering/calling.py` declares: a `ComputeIn` in, a `ComputeOut` out; an
+`UpdateIn` in, an `UpdateOut` out.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import numpy as np
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import inventory as inv_lib
+from jaxtier._src.lowering import calling
 from jaxtier._src.lowering import rewrite as rewrite_lib
 from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
@@ -41,9 +46,12 @@ class StepPrograms:
     scratch_shardings: one per `stream.scratch` buffer (pinned_host).
     master_shardings: one per fp32 master copy (pinned_host), ordered as `master_indices`.
     arg_memory_kinds: the memory kind each argument leaf after the state was compiled for.
-    compute: `jax.jit` of `split.compute`, donating the device leaves and the scratch buffers.
-    make_update: feeds' shardings -> `jax.jit` of `split.update`, donating the updated host
-      leaves, the masters and `split.donated_feeds`.
+    compute: `split.compute` jitted (`calling.Program`), donating `calling.ComputeIn`'s
+      donated fields: the device leaves, the scratch buffers, the layered host leaves and
+      their masters.
+    make_update: feeds' shardings -> `split.update` jitted, donating `calling.UpdateIn`'s
+      donated fields: the updated host leaves, their masters and `split.donated_feeds`.
+    master_indices: the param leaves that carry an fp32 master copy, in a fixed order.
   """
 
   split: rewrite_lib.SplitStep
@@ -51,8 +59,8 @@ class StepPrograms:
   scratch_shardings: list[Any]
   master_shardings: list[Any]
   arg_memory_kinds: list[str]
-  compute: Any
-  make_update: Callable[[Sequence[Any]], Any]
+  compute: calling.Program
+  make_update: Callable[[Sequence[Any]], calling.Program]
   master_indices: list[int]
   _update: Any = None
 
@@ -60,32 +68,17 @@ class StepPrograms:
   def stream(self) -> streaming.StreamSchedule:
     return self.split.stream
 
-  def update(self, feed_shardings: Sequence[Any]) -> Any:
-    """`jax.jit` of `split.update` for the feeds' shardings (made once, on first use); it takes
-    the feeds as `split.split_feeds` divides them, the second part donated."""
+  def update(self, feed_shardings: Sequence[Any]) -> calling.Program:
+    """`split.update` jitted for the feeds' shardings (those of `ComputeOut.feeds`; made once,
+    on first use)."""
     if self._update is None:
       self._update = self.make_update(list(feed_shardings))
     return self._update
 
-  def leaf_groups(self, leaves: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """(device leaves, host leaves) of the state's flat leaves, as `compute` takes them first
-    (the layered host leaves are `layered_group`)."""
-    return ([leaves[i] for i in self.split.device_leaves],
-            [leaves[i] for i in self.split.host_leaves])
-
-  def layered_group(self, leaves: Sequence[Any], masters: Sequence[Any]
-                    ) -> tuple[list[Any], list[Any]]:
-    """(layered host leaves, their masters) as `compute` takes them last, from the state's
-    flat leaves and the masters in `master_indices` order."""
-    of = dict(zip(self.master_indices, masters))
-    return ([leaves[i] for i in self.split.layered_host],
-            [of[i] for i in self.split.layered_masters])
-
-  def master_specs(self, leaves: Sequence[Any], indices: Sequence[int]
-                   ) -> list[jax.ShapeDtypeStruct]:
-    sh = dict(zip(self.master_indices, self.master_shardings))
-    return [jax.ShapeDtypeStruct(np.shape(leaves[i]), np.float32, sharding=sh[i])
-            for i in indices]
+  def master_specs(self, leaves: Sequence[Any]) -> dict[int, jax.ShapeDtypeStruct]:
+    """The fp32 masters as specs ({param leaf index: spec}) for the state's flat `leaves`."""
+    return {i: jax.ShapeDtypeStruct(np.shape(leaves[i]), np.float32, sharding=sh)
+            for i, sh in zip(self.master_indices, self.master_shardings)}
 
   def state_specs(self, state: Any) -> list[jax.ShapeDtypeStruct]:
     """The state's leaves as shapes with the shardings the call will see (placed or not)."""
@@ -102,12 +95,10 @@ class StepPrograms:
     specs = self.state_specs(state)
     arg_specs = [jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
                  for x in jax.tree_util.tree_leaves(args)]
-    dev, host = self.leaf_groups(specs)
-    scratch = self.scratch_specs()
-    layered = [specs[i] for i in self.split.layered_host]
-    layered_masters = self.master_specs(specs, self.split.layered_masters)
-    lowered = self.compute.lower(dev, host, arg_specs, scratch, layered, layered_masters)
-    every = dev + host + arg_specs + scratch + layered + layered_masters
+    inputs = self.split.compute_inputs(specs, arg_specs, self.scratch_specs(),
+                                       self.master_specs(specs))
+    lowered = self.compute.lower(inputs)
+    every = jax.tree_util.tree_leaves(inputs)
     host_bytes = sum(inv_lib.bytes_per_device(a) for a in every
                      if jc.memory_kind_of(a) == MemoryKind.PINNED_HOST)
     return lowered, sum(inv_lib.bytes_per_device(a) for a in every) - host_bytes, host_bytes
@@ -119,13 +110,11 @@ class StepPrograms:
     if not self.split.has_update:
       return None
     specs = self.state_specs(state)
-    feed_sh = list(compiled_compute.output_shardings[1])
+    feed_sh = list(compiled_compute.output_shardings.feeds)
     feeds = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
-             for a, sh in zip(compiled_compute.out_info[1], feed_sh)]
-    masters = self.master_specs(specs, self.split.update_masters)
-    return self.update(feed_sh).lower([specs[i] for i in self.split.updated_host],
-                                      [specs[i] for i in self.split.read_host], masters,
-                                      *self.split.split_feeds(feeds), self.scratch_specs())
+             for a, sh in zip(compiled_compute.out_info.feeds, feed_sh)]
+    return self.update(feed_sh).lower(self.split.update_inputs(
+        specs, self.master_specs(specs), feeds, self.scratch_specs()))
 
 
 def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[Any],
@@ -154,16 +143,12 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
   arg_sh = [jc.named_sharding(x, jc.memory_kind_of(x) or MemoryKind.DEVICE, mesh)
             for x in jax.tree_util.tree_leaves(args)]
   out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
-  layered_sh = [state_sh[i] for i in split.layered_host]
-  layered_master_sh = [master_sh_of[i] for i in split.layered_masters]
-  compute = jax.jit(
-      split.compute, donate_argnums=(0, 3, 4, 5),
-      in_shardings=([state_sh[i] for i in split.device_leaves],
-                    [state_sh[i] for i in split.host_leaves], arg_sh, scratch_sh, layered_sh,
-                    layered_master_sh),
-      out_shardings=(out_sh(split.compute_outs[:split.num_first]), [None] * split.num_feeds,
-                     out_sh(split.compute_outs[split.num_first:]), scratch_sh,
-                     out_sh(split.layered_host), layered_master_sh))
+  compute_in_sh = split.compute_inputs(state_sh, arg_sh, scratch_sh, master_sh_of)
+  compute = calling.Program(split.compute, compute_in_sh, calling.ComputeOut(
+      first=out_sh(split.compute_outs[:split.num_first]), feeds=[None] * split.num_feeds,
+      rest=out_sh(split.compute_outs[split.num_first:]), scratch=scratch_sh,
+      layered_host=out_sh(split.layered_host),
+      layered_masters=list(compute_in_sh.layered_masters)))
 
   # A metric the update program returns (an updated leaf, or an elementwise function of one,
   # computed by a host update) comes out of the custom call in pinned_host: the step's
@@ -175,14 +160,9 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
   update_out_sh = [state_sh[j] if j < n_state else metric_sh for j in split.update_outs]
 
   def make_update(feed_sh):
-    kept_sh, donated_sh = split.split_feeds(feed_sh)
-    return jax.jit(
-        split.update, donate_argnums=(0, 2, 4),
-        in_shardings=([state_sh[i] for i in split.updated_host],
-                      [state_sh[i] for i in split.read_host],
-                      [master_sh_of[i] for i in split.update_masters], kept_sh, donated_sh,
-                      scratch_sh),
-        out_shardings=(update_out_sh, [master_sh_of[i] for i in split.update_masters]))
+    update_in_sh = split.update_inputs(state_sh, master_sh_of, feed_sh, scratch_sh)
+    return calling.Program(split.update, update_in_sh, calling.UpdateOut(
+        outs=update_out_sh, masters=list(update_in_sh.masters)))
 
   return StepPrograms(split=split, state_shardings=state_sh,
                       scratch_shardings=scratch_sh, master_shardings=master_sh,

@@ -1,22 +1,24 @@
 """Lowering: the traced step rewritten so that its host-resident leaves are served by plan.
 
-The step becomes two programs (`SplitStep`). `compute` re-binds every equation of the traced
-step that no fused host update takes (the forward, the backward, the scalar bookkeeping);
-scans over host_stream leaves are unrolled and fed layer by layer (`lowering/streaming.py`);
-embedding tables placed host_dha are gathered in place and their gradients scatter-added into
-pinned_host buffers (`lowering/dha_tables.py`); leaves
-placed `host_xla` are copied to the device (XLA's memory-kind transfer) and their new values go
-back to pinned_host through the output shardings. `update` runs each elementwise component
-that updates host leaves as one `host_update` custom call, in place on the donated host
-buffers. Only `update` donates host leaves: a step that fails in `compute` (after some
-transfers, say) leaves them intact.
+The step becomes two programs (`SplitStep`), called as `lowering/calling.py` declares.
+`compute` re-binds every equation of the traced step that no fused host update takes (the
+forward, the backward, the scalar bookkeeping); scans over host_stream leaves are unrolled and
+fed layer by layer (`lowering/streaming.py`); embedding tables placed host_dha are gathered in
+place and their gradients scatter-added into pinned_host buffers (`lowering/dha_tables.py`);
+leaves placed `host_xla` are copied to the device (XLA's memory-kind transfer) and their new
+values go back to pinned_host through the output shardings; components of leaves stacked over
+layers are updated layer by layer in the backward pass (`lowering/overlap.py`). `update` runs
+each other elementwise component that updates host leaves as one `host_update` custom call, in
+place on the donated host buffers. Host leaves are donated only to the program that updates
+them: `compute` the layered ones (and their masters, and the gradient buffers), `update` the
+others it writes. A step that fails in `compute` leaves every other host leaf intact.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ import numpy as np
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import op_program_compiler
 from jaxtier._src.analysis.op_program_compiler import CompiledComponent
+from jaxtier._src.lowering import calling
 from jaxtier._src.lowering import dha_tables
 from jaxtier._src.lowering import overlap as overlap_lib
 from jaxtier._src.lowering import streaming
@@ -40,25 +43,25 @@ from jaxtier._src.vocab import MemoryKind
 class SplitStep:
   """The traced step lowered as two programs run one after the other.
 
-  `compute(device_leaves, host_leaves, args, scratch, layered_host, layered_masters)
-  -> (outs, feeds, more_outs, scratch, layered_host, layered_masters)`: the forward, backward
-  and everything else on the device, with host_stream leaves fetched layer by layer and their
-  gradients sent into `scratch`, and the components of `overlap` updated layer by layer in the
-  backward pass, in place on the donated `layered_host` leaves and masters
-  (`lowering/overlap.py`). Other host leaves are read, never donated: where nothing is
-  layered, a step that fails here leaves every host-resident leaf intact and usable.
+  `compute(calling.ComputeIn) -> calling.ComputeOut`: the forward, backward and everything
+  else on the device, with host_stream leaves fetched layer by layer and their gradients sent
+  into `scratch`, and the components of `overlap` updated layer by layer in the backward pass,
+  in place on the donated `layered_host` leaves and masters (`lowering/overlap.py`). Other host
+  leaves are read, never donated: where nothing is layered, a step that fails here leaves every
+  host-resident leaf intact and usable.
 
-  `update(updated_host, read_host, masters, feeds, donated_feeds, scratch) -> (outs, masters)`:
-  the fused host updates, in place on the donated `updated_host` leaves and masters; the feeds
-  are the values `compute` made for them (gradients, device params, scalars), split by
-  `split_feeds`: a device param's new value is written in place over the donated one.
+  `update(calling.UpdateIn) -> calling.UpdateOut`: the fused host updates, in place on the
+  donated `updated_host` leaves and masters; the feeds are the values `compute` made for them
+  (gradients, device params, scalars), split by `split_feeds`: a device param's new value is
+  written in place over the donated one.
 
-  Index lists (into the state leaves / the step's outvars) say what goes where; `assemble`
-  puts the step's flattened outputs back together.
+  Index lists (into the state leaves / the step's outvars) say what goes where;
+  `compute_inputs` and `update_inputs` group the state's leaves by them, `assemble` puts the
+  step's flattened outputs back together.
   """
 
-  compute: Callable[..., tuple[list[Any], list[Any], list[Any], list[Any]]]
-  update: Callable[..., tuple[list[Any], list[Any]]]
+  compute: Callable[[calling.ComputeIn], calling.ComputeOut]
+  update: Callable[[calling.UpdateIn], calling.UpdateOut]
   device_leaves: list[int]     # state leaves in device memory (donated to `compute`)
   host_leaves: list[int]       # state leaves in pinned_host (read by `compute`, not donated)
   updated_host: list[int]      # host leaves updated in place by `update` (donated there)
@@ -87,15 +90,48 @@ class SplitStep:
     return ([x for k, x in enumerate(feeds) if k not in donated],
             [feeds[k] for k in self.donated_feeds])
 
-  def assemble(self, state_leaves: Sequence[Any], compute_outs: Sequence[Any],
-               update_outs: Sequence[Any], num_outvars: int,
-               layered_outs: Sequence[Any] = ()) -> list[Any]:
+  def compute_inputs(self, leaves: Sequence[Any], args: Sequence[Any], scratch: Sequence[Any],
+                     masters: Mapping[int, Any]) -> calling.ComputeIn:
+    """`compute`'s inputs from the state's flat `leaves` (arrays, shardings or specs alike),
+    the step's other flattened `args`, the gradient buffers and the fp32 masters by param
+    leaf index (those of `layered_masters` are taken)."""
+    return calling.ComputeIn(
+        device_leaves=[leaves[i] for i in self.device_leaves],
+        host_leaves=[leaves[i] for i in self.host_leaves], args=list(args),
+        scratch=list(scratch), layered_host=[leaves[i] for i in self.layered_host],
+        layered_masters=[masters[i] for i in self.layered_masters])
+
+  def update_inputs(self, leaves: Sequence[Any], masters: Mapping[int, Any],
+                    feeds: Sequence[Any], scratch: Sequence[Any]) -> calling.UpdateIn:
+    """`update`'s inputs from the state's flat `leaves`, the fp32 masters by param leaf index
+    (those of `update_masters` are taken), `compute`'s feeds and the gradient buffers."""
+    kept, donated = self.split_feeds(feeds)
+    return calling.UpdateIn(
+        updated_host=[leaves[i] for i in self.updated_host],
+        read_host=[leaves[i] for i in self.read_host],
+        masters=[masters[i] for i in self.update_masters], feeds=kept, donated_feeds=donated,
+        scratch=list(scratch))
+
+  def new_masters(self, computed: calling.ComputeOut,
+                  updated: "calling.UpdateOut | None") -> dict[int, Any]:
+    """The masters the programs made, by param leaf index (`updated`: None where `update`
+    did not run)."""
+    out = dict(zip(self.layered_masters, computed.layered_masters))
+    if updated is not None:
+      out.update(zip(self.update_masters, updated.masters))
+    return out
+
+  def assemble(self, state_leaves: Sequence[Any], computed: calling.ComputeOut,
+               updated: "calling.UpdateOut | None", num_outvars: int) -> list[Any]:
+    """The step's flattened outputs: from the programs' outputs (`updated`: None where
+    `update` did not run) and, for outvars that return a host leaf unchanged, `state_leaves`
+    (not donated to either program)."""
     out: list[Any] = [None] * num_outvars
-    for j, x in zip(self.compute_outs, compute_outs):
+    for j, x in zip(self.compute_outs, list(computed.first) + list(computed.rest)):
       out[j] = x
-    for j, x in zip(self.layered_host, layered_outs):  # each leaf's new value is outvar j
+    for j, x in zip(self.layered_host, computed.layered_host):  # leaf j's new value: outvar j
       out[j] = x
-    for j, x in zip(self.update_outs, update_outs):
+    for j, x in zip(self.update_outs, updated.outs if updated is not None else ()):
       out[j] = x
     for j, i in self.passthrough.items():
       out[j] = state_leaves[i]
@@ -170,20 +206,19 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # Gradient buffers kept zero between steps: their tables' updates zero the rows they read.
   kept_zero = {u.rows.scratch for u in ov.tables}
 
-  def compute(device_leaves, host_leaves, arg_leaves, scratch_leaves, layered_leaves=(),
-              layered_master_leaves=()):
+  def compute(inputs: calling.ComputeIn) -> calling.ComputeOut:
     state = [None] * n_state
-    for i, x in zip(device, device_leaves):
+    for i, x in zip(device, inputs.device_leaves):
       state[i] = x
-    for i, x in zip(host, host_leaves):
+    for i, x in zip(host, inputs.host_leaves):
       state[i] = jax.device_put(x, jc.memory_space("device")) if i in xla_host else x
-    for i, x in zip(layered_host, layered_leaves):
+    for i, x in zip(layered_host, inputs.layered_host):
       state[i] = x
-    env: dict[Any, Any] = dict(zip(jaxpr.invars, state + list(arg_leaves)))
+    env: dict[Any, Any] = dict(zip(jaxpr.invars, state + list(inputs.args)))
     env.update(zip(jaxpr.constvars, consts))
-    scratch = list(scratch_leaves)
+    scratch = list(inputs.scratch)
     layers = _LayerCalls(every, ov, jaxpr, state, dict(zip(layered_masters,
-                                                            layered_master_leaves)))
+                                                            inputs.layered_masters)))
 
     def read(v):
       if isinstance(v, jc.Literal):
@@ -227,14 +262,17 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     new_masters = layers.join(env, scratch)
     feeds = [read(v) for v in feed_vars]
     outs = [read(jaxpr.outvars[j]) for j in compute_outs]
-    return (outs[:num_first], feeds, outs[num_first:], scratch,
-            [read(jaxpr.outvars[j]) for j in layered_host],
-            [new_masters[i] for i in layered_masters])
+    return calling.ComputeOut(
+        first=outs[:num_first], feeds=feeds, rest=outs[num_first:], scratch=scratch,
+        layered_host=[read(jaxpr.outvars[j]) for j in layered_host],
+        layered_masters=[new_masters[i] for i in layered_masters])
 
-  def update(updated_leaves, read_leaves, master_leaves, feeds, donated, scratch):
-    host_of = dict(zip(updated, updated_leaves)) | dict(zip(read_only, read_leaves))
-    master_of = dict(zip(masters, master_leaves))
-    feed_of = dict(zip(kept_vars, feeds)) | dict(zip(donated_vars, donated))
+  def update(inputs: calling.UpdateIn) -> calling.UpdateOut:
+    host_of = dict(zip(updated, inputs.updated_host)) | dict(zip(read_only, inputs.read_host))
+    master_of = dict(zip(masters, inputs.masters))
+    feed_of = (dict(zip(kept_vars, inputs.feeds))
+               | dict(zip(donated_vars, inputs.donated_feeds)))
+    scratch = inputs.scratch
     outs: dict[int, Any] = {}
     new_masters: dict[int, Any] = {}
     def value_of(v):  # a gradient sent to a scratch buffer is read there
@@ -247,7 +285,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
           outs[j] = val
         if r.master >= 0:
           new_masters[r.master] = val
-    return [outs[j] for j in update_outs], [new_masters[i] for i in masters]
+    return calling.UpdateOut(outs=[outs[j] for j in update_outs],
+                             masters=[new_masters[i] for i in masters])
 
   return SplitStep(compute=compute, update=update, device_leaves=device, host_leaves=host,
                    updated_host=updated, read_host=read_only, compute_outs=compute_outs,

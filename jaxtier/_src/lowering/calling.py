@@ -1,0 +1,175 @@
+"""The calling convention of the step's two programs: their inputs and outputs as named pytrees.
+
+`compute` takes a `ComputeIn` and returns a `ComputeOut`; `update` takes an `UpdateIn` and
+returns an `UpdateOut` (`rewrite.SplitStep`). Each input field is a list of arrays that is
+either donated to the program (its buffers consumed, as with `jax.jit(donate_argnums=...)`,
+and possibly written in place) or only read, declared once here by `donated()` / `read()`.
+`Program` jits a program over its input's fields, donating exactly the donated ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+
+_DONATED = "donated"
+
+
+def donated() -> Any:
+  """A field whose arrays the program consumes (donates): never read after the call."""
+  return dataclasses.field(default=(), metadata={_DONATED: True})
+
+
+def read() -> Any:
+  """A field whose arrays the program only reads: intact after the call, even a failed one."""
+  return dataclasses.field(default=(), metadata={_DONATED: False})
+
+
+def _pytree(cls: type) -> type:
+  """Registers a frozen dataclass of list fields as a pytree (its fields are its children)."""
+  return jax.tree_util.register_dataclass(
+      cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class ComputeIn:
+  """`compute`'s inputs: the state's leaves by group, the step's other arguments, the buffers.
+
+  Fields (each a list of arrays, ordered as the `SplitStep` index list of the same name):
+    device_leaves: the state's device leaves (donated: their new values reuse the buffers).
+    host_leaves: its pinned_host leaves other than `layered_host` (read, never donated).
+    args: the step's arguments after the state, flattened (read).
+    scratch: the pinned_host gradient buffers (`StreamSchedule.scratch`; donated).
+    layered_host: the pinned_host leaves updated layer by layer inside the backward pass
+      (donated: updated in place).
+    layered_masters: the fp32 masters of `layered_host` params, ordered as
+      `SplitStep.layered_masters` (donated: updated in place).
+  """
+
+  device_leaves: Sequence[Any] = donated()
+  host_leaves: Sequence[Any] = read()
+  args: Sequence[Any] = read()
+  scratch: Sequence[Any] = donated()
+  layered_host: Sequence[Any] = donated()
+  layered_masters: Sequence[Any] = donated()
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class ComputeOut:
+  """`compute`'s outputs.
+
+  Fields:
+    first: the outvars `SplitStep.compute_outs[:num_first]`: the device leaves' new values, in
+      the order of `ComputeIn.device_leaves` (JAX pairs each with its donated buffer).
+    feeds: the device values the fused host updates read (`UpdateIn.feeds`/`donated_feeds`).
+    rest: the outvars `SplitStep.compute_outs[num_first:]` (metrics, other new leaves).
+    scratch: the gradient buffers, written (the next step donates them again).
+    layered_host: the new values of `ComputeIn.layered_host` (the same buffers).
+    layered_masters: the new values of `ComputeIn.layered_masters` (the same buffers).
+  """
+
+  first: Sequence[Any] = ()
+  feeds: Sequence[Any] = ()
+  rest: Sequence[Any] = ()
+  scratch: Sequence[Any] = ()
+  layered_host: Sequence[Any] = ()
+  layered_masters: Sequence[Any] = ()
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class UpdateIn:
+  """`update`'s inputs: the fused host updates' operands.
+
+  Fields (each a list of arrays):
+    updated_host: the pinned_host leaves `update` writes, as `SplitStep.updated_host` (donated:
+      updated in place).
+    read_host: the pinned_host leaves it only reads, as `SplitStep.read_host` (read).
+    masters: the fp32 masters it updates, as `SplitStep.update_masters` (donated).
+    feeds: `ComputeOut.feeds` that no result overwrites (read).
+    donated_feeds: the feeds a result overwrites in place (`SplitStep.donated_feeds`; donated).
+    scratch: the gradient buffers `compute` wrote (read).
+  """
+
+  updated_host: Sequence[Any] = donated()
+  read_host: Sequence[Any] = read()
+  masters: Sequence[Any] = donated()
+  feeds: Sequence[Any] = read()
+  donated_feeds: Sequence[Any] = donated()
+  scratch: Sequence[Any] = read()
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class UpdateOut:
+  """`update`'s outputs.
+
+  Fields:
+    outs: the outvars `SplitStep.update_outs` (the updated leaves' new values, in the buffers of
+      `UpdateIn.updated_host`, and metrics computed by host updates).
+    masters: the new values of `UpdateIn.masters` (the same buffers).
+  """
+
+  outs: Sequence[Any] = ()
+  masters: Sequence[Any] = ()
+
+
+def fields_of(inputs: Any) -> list[Any]:
+  """The values of a program input's fields, in declaration order (not copied)."""
+  return [getattr(inputs, f.name) for f in dataclasses.fields(inputs)]
+
+
+def donate_argnums(cls: type) -> tuple[int, ...]:
+  """Positions of `cls`'s donated fields: `jax.jit`'s `donate_argnums` over its fields."""
+  return tuple(k for k, f in enumerate(dataclasses.fields(cls)) if f.metadata[_DONATED])
+
+
+def donated_fields(cls: type) -> tuple[str, ...]:
+  """Names of `cls`'s donated fields."""
+  return tuple(f.name for f in dataclasses.fields(cls) if f.metadata[_DONATED])
+
+
+class Program:
+  """A step program jitted over the fields of its input, the donated ones donated.
+
+  `program(inputs)` runs `fn(inputs)` (an `In` in, its output pytree out) as one jitted call;
+  `program.lower(inputs)` lowers it (`jax.stages.Lowered`; the inputs may be
+  `jax.ShapeDtypeStruct`s).
+  """
+
+  def __init__(self, fn: Callable[[Any], Any], in_shardings: Any, out_shardings: Any):
+    """Args:
+      fn: `fn(inputs) -> outputs`, traceable; its `__name__` names the jitted program.
+      in_shardings: an instance of the input class whose fields hold one sharding per array.
+      out_shardings: the output pytree of shardings (None: unspecified), as `jax.jit` takes it.
+    """
+    cls = type(in_shardings)
+
+    def program(*fields):
+      return fn(cls(*fields))
+    # Named as `fn`, its parameters as the fields: XLA names the program and its parameters
+    # after them (`jit_compute`, `%scratch_0`).
+    program.__name__ = program.__qualname__ = getattr(fn, "__name__", "program")
+    program.__signature__ = inspect.Signature([
+        inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for f in dataclasses.fields(cls)])
+    self.input_class = cls
+    self._jitted = jax.jit(program, donate_argnums=donate_argnums(cls),
+                           in_shardings=tuple(fields_of(in_shardings)),
+                           out_shardings=out_shardings)
+
+  def _fields(self, inputs: Any) -> list[Any]:
+    if type(inputs) is not self.input_class:
+      raise TypeError(f"expected a {self.input_class.__name__}, got {type(inputs).__name__}")
+    return fields_of(inputs)
+
+  def __call__(self, inputs: Any) -> Any:
+    return self._jitted(*self._fields(inputs))
+
+  def lower(self, inputs: Any) -> Any:
+    return self._jitted.lower(*self._fields(inputs))
