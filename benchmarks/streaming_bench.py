@@ -179,15 +179,16 @@ def main(argv):
   c = tr.lower(st, x).compile()
   # The compute program alone (internal handles): fwd + bwd + gradients to the host.
   leaves = jax.tree.leaves(st)
-  tr._ensure_scratch()
+  runner = tr._runner
+  runner.ensure_scratch()
 
   def compute_only():
     # No masters: the serial update keeps none in the compute program.
-    inputs = tr._programs.split.compute_inputs(leaves, [x], tr._scratch, {})
-    tr._scratch = list(tr._programs.compute(inputs).scratch)
-    return tr._scratch
+    inputs = tr._programs.split.compute_inputs(leaves, [x], runner.scratch, {})
+    runner.scratch = list(tr._programs.compute(inputs).scratch)
+    return runner.scratch
   s, t = median_secs(compute_only, a.reps)
-  grad = np.asarray(tr._scratch[0].astype(jnp.float32))
+  grad = np.asarray(runner.scratch[0].astype(jnp.float32))
   denom = np.maximum(np.abs(ref_grad), 1e-3 * np.max(np.abs(ref_grad)))
   record("jaxtier fwd+bwd (grads to host)", s, t, temp_bytes=temp_bytes(c),
          grad_max_rel_diff=float(np.max(np.abs(grad - ref_grad) / denom)),

@@ -1,6 +1,7 @@
 """Ctrl-C inside an offloaded step loses nothing: SIGINT sent at each of many points of a step
 leaves either the state given to it intact, or the step's new state in `step.last_state`."""
 
+import os
 import signal
 import sys
 import traceback
@@ -30,8 +31,16 @@ def _fresh():
 BATCH = (jnp.ones((8, 16), jnp.float32), jnp.zeros((8, 4), jnp.float32))
 
 
-def _interrupt_at(k, files=("runtime.py",)):
-  """A trace function that sends SIGINT at the k-th line run in jaxtier's `files`."""
+# The runtime's modules (`jaxtier/_src/runtime/`): a step runs its lines.
+RUNTIME = os.path.join("jaxtier", "_src", "runtime", "")
+
+
+def _in_runtime(filename):
+  return RUNTIME in filename
+
+
+def _interrupt_at(k):
+  """A trace function that sends SIGINT at the k-th line run in jaxtier's runtime modules."""
   count = [0]
 
   def local(frame, event, arg):
@@ -42,8 +51,7 @@ def _interrupt_at(k, files=("runtime.py",)):
     return local
 
   def tracer(frame, event, arg):
-    if event == "call" and frame.f_code.co_filename.endswith(files) and \
-        "jaxtier" in frame.f_code.co_filename:
+    if event == "call" and _in_runtime(frame.f_code.co_filename):
       return local
     return None
   return tracer, count
@@ -59,7 +67,7 @@ def test_sigint_at_every_point_of_a_step_leaves_the_state_before_or_after_it():
   want_before = _values(before)
   after, _ = step(before, BATCH)  # compiles; the reference new state
   want_after = _values(after)
-  # How many lines a step runs in runtime.py: every one of them is a point to interrupt at.
+  # How many lines a step runs in the runtime: every one of them is a point to interrupt at.
   tracer, count = _interrupt_at(-1)
   state = step.place(jax.tree.map(jnp.copy, _fresh()))
   sys.settrace(tracer)
@@ -87,7 +95,7 @@ def test_sigint_at_every_point_of_a_step_leaves_the_state_before_or_after_it():
         # interrupt says so unless it landed after the step put the handler back.
         if "step.last_state" not in "".join(getattr(e, "__notes__", [])):
           frames = [f for f in traceback.extract_tb(e.__traceback__)
-                    if f.filename.endswith("runtime.py")]
+                    if _in_runtime(f.filename)]
           unnoted.append((k, frames[-1].name if frames else None))
         got, kind = _values(step.last_state), "after"
       else:
@@ -100,7 +108,7 @@ def test_sigint_at_every_point_of_a_step_leaves_the_state_before_or_after_it():
       np.testing.assert_array_equal(a, b, err_msg=f"SIGINT at line {k} of {points} ({kind})")
     outcomes[kind] += 1
   # Interrupts landed both before the donation and inside the held window; only those in the
-  # step's last lines, after `_HeldInterrupt.release` put the handler back, raise without the
+  # step's last lines, after `HeldInterrupt.release` put the handler back, raise without the
   # note (at most its two lines after that).
   assert outcomes["before"] >= 1 and outcomes["after"] >= 10, outcomes
   assert len(unnoted) <= 2 and all(where == "release" for _, where in unnoted), unnoted

@@ -98,7 +98,7 @@ def test_gradient_of_streamed_param_goes_to_a_host_buffer():
   assert step.plan.compiler_host_extra_bytes >= 4 * 32 * 32 * 4
   w0 = np.array(state["W"])  # a copy: a view of the host buffer would block its donation
   state, _ = step(state, x, y)
-  (g,) = step._scratch
+  (g,) = step._runner.scratch  # pylint: disable=protected-access
   assert g.sharding.memory_kind == "pinned_host"
   want = jax.grad(_loss)(jnp.asarray(w0), x, y)
   np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-7)
@@ -128,7 +128,7 @@ def test_gradient_of_a_bf16_layer_goes_down_in_bf16():
                              atol=1e-7 if cpu else 1e-3)
   # The last step's gradient, in the buffer (read after the last step only): on the CPU bit
   # for bit.
-  (g,) = step._scratch
+  (g,) = step._runner.scratch  # pylint: disable=protected-access
   assert g.dtype == jnp.bfloat16 and g.sharding.memory_kind == "pinned_host"
   want = np.asarray(jax.grad(_loss_bf16)(jnp.asarray(w_last), x, y))
   np.testing.assert_allclose(np.array(g).astype(np.float32), want, rtol=0 if cpu else 2e-2,

@@ -1,0 +1,209 @@
+"""`StepRunner`: one plan's programs run over the placed state, Ctrl-C held while they run."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxtier._src import pipeline
+from jaxtier._src.runtime.masters import MasterCopies
+
+log = logging.getLogger("jaxtier")
+
+# Calls 2 .. 1 + MEASURED_STEPS of an offloaded step are timed (synchronised) and reported
+# against the plan's prediction (`Plan.measured_step_secs`).
+MEASURED_STEPS = 3
+
+INTERRUPTED_NOTE = (
+    "jaxtier: interrupted during a step, after its inputs were donated: the step ran to its "
+    "end, and its new state is `step.last_state` (its metrics `step.last_metrics`); continue "
+    "from it: `state = step.last_state`")
+
+
+class StepRunner:
+  """Runs one plan's step programs (`StepPrograms`) over the placed state's leaves.
+
+  It dispatches `compute`, then (once `compute` succeeded) `update`, as `lowering/calling.py`
+  declares them; holds Ctrl-C from the dispatch until the new state is taken; adds to a failed
+  step's error what it left of the state; times calls 2 .. 1 + MEASURED_STEPS.
+
+  Attributes:
+    scratch: the pinned_host gradient buffers (`StreamSchedule.scratch`): allocated by
+      `ensure_scratch`, donated to `compute` and returned by it each step.
+    calls: the steps run.
+    step_times: the timed steps' seconds (synchronised), at most MEASURED_STEPS.
+  """
+
+  def __init__(self, planned: "pipeline.Planned", masters: MasterCopies,
+               on_measured: Callable[[float], None] = lambda secs: None):
+    """Args:
+      planned: the plan and its programs.
+      masters: the fp32 masters the programs read and write (updated in place).
+      on_measured: called with the median of the timed steps' seconds once all are timed.
+    """
+    self._programs = planned.programs
+    self._plan = planned.plan
+    self._out_treedef = planned.inventory.out_treedef
+    self._masters = masters
+    self._on_measured = on_measured
+    self.scratch: list[jax.Array] = []
+    self.calls = 0
+    self.step_times: list[float] = []
+
+  def ensure_scratch(self) -> None:
+    """Allocates the pinned_host buffers that receive streamed leaves' gradients (once)."""
+    stream = self._programs.stream
+    if len(self.scratch) != len(stream.scratch):
+      self.scratch = [jax.device_put(np.zeros(s.shape, s.dtype), sh)
+                      for s, sh in zip(stream.scratch, self._programs.scratch_shardings)]
+
+  def scratch_avals(self) -> list[Any]:
+    """The gradient buffers, or their shapes and dtypes before they exist (for lowering)."""
+    return self.scratch or [jax.ShapeDtypeStruct(s.shape, s.dtype)
+                            for s in self._programs.stream.scratch]
+
+  def run(self, moved: Sequence[Any], arg_leaves: Sequence[Any],
+          keep: Callable[[Any, Any], None]) -> tuple[Any, Any]:
+    """Runs one step: `(new_state, metrics)` of the state's flat leaves `moved` (placed as
+    planned, no buffer twice: `placing.for_step`; donated) and the other arguments' flat
+    leaves.
+
+    From the dispatch of `compute` (which consumes the device leaves) until `keep(new_state,
+    metrics)` has taken the new state, Ctrl-C is held: an interrupt there would lose the state
+    given (donated) and the state made (not yet returned). A held one is then raised as
+    KeyboardInterrupt, with a note saying where the new state is.
+
+    Raises:
+      Exception: what a program raised, with a note of what it left of the state
+        (`failure_note`).
+    """
+    self.ensure_scratch()
+    self.calls += 1
+    timing = 2 <= self.calls <= 1 + MEASURED_STEPS  # the first call compiles
+    held = HeldInterrupt()
+    try:
+      result = self._dispatch(moved, arg_leaves, timing)
+      keep(*result)
+    except BaseException:
+      held.release()
+      raise
+    # The handler comes back as the last thing the step does.
+    return held.release(result, note=INTERRUPTED_NOTE)
+
+  def _dispatch(self, moved: Sequence[Any], arg_leaves: Sequence[Any], timing: bool
+                ) -> tuple[Any, Any]:
+    """The step's programs over the placed state leaves `moved`: (new state, metrics)."""
+    t0 = time.perf_counter()
+    split = self._programs.split
+    # 1. Forward, backward, streaming, and the updates of leaves stacked over layers, layer by
+    #    layer (`split.overlap`): those host leaves and masters are donated to it; the other
+    #    host leaves are read, not donated (a failure here leaves them intact).
+    # 2. The other fused host updates, in place on the donated host leaves and masters. Dispatched
+    #    only once the compute program has succeeded: an update fed by a failed program would
+    #    still consume (donate) the host leaves. The wait costs one dispatch's latency per step.
+    #    A plan with layered host leaves waits too, so that a failure is raised here, with the
+    #    note naming the leaves it may have left half-updated; a plan with neither does not
+    #    wait (dispatch stays asynchronous).
+    masters = self._masters.by_index()
+    inputs = split.compute_inputs(moved, arg_leaves, self.scratch, masters)
+    try:
+      computed = self._programs.compute(inputs)
+      self.scratch = list(computed.scratch)
+      if split.has_update or split.layered_host or split.layered_masters:
+        jax.block_until_ready(computed)
+    except Exception as e:
+      self.scratch = []  # donated to the failed program; fresh buffers next time
+      if split.layered_host or split.layered_masters:
+        self._masters.forget()  # donated too: derived again
+      if hasattr(e, "add_note"):
+        e.add_note(self.failure_note(inputs.device_leaves))
+      raise
+    updated = None
+    if split.has_update:
+      update = self._programs.update([x.sharding for x in computed.feeds])
+      updated = update(split.update_inputs(moved, masters, computed.feeds, self.scratch))
+    outs = split.assemble(moved, computed, updated, self._out_treedef.num_leaves)
+    self._masters.update(split.new_masters(computed, updated), outs)
+    if timing:
+      self._record_step_time(outs, time.perf_counter() - t0)
+    out = jax.tree_util.tree_unflatten(self._out_treedef, outs)
+    return out[0], out[1]
+
+  def failure_note(self, device_leaves: Sequence[Any]) -> str:
+    """What a failed compute program left of the state (added to its exception), given the
+    device leaves passed to it: those it consumed, and the host leaves it may have left partly
+    updated (those updated layer by layer in it), named by path."""
+    split = self._programs.split
+    deleted = sum(x.is_deleted() for x in device_leaves if isinstance(x, jax.Array))
+    device_part = (f"{deleted} of its {len(device_leaves)} device leaves were donated to the "
+                   "failed program (as with jax.jit(donate_argnums=...))." if deleted else
+                   "its device leaves were not consumed.")
+    written = sorted(set(split.layered_host) | set(split.overlap.device_leaves)
+                     | set(split.layered_masters))
+    if not written:
+      return ("jaxtier: the step failed before its host updates ran: the state's pinned_host "
+              "leaves are intact and usable; " + device_part)
+    paths = ", ".join(self._plan.leaves[i].path for i in written[:6]) + (
+        f" and {len(written) - 6} more" if len(written) > 6 else "")
+    return ("jaxtier: the step failed inside its compute program, where leaves stacked over "
+            f"layers are updated layer by layer: {paths} (and their fp32 masters) were donated "
+            "to it, and any of their layers (or a table's rows) may already hold the next "
+            "step's values while others hold this step's. Restore the state from a checkpoint "
+            "(`step.restore(path, state)`, or in a new process `step.restore(path, "
+            "abstract_state, example_args=(batch,))`); the other pinned_host leaves are "
+            "intact. "
+            + device_part)
+
+  def _record_step_time(self, outs: list[Any], dispatch_secs: float) -> None:
+    """Times calls 2 .. 1 + MEASURED_STEPS (synchronised) and reports measured vs predicted."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(outs)
+    self.step_times.append(dispatch_secs + time.perf_counter() - t0)
+    if len(self.step_times) == MEASURED_STEPS:
+      measured = float(np.median(self.step_times))
+      self._on_measured(measured)
+      predicted = self._plan.predicted_step_secs
+      log.info("jaxtier: step time measured %.4g ms (median of %d)%s", measured * 1e3,
+               MEASURED_STEPS, "" if not predicted else
+               f", predicted {predicted * 1e3:.4g} ms ({predicted / measured:.3g} of measured)")
+
+
+class HeldInterrupt:
+  """Holds SIGINT (Ctrl-C) from its creation until `release`, which delivers a held one.
+
+  Only in the main thread, and only where a Python handler is installed (the default one
+  raises KeyboardInterrupt); elsewhere nothing is held.
+  """
+
+  def __init__(self):
+    self.pending, self._handler = False, None
+    if threading.current_thread() is threading.main_thread():
+      handler = signal.getsignal(signal.SIGINT)
+      if callable(handler):
+        self._handler = signal.signal(signal.SIGINT, self._hold)
+
+  def _hold(self, signum: int, frame: Any) -> None:
+    del signum, frame
+    self.pending = True
+
+  def release(self, value: Any = None, note: str = "") -> Any:
+    """Puts the handler back and returns `value`; where a SIGINT was held, runs the handler
+    instead (which raises KeyboardInterrupt, `note` added)."""
+    handler, self._handler = self._handler, None
+    if handler is None:
+      return value
+    signal.signal(signal.SIGINT, handler)
+    if self.pending:
+      try:
+        handler(signal.SIGINT, None)
+      except BaseException as e:  # pylint: disable=broad-except  (KeyboardInterrupt, re-raised)
+        if note and hasattr(e, "add_note"):
+          e.add_note(note)
+        raise
+    return value
