@@ -76,7 +76,6 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
   from jaxtier._src import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
   from jaxtier._src.analysis import inventory as inv_lib  # pylint: disable=g-import-not-at-top
   from jaxtier._src.hardware import host, profile  # pylint: disable=g-import-not-at-top
-  from jaxtier._src.planning import planner  # pylint: disable=g-import-not-at-top
   from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
@@ -90,7 +89,8 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
                hardware=profile.load(platform="gpu"), streamable=pipeline_lib._streamable(inv),
                resident_bytes=0, stream_blocked="")
   with pytest.raises(jaxtier.AdmissionError) as first:
-    planner.make_plan(inv, device_budget=None, step_costs=costs, **fixed)
+    pipeline_lib._admitted_plan(inv, fixed, None, costs)
+  assert first.value.limit == "host_limit" and first.value.plan.pinned_bytes > 64 * 2**30
   with pytest.raises(jaxtier.AdmissionError) as err:
     pipeline_lib._raise_with_room(first.value, inv, fixed, None, costs, state)
   settings = dict(err.value.settings)

@@ -90,18 +90,18 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
                overlap_update=options.overlap_update, meshed=_meshed(state))
   sig = signature(state, args)
 
-  def make(step_costs):
-    return planner.make_plan(inv, device_budget=device_budget, step_costs=step_costs, **fixed)
+  def make(step_costs, budget):
+    return _admitted_plan(inv, fixed, budget, step_costs)
 
-  def lower(plan):
+  def lower(plan, *notes):
     programs = compiled_lib.build(inv, plan, state, args, options.overlap_update)
-    notes = _schedule_notes(plan) + programs.split.lookup.notes
+    notes += _schedule_notes(plan) + programs.split.lookup.notes
     return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
                    programs, sig)
 
   gpu_here = platform == "gpu" and jax.default_backend() == "gpu"
   try:
-    first = make(costs)
+    first = make(costs, device_budget)
   except PlanError as e:
     if gpu_here:
       _raise_with_room(e, inv, fixed, device_budget.given, costs, state)
@@ -112,7 +112,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   previous = planned = None
   for attempt in range(MAX_REPLANS + 1):
     try:
-      plan = first if attempt == 0 else make(costs)
+      plan = first if attempt == 0 else make(costs, device_budget)
     except PlanError as e:
       if previous is None:
         raise
@@ -120,35 +120,46 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
                   format_bytes(device_budget.usable), str(e).split(". ")[0])
       planned = previous
       break
-    if attempt:
-      plan = _against_user_budget(plan, attempt)
-    planned, smaller = _verify(lower(plan), state, args, attempt, options.policy)
+    # (A re-plan's findings against its internal budget are notes: `admission.judge`.)
+    replanned = () if not attempt else (
+        f"re-planned ({attempt}) against {format_bytes(device_budget.usable)}: the compiled "
+        "step's peak was over the budget",)
+    planned, smaller = _verify(lower(plan, *replanned), state, args, attempt, options.policy)
     if smaller is None:
       break
     previous, device_budget = planned, device_budget.replanned(smaller)
   planned = _refine(planned, state, args, costs, make, lower, options.policy)
   if not planned.plan.fits and is_named(options.policy, NamedPolicy.AUTO):
-    planned = _streamed_if_it_fits(planned, inv, fixed, device_budget, costs, lower, state,
-                                   args)
+    planned = _streamed_if_it_fits(planned, inv, fixed, costs, lower, state, args)
   log.debug("jaxtier plan:\n%s", planned.plan)
-  # What JAX's device allocator can hold here, before anything is allocated.
-  admission.admit_device(planned.plan,
-                         host_lib.allocator_limit_bytes() if platform == "gpu" else None)
-  if platform == "cpu" and jax.default_backend() == "cpu":
-    admission.admit_host_memory(planned.plan, host_lib.available_bytes(),
-                                fixed["resident_bytes"])
-  # Admission again, with what the compiled step allocates in pinned_host beyond the state
-  # (nothing is allocated yet: `place` and `init` allocate after planning).
-  try:
-    admission.admit(planned.plan, fixed["pinnable_bytes"],
-                    num_local_devices=_num_local_devices(state))
-  except PlanError as e:
-    e.plan = planned.plan
-    raise
+  # Each plan was admitted as planned (`_admitted_plan`); the one kept is admitted with what
+  # its compiled step needs (nothing is allocated yet: `place` and `init` allocate after
+  # planning).
+  admission.admit_compiled(
+      planned.plan, fixed["pinnable_bytes"],
+      allocator_limit=host_lib.allocator_limit_bytes() if platform == "gpu" else None,
+      available=(host_lib.available_bytes()
+                 if platform == "cpu" and jax.default_backend() == "cpu" else None),
+      resident_bytes=fixed["resident_bytes"], num_local_devices=_num_local_devices(state))
   # Said once the compiled step is known: a plan predicted over the budget whose compiled
   # step fits it fits (`_verify`).
   _warn_unfit(planned.plan)
   return planned
+
+
+def _admitted_plan(inv: inv_lib.Inventory, fixed: dict[str, Any],
+                   device_budget: "int | DeviceBudget | None",
+                   costs: step_costs_lib.StepCosts, **changed: Any) -> Plan:
+  """`planner.make_plan` with `plan_step`'s arguments (`fixed`, updated by `changed`), and
+  the plan admitted as planned (`admission.admit`).
+
+  Raises:
+    jaxtier.PlanError / AdmissionError: from planning or admission; `plan` the refused plan.
+  """
+  fixed = {**fixed, **changed}
+  plan = planner.make_plan(inv, device_budget=device_budget, step_costs=costs, **fixed)
+  admission.admit(plan, fixed["pinnable_bytes"])
+  return plan
 
 
 def _warn_unfit(plan: Plan) -> None:
@@ -182,8 +193,7 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
     room_device = int(free_at_start * host_lib.MAX_MEM_FRACTION * (1 - admission.DEVICE_MARGIN))
   pinnable = max(fixed["pinnable_bytes"] or 0, room_pinned)
   try:
-    room = planner.make_plan(inv, device_budget=room_device, step_costs=costs,
-                             **dict(fixed, pinnable_bytes=pinnable))
+    room = _admitted_plan(inv, fixed, room_device, costs, pinnable_bytes=pinnable)
   except PlanError:
     return
   if not room.fits:
@@ -257,31 +267,14 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       streamable=streamable, dha_readable=dha_readable, activations=activations,
       resident_bytes=_resident_bytes(state), pinnable_what=pinnable_what,
       stream_blocked=blocked, overlap_update=options.overlap_update, meshed=_meshed(state))
+  admission.admit(result, pinnable, pinnable_what)
   _warn_unfit(result)  # not compiled: the prediction is all there is
   notes = _schedule_notes(result)
-  if notes:
-    result = dataclasses.replace(result, notes=result.notes + notes)
   if platform != here:
-    result = dataclasses.replace(result, notes=result.notes + (
-        f"planned for {platform} on a machine without one ({here}): "
-        + ("the default hardware profile" if hardware.is_default else "a stored profile")
-        + f"; pinnable host memory from the profile ({format_bytes(pinnable)})",))
-  return result
-
-
-def _against_user_budget(plan: Plan, attempt: int) -> Plan:
-  """A plan made against a re-plan budget smaller than the user's, shown against theirs.
-
-  The solver's verdict against that internal budget is not the plan's against the user's (the
-  compiled check judges that): it stays a note.
-  """
-  internal = format_bytes(plan.device_budget.usable)
-  notes = tuple(f"against the re-plan budget of {internal}, not yours: {v}"
-                for v in plan.verdicts)
-  return dataclasses.replace(
-      plan, fits=True, violations=(), verdicts=(),
-      notes=(*plan.notes, *notes, f"re-planned ({attempt}) against {internal}: the compiled "
-             "step's peak was over the budget"))
+    notes += (f"planned for {platform} on a machine without one ({here}): "
+              + ("the default hardware profile" if hardware.is_default else "a stored profile")
+              + f"; pinnable host memory from the profile ({format_bytes(pinnable)})",)
+  return dataclasses.replace(result, notes=result.notes + notes) if notes else result
 
 
 def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, policy: Any,
@@ -310,20 +303,18 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
   # there, and the streamed leaves' gradient buffers (jaxtier's, allocated once).
   update_extra = _update_host_extra_bytes(planned.programs, state, compiled)
   scratch = sum(inv_lib.bytes_per_device(s) for s in planned.programs.scratch_specs())
+  # Judged again with the compiled step's peak: where only the prediction was over the device
+  # budget, the compiler's figure, the one the allocator meets, may fit it.
+  verdict = admission.judge(plan.verdict.findings, plan.device_budget, fig.peak_bytes)
+  said = (f"compiled step's memory_analysis: {fig.describe()} (the arguments by their "
+          f"shardings: device {device_args}, pinned_host {host} bytes)",)
+  if verdict != plan.verdict:
+    said += verdict.overruled
   plan = dataclasses.replace(
       plan, compiler_peak_hbm_bytes=fig.peak_bytes,
-      compiler_host_extra_bytes=fig.host_extra_bytes + update_extra + scratch,
-      notes=plan.notes + (f"compiled step's memory_analysis: {fig.describe()} (the "
-                          f"arguments by their shardings: device {device_args}, pinned_host "
-                          f"{host} bytes)",))
+      compiler_host_extra_bytes=fig.host_extra_bytes + update_extra + scratch, verdict=verdict,
+      notes=plan.notes + said)
   budget = plan.device_budget.usable
-  if ok and not plan.fits and all(v.limit == "device_budget" for v in plan.violations):
-    # The prediction was over the device budget, the compiled step is not: the compiler's
-    # figure is the one the allocator meets.
-    plan = dataclasses.replace(
-        plan, fits=True, violations=(), verdicts=(), notes=plan.notes + tuple(
-            f"the prediction said: {v}; the compiled step's peak, "
-            f"{format_bytes(fig.peak_bytes)}, fits the budget" for v in plan.verdicts))
   planned = dataclasses.replace(planned, plan=plan)
   log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
            plan.predicted_peak_hbm_bytes, fig.peak_bytes,
@@ -398,7 +389,7 @@ def _update_host_extra_bytes(programs: compiled_lib.StepPrograms, state: Any,
 
 
 def _streamed_if_it_fits(planned: Planned, inv: inv_lib.Inventory, fixed: dict[str, Any],
-                         device_budget: DeviceBudget, costs: step_costs_lib.StepCosts,
+                         costs: step_costs_lib.StepCosts,
                          lower: Callable[[Plan], Planned], state: Any,
                          args: Sequence[Any]) -> Planned:
   """Under 'auto', where no plan fits by the solver's prediction or by the compiled step: the
@@ -414,8 +405,7 @@ def _streamed_if_it_fits(planned: Planned, inv: inv_lib.Inventory, fixed: dict[s
     del path
     return Placement.HOST_STREAM if leaf.index in streamable else None
   try:
-    plan = planner.make_plan(inv, device_budget=device_budget, step_costs=costs,
-                             **{**fixed, "policy": stream_stacks})
+    plan = _admitted_plan(inv, fixed, planned.plan.device_budget, costs, policy=stream_stacks)
     streamed, _ = _verify(lower(plan), state, args, 0, stream_stacks)
   except PlanError as e:
     log.debug("jaxtier: the streamed alternative plan failed: %s", e)
@@ -466,7 +456,7 @@ def _refine(planned: Planned, state: Any, args: Sequence[Any],
   for share in REFINE_CREDIT_SHARES:
     credit = costs.update_credit + share * over / moved
     try:
-      refined = replan(dataclasses.replace(costs, update_credit=credit))
+      refined = replan(dataclasses.replace(costs, update_credit=credit), plan.device_budget)
     except PlanError as e:
       log.debug("jaxtier: refining the plan failed: %r", e)
       break
@@ -476,14 +466,14 @@ def _refine(planned: Planned, state: Any, args: Sequence[Any],
       log.info("jaxtier: the refined plan is not predicted faster than the first: keeping "
                "the first plan")
       return planned
-    refined = dataclasses.replace(refined, notes=(
-        *refined.notes, f"refined: the first plan's peak was predicted "
-        f"{format_bytes(predicted)} and compiled to {format_bytes(peak)}; "
-        f"the transient bytes are credited {credit:.3g} bytes per byte of optimizer state "
-        f"updated on the host (its update's temporaries); the first plan predicted "
-        f"{plan.predicted_step_secs * 1e3:.2f} ms per step"))
+    why = (f"refined: the first plan's peak was predicted "
+           f"{format_bytes(predicted)} and compiled to {format_bytes(peak)}; "
+           f"the transient bytes are credited {credit:.3g} bytes per byte of optimizer state "
+           f"updated on the host (its update's temporaries); the first plan predicted "
+           f"{plan.predicted_step_secs * 1e3:.2f} ms per step")
     tried = True
-    candidate, _ = _verify(lower(refined), state, args, MAX_REPLANS, policy, refining=True)
+    candidate, _ = _verify(lower(refined, why), state, args, MAX_REPLANS, policy,
+                           refining=True)
     new_peak = candidate.plan.compiler_peak_hbm_bytes
     if new_peak is not None and new_peak <= budget:
       log.info("jaxtier: plan refined with the compiled step's peak: predicted step %.2f ms "

@@ -1,16 +1,19 @@
-"""Admission: a plan over a budget is refused before anything is allocated."""
+"""Admission: a plan's verdict against its budgets (`judge`), and the refusal, before anything
+is allocated, of a plan over what may be held (`admit` before compiling, `admit_compiled`
+after)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
-from typing import Callable
+from typing import Callable, Sequence
 
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.host import HERE_PINNABLE
-from jaxtier._src.planning.plan import DeviceBudget, LeafPlan, Plan
+from jaxtier._src.planning.plan import DeviceBudget, Finding, LeafPlan, Plan, Verdict
 from jaxtier._src.units import format_bytes
 
 # Share of the device's memory a default budget leaves free (fragmentation, workspace).
@@ -79,6 +82,51 @@ def plan_device_budget(device_budget: "int | DeviceBudget | None", platform: str
     budget = DeviceBudget(given=budget.given, usable=usable, source="default")
     notes.append(f"device budget: none given; planned against {format_bytes(usable)} ({why})")
   return budget, notes
+
+
+def judge(findings: Sequence[Finding], device_budget: DeviceBudget,
+          compiler_peak_hbm_bytes: "int | None" = None) -> Verdict:
+  """The verdict of a plan: whether it fits its budgets, and the limits it misses.
+
+  The one place a plan's verdict is made: by the planner from what its prediction misses,
+  and again once the step is compiled, with the compiled step's peak.
+
+  A finding stands, except where the plan was made against a re-plan budget (its findings
+  are against that internal budget, not the user's: the compiled step judges the plan), or
+  where the compiled step's peak, `compiler_peak_hbm_bytes`, is within the budget planned
+  against and every limit missed is that budget (the compiler's figure is the one the
+  allocator meets). Where the budget was capped at what the allocator of an absent GPU may
+  use, a miss of it is a miss of the device's memory ('device_memory').
+
+  Args:
+    findings: what the prediction misses (`Finding`s), against `device_budget.usable`.
+    device_budget: the budget the plan was made against.
+    compiler_peak_hbm_bytes: the compiled step's peak device memory, bytes per device (None:
+      not compiled).
+
+  Returns:
+    The `Verdict`: its `overruled` notes say which findings do not stand and why.
+  """
+  findings = tuple(findings)
+  if device_budget.source == "capped":
+    findings = tuple(dataclasses.replace(f, violations=tuple(
+        dataclasses.replace(v, limit="device_memory") if v.limit == "device_budget" else v
+        for v in f.violations)) for f in findings)
+  if not findings:
+    return Verdict()
+  violations = tuple(v for f in findings for v in f.violations)
+  if device_budget.source == "re-plan":
+    internal = format_bytes(device_budget.usable)
+    return Verdict(findings=findings, overruled=tuple(
+        f"against the re-plan budget of {internal}, not yours: {f.sentence}" for f in findings))
+  peak, usable = compiler_peak_hbm_bytes, device_budget.usable
+  if (peak is not None and (usable is None or peak <= usable)
+      and all(v.limit == "device_budget" for v in violations)):
+    return Verdict(findings=findings, overruled=tuple(
+        f"the prediction said: {f.sentence}; the compiled step's peak, {format_bytes(peak)}, "
+        "fits the budget" for f in findings))
+  return Verdict(findings=findings, fits=False, violations=violations,
+                 verdicts=tuple(f.sentence for f in findings))
 
 
 FRACTION_SETTING = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -208,24 +256,61 @@ def _prefix_regex(leaves: list[LeafPlan]) -> str:
   return "^" + re.escape(m.group(1) if m else top)
 
 
-def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE,
-          num_local_devices: int = 1) -> None:
-  """Refuses `plan` before anything is allocated where it needs more than may be held.
-
-  Pinned host bytes are the state's (`plan.pinned_bytes`, masters included) and, once the step
-  is compiled, what the compiled step allocates beyond them (`compiler_host_extra_bytes`),
-  against the host budget and what the host can pin; device bytes of the state against the
-  device budget.
-
-  Where XLA's pinned pool is the limit on a GPU of this host (`pinnable_what` is
-  HERE_PINNABLE) and the host has the memory, the refusal names the pool size that fits and
-  carries it in `AdmissionError.settings` (`host.pinned_pool_that_fits`; `num_local_devices`
-  share the host's memory).
+def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PINNABLE) -> None:
+  """Refuses `plan`, as planned (before its step is compiled), where its state needs more than
+  may be held: the pinned host bytes (`plan.pinned_bytes`, masters included) against the host
+  budget and what the host can pin, `pinnable_bytes` (from `pinnable_what`); the state's device
+  bytes against the device budget asked for (`DeviceBudget.asked`).
 
   Raises:
-    AdmissionError: pinned bytes over the host budget or over `pinnable_bytes`.
-    PlanError: the state's device bytes over the device budget.
+    AdmissionError: pinned bytes over the host budget or over `pinnable_bytes`; `limit`
+      'host_limit', `plan` the plan.
+    PlanError: the state's device bytes over the device budget; `plan` the plan.
   """
+  try:
+    _admit_pinned(plan, pinnable_bytes, pinnable_what)
+    _admit_device_state(plan)
+  except PlanError as e:
+    e.plan = plan
+    raise
+
+
+def admit_compiled(plan: Plan, pinnable_bytes: "int | None", *,
+                   allocator_limit: "int | None", available: "int | None",
+                   resident_bytes: int = 0, num_local_devices: int = 1) -> None:
+  """Refuses `plan`, once its step is compiled and before anything is allocated, where the
+  compiled step needs more than may be held (`admit` checked its state before compiling): its
+  peak device memory against JAX's allocator (`admit_device`), the CPU backend's RAM
+  (`admit_host_memory`), and the pinned bytes it allocates beyond the state
+  (`compiler_host_extra_bytes`) with the state's against the host's limits.
+
+  Args:
+    plan: the plan, with the compiled step's figures where it was compiled.
+    pinnable_bytes: what this host can pin per device (None: not checked).
+    allocator_limit: `memory_stats()['bytes_limit']` of this GPU (None: no GPU here).
+    available: this host's available RAM, where the CPU backend holds the step (else None).
+    resident_bytes: bytes of the state already allocated in that RAM.
+    num_local_devices: the devices of this host, which share its pinned memory: where XLA's
+      pinned pool is the limit and the host has the memory, the refusal names the pool size
+      that fits and carries it in `AdmissionError.settings` (`host.pinned_pool_that_fits`).
+
+  Raises:
+    AdmissionError: the limit missed in `limit`, the plan in `plan`.
+  """
+  admit_device(plan, allocator_limit)
+  admit_host_memory(plan, available, resident_bytes)
+  if plan.compiler_host_extra_bytes:
+    try:
+      _admit_pinned(plan, pinnable_bytes, HERE_PINNABLE, num_local_devices)
+    except PlanError as e:
+      e.plan = plan
+      raise
+
+
+def _admit_pinned(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str,
+                  num_local_devices: int = 1) -> None:
+  """Refuses pinned host bytes (the state's and, once compiled, what the compiled step
+  allocates beyond them) over the host budget or `pinnable_bytes`."""
   extra = plan.compiler_host_extra_bytes or 0
   need = plan.pinned_bytes + extra
   host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
@@ -261,6 +346,10 @@ def admit(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str = HERE_PI
       error.settings = settings
       error.limit = "host_limit"
       raise error
+
+
+def _admit_device_state(plan: Plan) -> None:
+  """Refuses a state whose device bytes alone are over the device budget asked for."""
   given = plan.device_budget.asked
   if given is not None and plan.device_bytes > given:
     dev = [l for l in plan.leaves if l.memory_kind == "device"]

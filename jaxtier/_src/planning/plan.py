@@ -62,6 +62,42 @@ class BudgetViolation:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Finding:
+  """A limit the plan's prediction misses: one sentence for people, the limits for tools.
+
+  Attributes:
+    sentence: what misses which limit by how much (printed after "DOES NOT FIT: ").
+    violations: the limits missed (none where the search found no plan within the budgets
+      but no single limit is over).
+  """
+
+  sentence: str
+  violations: tuple[BudgetViolation, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verdict:
+  """Whether a plan fits its budgets. Made by `admission.judge` alone, from the planner's
+  findings, the device budget and, once the step is compiled, its peak.
+
+  Attributes:
+    findings: what the planner's prediction misses, against the budget planned for.
+    fits: False where a finding stands (the step still runs as planned).
+    violations: the limits missed by the findings that stand.
+    verdicts: one sentence per finding that stands, for people.
+    overruled: notes on the findings that do not stand: the compiled step's peak fits the
+      budget the prediction missed, or the plan was made against a re-plan budget (then the
+      compiled step judges it, against the budget given).
+  """
+
+  findings: tuple[Finding, ...] = ()
+  fits: bool = True
+  violations: tuple[BudgetViolation, ...] = ()
+  verdicts: tuple[str, ...] = ()
+  overruled: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DeviceBudget:
   """The device budget: the bytes per device the user gave, and those the plan is made against.
 
@@ -134,10 +170,8 @@ class Plan:
       admission counts them with `pinned_bytes` (None before compiling).
     measured_step_secs: the median wall time of the offloaded step's calls 2 to
       1 + MEASURED_STEPS, seconds, each synchronised (set once measured; None before).
-    fits: False when the planner found no placement within the budgets (`violations` says
-      which it misses, `verdicts` says so for people); the step still runs as planned.
-    violations: the limits the plan misses.
-    verdicts: why the plan does not fit, one sentence per finding, for people.
+    verdict: whether it fits its budgets (`Verdict`; `fits`, `violations` and `verdicts`
+      read it).
     num_planning_notes: how many of `notes` the planner wrote (the verdicts print after
       them, before the notes that verifying and refining added).
     components: the fused host updates the lowering runs, one compiled op program each
@@ -169,15 +203,29 @@ class Plan:
   compiler_peak_hbm_bytes: "int | None" = None
   compiler_host_extra_bytes: "int | None" = None
   measured_step_secs: "float | None" = None
-  fits: bool = True
-  violations: tuple[BudgetViolation, ...] = ()
-  verdicts: tuple[str, ...] = ()
+  verdict: Verdict = Verdict()
   num_planning_notes: "int | None" = None
   components: tuple = dataclasses.field(default=(), repr=False, compare=False)
   schedule: tuple = dataclasses.field(default=(), repr=False, compare=False)
   rates_of: str = ""
   pinnable_bytes: "int | None" = None
   pinnable_what: str = ""
+
+  @property
+  def fits(self) -> bool:
+    """False when the plan misses a budget (`violations` says which, `verdicts` says so for
+    people); the step still runs as planned."""
+    return self.verdict.fits
+
+  @property
+  def violations(self) -> tuple[BudgetViolation, ...]:
+    """The limits the plan misses."""
+    return self.verdict.violations
+
+  @property
+  def verdicts(self) -> tuple[str, ...]:
+    """Why the plan does not fit, one sentence per finding, for people."""
+    return self.verdict.verdicts
 
   def binding_violation(self) -> "BudgetViolation | None":
     """The violation of a limit that binds before the device budget, if any."""
@@ -194,13 +242,15 @@ class Plan:
   def to_json(self) -> str:
     """The plan as JSON: its fields (not `components` nor `schedule`), the device budget as two
     figures (`device_budget`, the one given; `planned_device_budget`, the one planned
-    against)."""
+    against), the verdict as three (`fits`, `violations`, `verdicts`)."""
     fields = {}
     for f in dataclasses.fields(self):
       if f.name in ("components", "schedule"):
         continue
       if f.name == "device_budget":
         fields["device_budget"] = self.device_budget.given
+      elif f.name == "verdict":
+        fields.update(fits=self.fits, violations=self.violations, verdicts=self.verdicts)
       else:
         fields[f.name] = getattr(self, f.name)
       if f.name == "assumed_checkpoint_policy":

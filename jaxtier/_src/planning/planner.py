@@ -5,7 +5,7 @@ updates around the host leaves (`cut.py`), and, under policy 'auto' (and for the
 user policy leaves to it), lets the solver (`solver.py`) choose the placements and the
 activation policy that minimise the predicted step time within the budgets. The plan it
 returns carries the placements with their reasons, the predictions, whether it fits
-(`Plan.fits`, `Plan.violations`) and the compiled op programs the lowering runs
+(its `Verdict`, from `admission.judge`) and the compiled op programs the lowering runs
 (`Plan.components`); admission (`admission.py`) refuses it before anything is allocated when
 its pinned or device bytes exceed what may be held. The placements are `vocab.Placement`.
 """
@@ -21,15 +21,14 @@ import jax.numpy as jnp
 
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.analysis.inventory import Inventory
-from jaxtier._src.errors import PlanError
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
 from jaxtier._src.planning import cost_model, placements, solver
 from jaxtier._src.planning import problem as problem_lib
-from jaxtier._src.planning.admission import admit, plan_device_budget
+from jaxtier._src.planning.admission import judge, plan_device_budget
 from jaxtier._src.planning.cut import cut_updates
-from jaxtier._src.planning.plan import BudgetViolation, DeviceBudget, LeafPlan, Plan
+from jaxtier._src.planning.plan import BudgetViolation, DeviceBudget, Finding, LeafPlan, Plan
 from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.planning.reasons import Kind, Placed, reason, render
 from jaxtier._src.units import format_bytes
@@ -94,9 +93,9 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     The plan; `plan.components` are the fused host updates the lowering runs.
 
   Raises:
-    PlanError: an unknown placement, a non-float leaf placed on the host, or a state whose
-      device bytes exceed `device_budget` (with every candidate leaf on the host).
-    AdmissionError: pinned bytes over `host_budget` or over `pinnable_bytes`.
+    PlanError: an unknown placement, a non-float leaf placed on the host (`policy.requested`).
+      A plan over a budget is returned, its verdict saying so (`Plan.verdict`):
+      `admission.admit` refuses it.
   """
   host_exec = Placement.HOST_DHA if platform == "gpu" else Placement.HOST_CPU
   hardware = hardware or profile.DEFAULT_PROFILE
@@ -125,8 +124,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   notes += budget_notes
   usable = device_budget.usable
   host_limit = min((b for b in (host_budget, pinnable_bytes) if b is not None), default=None)
-  verdicts: list[str] = []
-  violations: list[BudgetViolation] = []
+  # What the prediction misses; `admission.judge` makes the plan's verdict of them.
+  findings: list[Finding] = []
 
   def problem_for(placement, layered_dha_fraction=None):
     return problem_lib.build_problem(
@@ -149,10 +148,8 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     cut = cut_updates(inv, _apply(sol, problem, inv, cut.placed, user_fixed, usable),
                       hardware, host_exec, user_fixed)
     if not sol.fits:
-      verdict, missed = _not_fitting(sol, usable, host_limit, problem,
-                                     placed=(inv, cut.placed.placement, user_fixed))
-      verdicts.append(verdict)
-      violations.extend(missed)
+      findings.append(_not_fitting(sol, usable, host_limit, problem,
+                                   placed=(inv, cut.placed.placement, user_fixed)))
     act_policy = sol.activation_policy
   layered_fraction = None
   if platform == "gpu":
@@ -184,18 +181,15 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   }
   final_params = {p.index: placement[p.index] for p in final.params}
   pred = solver.evaluate_fixed(final, final_params, final_updates, act_policy).prediction
-  if usable is not None and pred.peak_hbm_bytes > usable and not verdicts:
+  if usable is not None and pred.peak_hbm_bytes > usable and not findings:
     # The placements the user fixed (or the cut's fallbacks) leave the plan over the budget
     # although the solver's own search fitted: say so as loudly as an infeasible search.
-    verdicts.append(f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} "
-                    f"exceeds the device budget of {format_bytes(usable)} with the "
-                    "placements as given (the policy's fixed placements included)")
-    violations.append(BudgetViolation(limit="device_budget", need_bytes=pred.peak_hbm_bytes,
-                                      limit_bytes=usable))
-  if device_budget.source == "capped":
-    # Over the capped budget is over the device's memory, whatever budget was given.
-    violations = [dataclasses.replace(v, limit="device_memory") if v.limit == "device_budget"
-                  else v for v in violations]
+    findings.append(Finding(
+        sentence=f"predicted peak device memory {format_bytes(pred.peak_hbm_bytes)} "
+        f"exceeds the device budget of {format_bytes(usable)} with the placements as given "
+        "(the policy's fixed placements included)",
+        violations=(BudgetViolation(limit="device_budget", need_bytes=pred.peak_hbm_bytes,
+                                    limit_bytes=usable),)))
   if usable is None and platform == "cpu" and jax.default_backend() == "cpu":
     # No device budget on the CPU backend, but its device and pinned_host memory are both this
     # host's RAM: a plan that needs more than is available is said not to fit.
@@ -204,16 +198,17 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     available = host_lib.available_bytes()
     need = pred.peak_hbm_bytes + pred.pinned_bytes - resident_bytes
     if available is not None and need > available:
-      verdicts.append(
-             f"on the CPU backend device and pinned_host memory are this host's "
-             f"RAM: the plan needs {format_bytes(need)} more (peak "
-             f"{format_bytes(pred.peak_hbm_bytes)} + pinned {format_bytes(pred.pinned_bytes)}"
-             f"{f' - the state already allocated, {format_bytes(resident_bytes)}' if resident_bytes else ''}"
-             f"), over the {format_bytes(available)} available now (no device budget was given); "
-             "plan for the GPU with --platform=gpu (python -m jaxtier plan) or platform='gpu' "
-             "(jaxtier.plan)")
-      violations.append(BudgetViolation(limit="host_memory", need_bytes=need,
-                                        limit_bytes=available))
+      allocated = (f" - the state already allocated, {format_bytes(resident_bytes)}"
+                   if resident_bytes else "")
+      findings.append(Finding(
+          sentence=f"on the CPU backend device and pinned_host memory are this host's "
+          f"RAM: the plan needs {format_bytes(need)} more (peak "
+          f"{format_bytes(pred.peak_hbm_bytes)} + pinned {format_bytes(pred.pinned_bytes)}"
+          f"{allocated}), over the {format_bytes(available)} available now (no device budget "
+          "was given); plan for the GPU with --platform=gpu (python -m jaxtier plan) or "
+          "platform='gpu' (jaxtier.plan)",
+          violations=(BudgetViolation(limit="host_memory", need_bytes=need,
+                                      limit_bytes=available),)))
   assumed = None
   if activations is not None:
     chosen = act_policy or activations.traced
@@ -223,6 +218,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       assumed = activations.checkpoint_policy[chosen]
   else:
     act_label = "as traced (not modelled)"
+  verdict = judge(findings, device_budget)
   leaves = []
   device_bytes = pinned_bytes = 0
   for leaf in inv.leaves:
@@ -247,17 +243,13 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               critical_path=pred.critical_path, predicted_peak_hbm_bytes=pred.peak_hbm_bytes,
               resource_secs=dict(pred.resource_secs), segments=tuple(pred.segments),
               activation_policy=act_label, assumed_checkpoint_policy=assumed,
-              notes=tuple(notes), fits=not verdicts, violations=tuple(violations),
-              verdicts=tuple(verdicts), num_planning_notes=len(notes),
+              # The findings a re-plan budget overrules are notes after the planner's.
+              notes=tuple(notes) + verdict.overruled, verdict=verdict,
+              num_planning_notes=len(notes),
               components=tuple(compiled), schedule=final.schedule,
               rates_of=("" if not hardware.is_default or platform == "gpu"
                         else "the default profile's H200 rates, not this machine's"),
               pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what)
-  try:
-    admit(plan, pinnable_bytes, pinnable_what)
-  except PlanError as e:
-    e.plan = plan
-    raise
   return plan
 
 
@@ -379,10 +371,9 @@ def _apply(sol: "solver.Solution", problem: "problem_lib.Problem", inv: Inventor
 def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int | None",
                  problem: "problem_lib.Problem | None" = None,
                  placed: "tuple[Inventory, Mapping[int, str], set[int]] | None" = None
-                 ) -> tuple[str, list[BudgetViolation]]:
-  """The verdict of a search that found no plan within the budgets, and the limits missed.
-
-  Returns (what the plan made is and which budget it misses by how much, the violations).
+                 ) -> Finding:
+  """The finding of a search that found no plan within the budgets: what the plan made is and
+  which budget it misses by how much, and the limits missed.
 
   `placed`: (inventory, final placement per leaf index, leaves the user's policy placed), to
   describe the plan actually made (else: the rule-based plan's rule).
@@ -422,5 +413,5 @@ def _not_fitting(sol: "solver.Solution", budget: "int | None", host_limit: "int 
             for (role, p, user), n in sorted(groups.items())]
     what = ("its fallback plan: " + (", ".join(host) + " in pinned_host, the rest on the device"
                                      if host else "every leaf on the device"))
-  return ("no placement the planner can make fits the budgets; this is " + what + ": "
-          + "; ".join(parts or ["over a budget"])), missed
+  return Finding(sentence="no placement the planner can make fits the budgets; this is " + what
+                 + ": " + "; ".join(parts or ["over a budget"]), violations=tuple(missed))
