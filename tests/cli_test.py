@@ -169,6 +169,9 @@ def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
   assert plan["fits"] is False and plan["refused"] is None
   assert plan["verdicts"] and not any("DOES NOT FIT" in n for n in plan["notes"])
   assert any(v["limit"] == "device_budget" for v in plan["violations"]), plan["violations"]
+  missed = next(v for v in plan["violations"] if v["limit"] == "device_budget")
+  assert missed["limit_bytes"] == 8 * 2**20 == plan["device_budget"], missed
+  assert missed["need_bytes"] > 8 * 2**20 and not missed["binding"], missed
 
 
 def test_plan_json_fitting_exits_0(tmp_path):
@@ -544,6 +547,12 @@ def test_a_plan_that_does_not_fit_says_so_once_and_names_no_host_fix(tmp_path):
     hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
     assert hint.startswith("from the command line: a larger --device_budget; "), hint
     assert "--host_budget" not in hint and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in hint, hint
+  # The same verdict as fields (the CPU's: test_plan_json_over_budget_not_refused_exits_1).
+  plan = json.loads(_cli(tmp_path, "plan", "--config=tiny", "--device_budget=8MiB",
+                         "--platform=gpu", "--json").stdout)
+  assert [v["limit"] for v in plan["violations"]] == ["device_budget"], plan["violations"]
+  assert plan["violations"][0]["limit_bytes"] == 8 * 2**20 == plan["planned_device_budget"]
+  assert plan["violations"][0]["need_bytes"] > 8 * 2**20 and not plan["fits"]
 
 
 def test_a_plan_over_the_host_budget_names_the_host_fixes(tmp_path):

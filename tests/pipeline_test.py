@@ -136,12 +136,24 @@ def test_does_not_fit_is_said_only_of_a_plan_whose_compiled_step_is_over(caplog)
     step.place(state, batch)
   assert step.plan.fits and step.plan.compiler_peak_hbm_bytes <= budget
   assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  # What the prediction missed (if the plan kept is one it missed) stands no longer: the
+  # compiled step overruled it.
+  verdict = step.plan.verdict
+  assert not step.plan.violations and step.plan.device_budget.given == budget
+  assert len(verdict.overruled) == len(verdict.findings)
+  assert all((v.limit, v.limit_bytes) == ("device_budget", budget) and v.need_bytes > budget
+             for f in verdict.findings for v in f.violations), verdict
   # Over the compiled peak too: said.
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    jaxtier.offload(step_fn, policy=train.stream_layers_policy,
-                    device_budget=compiled // 4).place(state, batch)
+    over = jaxtier.offload(step_fn, policy=train.stream_layers_policy,
+                           device_budget=compiled // 4)
+    over.place(state, batch)
   assert [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  assert not over.plan.fits and over.plan.device_budget.given == compiled // 4
+  assert [(v.limit, v.limit_bytes) for v in over.plan.violations if not v.binding] == [
+      ("device_budget", compiled // 4)], over.plan.violations
+  assert all(v.need_bytes > v.limit_bytes for v in over.plan.violations)
 
 
 @pytest.mark.slow
@@ -169,5 +181,6 @@ def test_auto_streams_where_only_the_streamed_compiled_step_fits(caplog):
   assert "host_stream" in {l.placement for l in step.plan.leaves}
   assert any("streamed the compiled step's peak" in n for n in step.plan.notes)
   assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  assert not step.plan.violations and step.plan.device_budget.given == budget
   placed, metrics = step(placed, batch)
   assert np.isfinite(float(metrics["loss"]))

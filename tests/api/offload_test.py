@@ -198,8 +198,12 @@ def test_called_under_jit_is_refused():
 def test_integer_leaf_offloaded_is_refused():
   step = jaxtier.offload(_step_fn(TX), policy={r"count": "host_cpu"})
   with pytest.raises(jaxtier.PlanError,
-                     match=re.escape("leaf ['opt'][0].count (int32[]) would be placed host_cpu")):
+                     match=re.escape("leaf ['opt'][0].count (int32[]) would be placed host_cpu")
+                     ) as err:
     step.place(_mlp_state(TX), _batch())
+  # Refused while asking the policy: before any plan, over no budget.
+  assert err.value.plan is None and err.value.reason == ""
+  assert not isinstance(err.value, jaxtier.AdmissionError)
 
 
 def test_donated_state_reused_is_named():
@@ -275,6 +279,8 @@ def test_admission_refuses_before_allocating_state_intact():
   msg = str(err.value)
   assert "refused before allocating anything" in msg
   assert f"({2 * (16 * 32 + 32 * 4 + 4) * 4} bytes)" in msg and "(1000 bytes)" in msg
+  assert err.value.limit == "host_limit" and err.value.plan.host_budget == 1000
+  assert err.value.plan.pinned_bytes == 2 * (16 * 32 + 32 * 4 + 4) * 4
   assert "['opt'][0].mu['w1'] 2.00 KiB" in msg  # the largest host leaves are listed
   for x, b in zip(jax.tree.leaves(state), before):
     assert not x.is_deleted() and x.sharding.memory_kind == "device"
@@ -293,6 +299,11 @@ def test_device_budget_over_is_refused():
   hint = re.search(r"policy=(\{.*?\})\)", str(err.value)).group(1)
   assert hint == "{\"^\\\\['params'\\\\]\": 'host_xla'}", hint
   assert err.value.plan is not None and err.value.plan.device_bytes > 100
+  assert err.value.plan.device_budget.given == 100 and not err.value.plan.fits
+  assert err.value.reason == (
+      f"the state needs {jaxtier.format_bytes(err.value.plan.device_bytes)} "
+      f"({err.value.plan.device_bytes} bytes) of device memory after offloading, over the "
+      "device budget of 100 B (100 bytes)")
   step = jaxtier.offload(_step_fn(TX), device_budget=100, policy={r"^\['params'\]": "host_xla"})
   step.place(_mlp_state(TX), _batch())
   assert step.plan.device_bytes == 8  # only the two int32 step counters remain on device.
@@ -563,8 +574,9 @@ def test_policy_of_no_known_form_is_refused_when_wrapping():
   # As a bad budget is: at `offload(...)`, not at the first call.
   for bad in ("stream", None, 3):
     with pytest.raises(jaxtier.PlanError, match=r"expected policy 'auto', 'none', "
-                       r"'optimizer_state_on_host', a callable .* got " + repr(bad)):
+                       r"'optimizer_state_on_host', a callable .* got " + repr(bad)) as err:
       jaxtier.offload(_step_fn(TX), policy=bad)
+    assert err.value.plan is None and err.value.reason == ""
 
 
 def test_policy_errors_name_the_pattern_or_leaf_and_keep_the_state():
@@ -572,8 +584,9 @@ def test_policy_errors_name_the_pattern_or_leaf_and_keep_the_state():
   # reported with what the user wrote (and the leaf), and nothing is placed or donated.
   state = _mlp_state(TX)
   with pytest.raises(jaxtier.PlanError, match=r"policy pattern '\[w1' is not a regular "
-                     r"expression .*escape brackets"):
+                     r"expression .*escape brackets") as err:
     jaxtier.offload(_step_fn(TX), policy={"[w1": "host_cpu"}).place(state, _batch())
+  assert err.value.plan is None and isinstance(err.value.__cause__, re.error)
 
   def bad(path, leaf):
     del leaf
@@ -581,10 +594,12 @@ def test_policy_errors_name_the_pattern_or_leaf_and_keep_the_state():
       raise KeyError("no rule for w2")
     return None
   with pytest.raises(jaxtier.PlanError, match=r"policy callable raised for leaf "
-                     r"\['opt'\]\[0\]\.mu\['w2'\] .*KeyError"):
+                     r"\['opt'\]\[0\]\.mu\['w2'\] .*KeyError") as err:
     jaxtier.offload(_step_fn(TX), policy=bad).place(state, _batch())
-  with pytest.raises(jaxtier.PlanError, match="policy callable raised"):
+  assert err.value.plan is None and isinstance(err.value.__cause__, KeyError)
+  with pytest.raises(jaxtier.PlanError, match="policy callable raised") as err:
     jaxtier.offload(_step_fn(TX), policy=lambda path: None).place(state, _batch())
+  assert err.value.plan is None and isinstance(err.value.__cause__, TypeError)
 
   with pytest.warns(UserWarning, match=r"policy pattern .*nope.* matches no state leaf \(paths "
                     r"look like \['"):

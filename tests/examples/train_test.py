@@ -98,8 +98,10 @@ def test_run_plan_details_prints_every_leaf(corpus, capsys, monkeypatch):
 
 def test_run_offload_auto_passes_budgets(corpus):
   import jaxtier
-  with pytest.raises(jaxtier.AdmissionError, match=r"over the host budget of 1000 B"):
+  with pytest.raises(jaxtier.AdmissionError, match=r"over the host budget of 1000 B") as err:
     _run(corpus, steps=1, offload="optimizer_state_on_host", host_budget="1000")
+  assert err.value.limit == "host_limit" and err.value.plan.host_budget == 1000
+  assert err.value.plan.pinned_bytes > 1000 and not err.value.settings
 
 
 def test_run_over_budget_raises_before_training_unless_allowed(corpus, capsys):
@@ -204,13 +206,24 @@ def test_run_warns_of_a_corpus_smaller_than_one_steps_batch(corpus, caplog):
   assert not [r for r in caplog.records if "the corpus is" in r.getMessage()]
 
 
-def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog, capsys):
+def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog, capsys,
+                                                                 monkeypatch):
   # The plan printed says DOES NOT FIT in its notes; jaxtier's log does not say it again.
+  steps = []
+  real = train._offload_step
+  monkeypatch.setattr(train, "_offload_step", lambda *a, **k: steps.append(real(*a, **k))
+                      or steps[-1])
   with caplog.at_level("WARNING"):
     _run(corpus, steps=1, offload="auto", device_budget="300KiB")
   out = capsys.readouterr().out
   assert "note: DOES NOT FIT: " in out and out.count("DOES NOT FIT") == 1
   assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  [step] = steps
+  assert not step.plan.fits and step.plan.device_budget.given == 300 * 2**10
+  missed = {v.limit: v for v in step.plan.violations}
+  assert missed["device_budget"].limit_bytes == 300 * 2**10, missed
+  assert missed["device_budget"].need_bytes > 300 * 2**10, missed
+  assert f"note: DOES NOT FIT: {step.plan.verdicts[0]}"[:60] in out
 
 
 def test_run_offload_none_over_the_allocator_is_refused_before_the_state_exists(

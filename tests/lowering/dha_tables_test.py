@@ -125,8 +125,9 @@ def test_placing_a_weight_host_dha_is_refused_with_the_reason():
   off = jaxtier.offload(_step_fn(tx), policy={r"\['params'\]\['w'\]": "host_dha"})
   with pytest.raises(jaxtier.PlanError,
                      match=r"leaf \['params'\]\['w'\] \(float32\[16, 16\]\) cannot be placed "
-                           r"'host_dha': the step reads it with `dot_general`"):
+                           r"'host_dha': the step reads it with `dot_general`") as err:
     off.place(_state(tx), *_batch(0))
+  assert err.value.plan is None and err.value.reason == ""
 
 
 def _train(step, state, steps):

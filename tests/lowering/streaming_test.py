@@ -311,8 +311,9 @@ def test_leaf_read_whole_cannot_stream():
   p = {"W": jnp.ones((4, 32, 32)) * 0.01, "head": jnp.ones((32, 32)) * 0.01}
   step = jaxtier.offload(step_fn, policy={"head": "host_stream"})
   with pytest.raises(jaxtier.PlanError, match=r"\['head'\].*cannot be placed 'host_stream'.*"
-                     r"dot_general"):
+                     r"dot_general") as err:
     step.place(p, x, y)
+  assert err.value.plan is None and err.value.reason == ""
   # Streaming the stack itself works, and trains like the device.
   step = jaxtier.offload(step_fn, policy={r"\['W'\]": "host_stream"})
   got = step(step.place(jax.tree.map(jnp.copy, p), x, y), x, y)[0]

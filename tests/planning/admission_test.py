@@ -23,6 +23,16 @@ def test_infeasible_budget_names_the_largest_leaves():
   # The refused plan is the rule-based one: optimizer state on the host, said in its notes.
   assert {l.placement for l in refused.leaves if l.role == "optimizer_state"} == {HOST_EXEC}
   assert not refused.fits and refused.verdicts and "DOES NOT FIT" in str(refused)
+  # The state alone is over the budget asked for (a PlanError: no allocator's limit missed);
+  # the plan's verdict records the peak over it.
+  assert refused.device_budget == jaxtier.DeviceBudget(given=10_000, usable=10_000,
+                                                       source="given")
+  assert refused.device_bytes > 10_000 and err.value.reason.startswith(
+      f"the state needs {jaxtier.format_bytes(refused.device_bytes)} "
+      f"({refused.device_bytes} bytes) of device memory")
+  [missed] = refused.violations
+  assert (missed.limit, missed.limit_bytes) == ("device_budget", 10_000)
+  assert missed.need_bytes == refused.predicted_peak_hbm_bytes > 10_000 and not missed.binding
 
 
 def test_refusal_names_the_host_limit_when_it_binds_and_budget_above_the_gpu_is_noted():
@@ -34,8 +44,14 @@ def test_refusal_names_the_host_limit_when_it_binds_and_budget_above_the_gpu_is_
   batch = jax.ShapeDtypeStruct((1, 128), jnp.int32)
   with pytest.raises(jaxtier.PlanError, match=r"over the device budget of 10\.00 GiB.*But the "
                      r"host limit binds first: moving every leaf it may move to the host would "
-                     r"pin [0-9.]+ GiB, over the host limit of 64\.00 GiB"):
+                     r"pin [0-9.]+ GiB, over the host limit of 64\.00 GiB") as err:
     jaxtier.plan(step, state, batch, device_budget="10GiB", platform="gpu")
+  refused = err.value.plan
+  binding = refused.binding_violation()
+  assert (binding.limit, binding.limit_bytes) == ("host_limit", 64 * 2**30)
+  assert binding.need_bytes > 80 * 2**30, binding
+  assert refused.device_budget.given == 10 * 2**30 and refused.device_bytes > 10 * 2**30
+  assert "device_budget" in {v.limit for v in refused.violations} and not refused.fits
   plan = jaxtier.plan(step, state, batch, device_budget="200GiB", platform="gpu")
   # (For an absent H200, the default profile's allocator: 105.30 GiB; here, this GPU's.)
   limit = "105.30 GiB: the profile's" if jax.default_backend() != "gpu" else ""

@@ -113,6 +113,7 @@ def test_cpu_plan_without_budget_is_checked_against_the_hosts_available_memory(m
     monkeypatch.setattr(host_lib, "available_bytes", lambda: need - 1)
     plan = jaxtier.plan(STEP, state, toy_batch())
     assert not plan.fits and plan.violations[0].limit == "host_memory"
+    assert (plan.violations[0].need_bytes, plan.violations[0].limit_bytes) == (need, need - 1)
     note = plan.verdicts[0]
     assert f"the plan needs {units.format_bytes(need)} more" in note, note
     assert "--platform=gpu" in note
