@@ -6,8 +6,9 @@ Commands:
           `--device_budget` / `--host_budget` given is an error (exit 1) before the first
           step, unless `--allow_over_budget`.
   plan    print the plan `jaxtier.offload` would make for an example config, without
-          allocating it: per leaf its placement (and with `--verbose` why), the predicted
-          step time, critical path and peak HBM (`--config`, `--batch_size`, `--seq_len`,
+          allocating it: a summary of at most 20 lines (the state's bytes per placement and
+          role, the predicted step time and peak, the verdict; `--details`: every leaf, its
+          placement and why, and every note) (`--config`, `--batch_size`, `--seq_len`,
           `--device_budget`, `--host_budget`, `--offload` (the policy), `--remat_policy`,
           `--clip`, `--[no]overlap_update`, `--tokenizer`, `--vocab_size`, `--json`, `--platform`,
           `--plot=plan.png`, `--nostream`; the vocabulary flags set the model's vocab_size,
@@ -44,10 +45,10 @@ _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
                               "plan: plan for this platform's executors (default: this machine's).")
 _PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host bytes per leaf "
                             "group into this image file (e.g. plan.png).")
-_VERBOSE = flags.DEFINE_bool("verbose", False, "plan: show each leaf's reason in the plan's "
-                             "table (wider, several lines per leaf).")
 _DETAILS = flags.DEFINE_bool("details", False, "plan: print every leaf (its placement, bytes "
-                             "and why) and every note, at the terminal's width.")
+                             "and why) and every note, at the terminal's width, not the "
+                             "summary.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "plan: as --details.")
 _STREAM = flags.DEFINE_bool("stream", True, "plan: let the planner stream parameters from "
                             "pinned_host (host_stream) where it pays, as `train` and "
                             "jaxtier.offload do; --nostream: never.")
@@ -114,33 +115,27 @@ def plan_main() -> None:
     out["refused"] = None if refused is None else refused.removeprefix("jaxtier: ")
     print(json.dumps(out, indent=1))
     sys.exit(0 if fits else 1)  # as the text form: 1 for a refused or over-budget plan
-  if platform == "gpu" and jax.default_backend() != "gpu":
-
-    prof = jaxtier.load_profile(platform=platform, warn=False)
-    which = ("the default hardware profile: an H200 machine as measured for jaxtier "
-             "(docs/design.md)" if prof.is_default else f"the stored hardware profile, {prof.source}")
-    print(f"note: no GPU here; planning for a GPU with {which}; pinnable host memory from that "
-          "profile")
+  from jaxtier._src.planning import plan_text  # pylint: disable=g-import-not-at-top
+  width = plan_text.terminal_width()
+  say = lambda text: print("\n".join(plan_text.fit_lines(text, width)))
   vocab = (f" (bpe, vocab {config.vocab_size:,})" if flags.FLAGS.tokenizer == "bpe" else "")
-  print(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params{vocab}, batch "
-        f"{batch} x seq {seq_len}, remat_policy {config.remat_policy}")
-  if _DETAILS.value:
-    print(plan.table(reasons=True))
+  say(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params{vocab}, batch "
+      f"{batch} x seq {seq_len}, remat_policy {config.remat_policy}")
+  if _DETAILS.value or _VERBOSE.value:
+    print(plan.table(width, reasons=True))
   else:
-    print(plan.format(reasons=_VERBOSE.value))
-    if not _VERBOSE.value:
-      print("(--verbose: each leaf's reason)")
+    print(plan.summary(width, more="python -m jaxtier plan --details"))
   # The planner may pick another activation policy than the model's (to fit, or for speed):
   # `train` runs the model's unless told (its fit is checked against the step it compiles).
   other = plan.assumed_checkpoint_policy
   if other and refused is None and plan.fits:
-    print(f"note: this plan assumes the activation policy {other}, not the model's: "
-          f"train with --remat_policy={other} to run it as planned (its predicted peak and "
-          "step time are that policy's)")
+    say(f"note: this plan assumes the activation policy {other}, not the model's: "
+        f"train with --remat_policy={other} to run it as planned (its predicted peak and "
+        "step time are that policy's)")
   if _PLOT.value:
-    print(f"plot: {path}")
+    say(f"plot: {path}")
   if refused:
-    print(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
+    say(f"REFUSED: {refused.removeprefix('jaxtier: ')}")
   if not fits:
     # The library's fixes name Python policies; these are the command line's: only those that
     # change what was missed, and none already taken.
@@ -185,7 +180,7 @@ def plan_main() -> None:
       smaller.append("--config")
     if smaller:
       hints.append(f"a smaller {' or '.join(smaller)}")
-    print("from the command line: " + "; ".join(hints))
+    say("from the command line: " + "; ".join(hints))
     sys.exit(1)  # the plan is printed (and its notes say why), but it is over a budget
 
 

@@ -97,6 +97,22 @@ def _cli(tmp_path, *args, timeout=300):
   return _Forks.run(args, env, tmp_path, timeout)
 
 
+def _said(out: str, start: str) -> str:
+  """The line of `out` that starts with `start`, joined with the lines it wraps onto (those
+  indented under it: the CLI wraps at the terminal's width)."""
+  lines = out.splitlines()
+  i = next(i for i, l in enumerate(lines) if l.startswith(start))
+  j = i + 1
+  while j < len(lines) and lines[j].startswith("  "):
+    j += 1
+  return " ".join([lines[i]] + [l.strip() for l in lines[i + 1:j]])
+
+
+def _flat(out: str) -> str:
+  """`out` with its wrapped lines joined: every run of white space one space."""
+  return " ".join(out.split())
+
+
 @pytest.mark.slow
 def test_plan_json_refused_exits_1_with_verdict(tmp_path):
   # The 8b state's device bytes alone are over 10 GiB: the plan is refused. The text form
@@ -107,7 +123,7 @@ def test_plan_json_refused_exits_1_with_verdict(tmp_path):
   assert "REFUSED: the state needs" in text.stdout
   # The fixes in command-line terms (the library's name Python policies).
   assert "from the command line: a larger --device_budget" in text.stdout
-  assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB>" in text.stdout
+  assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=<GiB>" in _flat(text.stdout)
   out = _cli(tmp_path, *flags, "--json")
   assert out.returncode == 1, out.stderr[-2000:]
   plan = json.loads(out.stdout)
@@ -128,16 +144,17 @@ def test_plan_names_the_xla_settings_train_would_run_it_with(tmp_path):
   assert first.returncode == 1, first.stderr[-2000:]
   said = re.search(r"(XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB)=(\d+) (XLA_PYTHON_CLIENT_MEM_FRACTION)="
                    r"(0\.\d\d) before this command, as `python -m jaxtier train` sets them",
-                   first.stdout)
+                   _flat(first.stdout))
   assert said, first.stdout[-3000:]
   assert 100 <= int(said.group(2)) <= 125 and 0.75 < float(said.group(4)) <= 0.95
   env = {said.group(1): said.group(2), said.group(3): said.group(4)}
-  again = subprocess.run([sys.executable, "-m", "jaxtier", *flags], capture_output=True,
-                         text=True, cwd=tmp_path, timeout=300,
+  again = subprocess.run([sys.executable, "-m", "jaxtier", *flags, "--details"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
                          env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"),
                                   JAX_PLATFORMS="cpu", **env))
   assert again.returncode == 0, again.stdout[-3000:]
-  assert f"at XLA_PYTHON_CLIENT_MEM_FRACTION={said.group(4).rstrip('0')}" in again.stdout
+  assert f"at XLA_PYTHON_CLIENT_MEM_FRACTION={said.group(4).rstrip('0')}" in _flat(
+      again.stdout)
 
 
 @pytest.mark.slow
@@ -157,7 +174,7 @@ def test_plan_budget_above_an_absent_gpus_memory_plans_against_the_device(tmp_pa
   out = _cli(tmp_path, "plan", "--config=14b", "--platform=gpu", "--batch_size=1",
              "--device_budget=500GiB", timeout=300)
   assert out.returncode == 1, out.stdout[-3000:]
-  hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+  hint = _said(out.stdout, "from the command line:")
   assert "--device_budget" not in hint and "XLA_PYTHON_CLIENT_MEM_FRACTION=" in hint, hint
 
 
@@ -187,7 +204,7 @@ def test_plan_for_an_absent_gpu_says_where_the_pinnable_limit_comes_from(tmp_pat
   out = _cli(tmp_path, "plan", "--config=13b", "--platform=gpu")
   assert out.returncode == 1, out.stderr[-2000:]
   assert ("over what the hardware profile says the GPU's host can pin (no GPU here) of "
-          "64.00 GiB") in out.stdout
+          "64.00 GiB") in _flat(out.stdout)
 
 
 @pytest.mark.slow
@@ -200,9 +217,9 @@ def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tm
   out = _train(tmp_path, "--batch_size=1", "--seq_len=32", "--device_budget=7MiB",
                "--remat_policy=nothing_saveable", "--allow_over_budget")
   assert out.returncode == 0, out.stderr[-2000:]
-  assert "re-planned (" in out.stdout
-  notes = [l for l in out.stdout.splitlines() if l.startswith("note:")]
-  assert notes and not any("DOES NOT FIT" in n for n in notes), notes
+  lines = out.stdout.splitlines()
+  assert any(l.startswith("re-planned (") for l in lines), out.stdout
+  assert not any("DOES NOT FIT" in l for l in lines), out.stdout
 
 
 def test_plan_that_assumes_another_activation_policy_says_how_to_train_it(tmp_path):
@@ -212,7 +229,7 @@ def test_plan_that_assumes_another_activation_policy_says_how_to_train_it(tmp_pa
              "--device_budget=7MiB")
   assert out.returncode == 0, out.stderr[-2000:]
   said = re.search(r"note: this plan assumes the activation policy (\w+), not the model's: "
-                   r"train with --remat_policy=(\w+)", out.stdout)
+                   r"train with --remat_policy=(\w+)", _flat(out.stdout))
   assert said and said.group(1) == said.group(2), out.stdout
   assert said.group(1) in ("nothing_saveable", "dots_with_no_batch_dims_saveable",
                            "dots_saveable")
@@ -347,11 +364,12 @@ def test_plan_cli_gpu_on_cpu_says_default_profile_and_plots(tmp_path):
   assert out.returncode == 0, out.stderr[-3000:]
   text = out.stdout
   if jax.default_backend() != "gpu":
-    assert "no GPU here" in text and "the default hardware profile: an H200 machine" in text
-  assert re.search(r"predicted step: [0-9.]+ ms, critical path: \w+", text)
-  assert "predicted peak HBM:" in text and "DOES NOT FIT" not in text
+    assert "planned for gpu on a machine without one (cpu): the default hardware profile" in (
+        _flat(text))
+  assert re.search(r"^step: [0-9.]+ ms predicted \(bound by \w+\)$", text, re.M), text
+  assert re.search(r"^peak HBM: [0-9.]+ GiB predicted", text, re.M) and "DOES NOT" not in text
   assert "activations: remat (jax.checkpoint_policies.nothing_saveable); the traced step uses " \
-         "keep: apply it in the model" in text
+         "keep: apply it in the model" in _flat(text)
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
   js = _plan_on_this_backend(tmp_path, "--config=small", "--platform=gpu", "--json")
   assert js.returncode == 0, js.stderr[-3000:]
@@ -449,30 +467,43 @@ def test_train_prints_no_info_log_lines_unless_asked(tmp_path):
   assert info.search(out.stdout + out.stderr)
 
 
-def test_plan_table_fits_the_terminal_and_shows_reasons_when_verbose(tmp_path):
-  env = {**os.environ, "COLUMNS": "90", "JAX_PLATFORMS": "cpu"}
+def test_plan_summary_fits_the_terminal_and_details_show_reasons(tmp_path):
+  env = {**os.environ, "COLUMNS": "90", "JAX_PLATFORMS": "cpu",
+         "XDG_CACHE_HOME": str(tmp_path / "cache")}
   run = lambda *args: subprocess.run(
       [sys.executable, "-m", "jaxtier", "plan", "--config=tiny", *args], capture_output=True,
       text=True, timeout=120, cwd=tmp_path, env=env)
-  compact, verbose = run(), run("--verbose")
-  assert compact.returncode == 0 and verbose.returncode == 0, compact.stderr[-2000:]
-  table = lambda out: [l for l in out.splitlines() if l[:1] in "┏┃┡│└"]
-  for out in (compact.stdout, verbose.stdout):
-    assert table(out) and max(len(l) for l in table(out)) <= 90, out
-  assert "reason" not in table(compact.stdout)[1] and "--verbose" in compact.stdout
-  assert "reason" in table(verbose.stdout)[1]
-  assert len(table(verbose.stdout)) > len(table(compact.stdout))  # the reasons wrap
+  summary, details, verbose = run(), run("--details"), run("--verbose")
+  for out in (summary, details, verbose):
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert max(len(l) for l in out.stdout.splitlines()) <= 90, out.stdout
+  lines = summary.stdout.splitlines()
+  assert len(lines) <= 21, summary.stdout  # the config line and the summary
+  assert lines[1] == "jaxtier plan (cpu): fits; 0 fused host updates/step"
+  assert lines[-1] == "(each leaf and all 3 notes: python -m jaxtier plan --details)"
+  assert "reason" not in summary.stdout and "['layers']" not in summary.stdout
+  rows = lambda out: [l for l in out.splitlines() if l.startswith("[")]
+  # (--verbose is --details; pinnable memory moves with the host's free memory.)
+  assert len(rows(details.stdout)) == 39 and rows(details.stdout) == rows(verbose.stdout)
+  assert "    parameter: read by the step's compute" in details.stdout
 
 
-def test_a_cpu_plan_says_its_step_time_is_an_h200s(tmp_path):
+def test_a_cpu_plan_says_its_step_time_is_an_h200s_once(tmp_path, monkeypatch):
   # No stored profile here (XDG_CACHE_HOME is the test's): the CPU plan predicts with the
-  # default profile's H200 rates and says so; a GPU plan with that profile is for an H200.
+  # default profile's H200 rates and says so once, with the command that measures this
+  # machine; a GPU plan with that profile is for an H200. Once calibrated, no such line.
   cpu = _cli(tmp_path, "plan", "--config=tiny")
   gpu = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu")
-  line = lambda out: next(l for l in out.splitlines() if l.startswith("predicted step:"))
-  assert "the default profile's H200 rates, not this machine's" in line(cpu.stdout)
-  assert "jaxtier calibrate" in line(cpu.stdout)
-  assert "not this machine" not in line(gpu.stdout)
+  times = [l for l in cpu.stdout.splitlines() if l.startswith("times: ")]
+  assert times == ["times: H200 default rates, not this machine's: python -m jaxtier calibrate"]
+  assert cpu.stdout.count("calibrate") == 1
+  assert "not this machine" not in gpu.stdout and "calibrate" not in gpu.stdout
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the CLI looks
+  jaxtier.calibrate(num_params=1 << 16)
+  calibrated = _cli(tmp_path, "plan", "--config=tiny")
+  assert calibrated.returncode == 0, calibrated.stderr[-2000:]
+  assert "calibrate" not in calibrated.stdout and "not this machine" not in calibrated.stdout
+  assert re.search(r"^step: [0-9.]+ ms predicted", calibrated.stdout, re.M)
 
 
 def test_plan_streams_as_train_does_unless_nostream(tmp_path):
@@ -491,10 +522,9 @@ def test_plan_names_the_pinned_limit_in_force_over_a_larger_host_budget(tmp_path
   # host_budget given: the header and the pinned line say the limit that applies, and why.
   out = _cli(tmp_path, "plan", "--config=1b", "--platform=gpu", "--host_budget=126GB",
              "--offload=optimizer_state_on_host").stdout
-  header = next(l for l in out.splitlines() if "jaxtier plan (gpu)" in l)
-  assert "of 64.00 GiB pinnable" in header and "117.35" not in header.split("pinnable")[0]
-  pinned = next(l for l in out.splitlines() if l.startswith("pinned host:"))
-  assert "of 64.00 GiB pinnable" in pinned and "host_budget 117.35 GiB" in pinned, pinned
+  state = _said(out, "state: ")
+  assert re.search(r"pinned_host [0-9.]+ GiB of 64.00 GiB pinnable", state), state
+  assert "host_budget 117.35 GiB" in state and "117.35" not in state.split("pinnable")[0]
 
 
 def test_help_exits_0_and_lists_the_trainers_flags(tmp_path):
@@ -526,7 +556,7 @@ def test_a_plan_over_the_device_budget_names_the_remat_policy(tmp_path):
   kept = _cli(tmp_path, *flags, timeout=300)
   assert kept.returncode == 1, kept.stderr[-2000:]
   assert "; --remat_policy=nothing_saveable (the layers' activations recomputed in the " \
-         "backward pass, not kept);" in kept.stdout
+         "backward pass, not kept);" in _flat(kept.stdout)
   remat = _cli(tmp_path, *flags, "--remat_policy=nothing_saveable", timeout=300)
   assert remat.returncode == 1, remat.stderr[-2000:]
   assert "from the command line: " in remat.stdout and "--remat_policy=" not in remat.stdout
@@ -542,9 +572,9 @@ def test_a_plan_that_does_not_fit_says_so_once_and_names_no_host_fix(tmp_path):
     assert out.returncode == 1, out.stderr[-2000:]
     said = out.stdout + out.stderr
     assert said.count("DOES NOT FIT") == 1, said[-3000:]
-    assert "note: DOES NOT FIT: no placement the planner can make fits the budgets" in (
-        " ".join(out.stdout.split()))
-    hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+    assert "DOES NOT FIT: no placement the planner can make fits the budgets" in (
+        _flat(out.stdout))
+    hint = _said(out.stdout, "from the command line:")
     assert hint.startswith("from the command line: a larger --device_budget; "), hint
     assert "--host_budget" not in hint and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in hint, hint
   # The same verdict as fields (the CPU's: test_plan_json_over_budget_not_refused_exits_1).
@@ -560,8 +590,9 @@ def test_a_plan_over_the_host_budget_names_the_host_fixes(tmp_path):
   out = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--host_budget=1KB",
              "--offload=optimizer_state_on_host")
   assert out.returncode == 1, out.stderr[-2000:]
-  assert "REFUSED: plan refused before allocating anything: it needs 3.75 MiB" in out.stdout
-  hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+  assert "REFUSED: plan refused before allocating anything: it needs 3.75 MiB" in _flat(
+      out.stdout)
+  hint = _said(out.stdout, "from the command line:")
   # No --device_budget was given: the budget is the device's memory, no larger one to ask for.
   # --host_budget refused it, not XLA's pool; the batch does not change the pinned bytes, and
   # tiny is the smallest config. Under auto the moments may stay on the device.
@@ -574,7 +605,7 @@ def test_a_plan_over_the_gpu_without_a_budget_asks_for_no_larger_budget(tmp_path
   # never set. The fixes are the batch and the activations.
   out = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--batch_size=200000")
   assert out.returncode == 1, out.stderr[-2000:]
-  hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+  hint = _said(out.stdout, "from the command line:")
   assert "--device_budget" not in hint and "a smaller --batch_size" in hint, hint
   assert "--config" not in hint, hint  # tiny has no smaller config
 
@@ -585,7 +616,7 @@ def test_a_state_over_the_device_budget_is_not_told_to_shrink_activations(tmp_pa
   out = _cli(tmp_path, "plan", "--config=small", "--device_budget=8MiB",
              "--offload=optimizer_state_on_host")
   assert out.returncode == 1, out.stderr[-2000:]
-  hint = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+  hint = _said(out.stdout, "from the command line:")
   assert hint == ("from the command line: --offload=stream (the layers' params streamed from "
                   "pinned_host too); a larger --device_budget; a smaller --config"), hint
 
@@ -600,7 +631,7 @@ def test_the_nostream_hint_is_shown_only_where_nostream_kept_the_planner_from_st
                        (["--nostream", "--offload=optimizer_state_on_host"], False)):
     out = _cli(tmp_path, *flags, *extra)
     assert out.returncode == 1, out.stderr[-2000:]
-    fixes = next(l for l in out.stdout.splitlines() if l.startswith("from the command line:"))
+    fixes = _said(out.stdout, "from the command line:")
     assert (hint in fixes) == shown, (extra, fixes)
 
 

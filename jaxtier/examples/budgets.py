@@ -86,3 +86,44 @@ def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "st
                    "pass)")
   return (f"the plan does not fit: {'; '.join(problems)}. Fix: {', or '.join(fixes)}; or "
           "--allow_over_budget to train anyway")
+
+
+# The share of the state's bytes that the example's CPU device budget leaves no room for.
+CPU_OFFLOAD_SHARE = 0.5
+
+
+def cpu_device_budget(train_step, state, *args, overlap_update: bool = True
+                      ) -> "tuple[int, int] | None":
+  """The device budget `run(offload="auto")` gives the planner on the CPU backend where none
+  is given: the all-device plan's predicted peak less CPU_OFFLOAD_SHARE of the state's bytes,
+  so that the planner places part of the state in pinned_host, as it would on a device too
+  small for the step (docs/design.md, "The example offloads on the CPU").
+
+  On the CPU backend device and pinned_host memory are the same RAM, so no budget is needed
+  there; without one `auto` keeps every leaf on the device, and the example would show none of
+  jaxtier's placements.
+
+  Args:
+    train_step: the step, as `jaxtier.offload` takes it.
+    state, *args: its arguments (arrays or `jax.ShapeDtypeStruct`s; nothing is allocated).
+    overlap_update: as `jaxtier.offload`'s.
+
+  Returns:
+    (budget, all-device peak), bytes per device; None where the plan predicts no peak.
+  """
+  plan = jaxtier.plan(train_step, state, *args, overlap_update=overlap_update)
+  peak = plan.predicted_peak_hbm_bytes
+  if peak is None:
+    return None
+  return peak - int(CPU_OFFLOAD_SHARE * (plan.device_bytes + plan.pinned_bytes)), peak
+
+
+def placement_line(plan, why: str) -> str:
+  """One line: the state's bytes in pinned_host under `plan` (of which roles), and `why`."""
+  pinned = [leaf for leaf in plan.leaves if leaf.memory_kind == "pinned_host"]
+  if not pinned:
+    return f"offload: all {jaxtier.format_bytes(plan.device_bytes)} of state on the device, {why}"
+  order = ("param", "optimizer_state", "other")
+  roles = " and ".join(sorted({str(leaf.role) for leaf in pinned},
+                              key=lambda r: order.index(r) if r in order else len(order)))
+  return f"offload: {roles} {jaxtier.format_bytes(plan.pinned_bytes)} in pinned_host, {why}"

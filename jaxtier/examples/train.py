@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import contextlib
 import dataclasses
 import math
+import shutil
+import textwrap
 import time
 from typing import Any
 
@@ -36,10 +38,10 @@ from . import checkpoints as checkpoints_lib
 from . import data as data_lib
 from . import llama
 from . import tokenizer as tokenizer_lib
-from .budgets import (OFFLOAD_MODES, OverBudgetError, over_budget, stream_layers_policy,
-                      verdicts_printed)
+from .budgets import (OFFLOAD_MODES, OverBudgetError, cpu_device_budget, over_budget,
+                      placement_line, stream_layers_policy, verdicts_printed)
 from .train_state import (OptimizerConfig, lookup_config, make_optimizer, make_train_state,
-                          placement_table, state_initializer)
+                          state_initializer)
 
 __all__ = [
     "Interrupted",
@@ -227,7 +229,9 @@ def run(
     seq_len: tokens per sequence (the batch holds ``seq_len + 1``); ``None``:
       ``config.max_seq_len``.
     offload: ``"none"`` (``jax.jit``, all state on the device), ``"auto"``
-      (``jaxtier.offload`` plans where each leaf lives: everything on the device when it fits),
+      (``jaxtier.offload`` plans where each leaf lives: everything on the device when it fits;
+      on the CPU backend, where no ``device_budget`` is given, under a budget below the step's
+      need, so that part of the state goes to pinned_host: `budgets.cpu_device_budget`),
       ``"stream"`` (the layer stack's params placed ``host_stream``: fetched layer by layer
       from pinned_host; the rest auto) or ``"optimizer_state_on_host"`` (``jaxtier.offload``
       with that policy: every optimizer-state leaf in pinned_host, updated there).
@@ -241,7 +245,8 @@ def run(
     log_every: print the loss and sync every this many steps; ``None``: the
       config's default.
     device_budget: device bytes jaxtier may use per device, e.g. ``"80GB"``;
-      ``None`` means no limit. Only with ``jaxtier.offload``.
+      ``None`` means no limit (under ``"auto"`` on the CPU backend: the example's own budget,
+      above). Only with ``jaxtier.offload``.
     host_budget: pinned host bytes jaxtier may use, as ``device_budget``.
     remat_policy: ``None`` keeps the config's ``remat_policy``; ``"none"``
       turns rematerialisation off; any other value is a
@@ -273,8 +278,8 @@ def run(
     given the window's mean; entry 0 is the first step alone, compile
     included), ``tokens_per_sec`` (mean over all steps but the first),
     ``first_loss``, ``last_loss``, ``compile_secs``, ``total_secs``,
-    ``num_params``, ``vocab_size``, ``state_bytes``, ``plan`` (``str(step.plan)`` or
-    ``None``) and ``plan_bytes`` (state bytes per memory kind, fp32 masters
+    ``num_params``, ``vocab_size``, ``state_bytes``, ``plan`` (``step.plan.table()``: every
+    leaf and note, or ``None``) and ``plan_bytes`` (state bytes per memory kind, fp32 masters
     included: ``{"device": ..., "pinned_host": ...}``) and ``memory`` (bytes: the peak device
     memory JAX's allocator saw, where the backend reports it, and the pinned_host bytes live
     after the run, beside the plan's predicted and compiled figures; None where unknown).
@@ -360,20 +365,33 @@ def run(
   state_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                     for x in jax.tree.leaves(shapes))
   vocab = f" (bpe, vocab {config.vocab_size:,})" if tokenizer == "bpe" else ""
-  print(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens{vocab} of "
-        f"data, batch {batch_size} x seq {seq_len}, {steps} step{'s' if steps != 1 else ''}, "
-        f"offload={offload}")
+  _say(f"config {config_name}: {num_params:,} params, {len(tokens):,} tokens{vocab} of "
+       f"data, batch {batch_size} x seq {seq_len}, {steps} step{'s' if steps != 1 else ''}, "
+       f"offload={offload}")
   if resumed:
-    print(f"resuming from {resumed.path} (step {start} of {steps})")
+    _say(f"resuming from {resumed.path} (step {start} of {steps})")
   _check_step_memory(config, batch_size, seq_len, state_bytes)
 
   first_batch = jnp.asarray(next(batch_iter))
   plan = None
   plan_bytes = {"device": state_bytes, "pinned_host": 0}
   if offload != "none":
+    budget = _budget(device_budget)
+    why = {"stream": "as --offload=stream asks",
+           "optimizer_state_on_host": "as --offload=optimizer_state_on_host asks"}.get(offload)
+    if budget is not None:
+      why = why or f"to fit --device_budget={device_budget}"
+    elif offload == "auto" and jax.default_backend() == "cpu":
+      # The CPU's device memory is its RAM: the example sets a device budget under the step's
+      # need, so that the planner places part of the state in pinned_host.
+      figures = cpu_device_budget(train_step, shapes, first_batch,
+                                  overlap_update=overlap_update)
+      if figures is not None:
+        budget = figures[0]
+        why = f"to fit a {jaxtier.format_bytes(budget)} device budget (CPU default)"
     step = _offload_step(train_step,
                          policy=stream_layers_policy if offload == "stream" else offload,
-                         device_budget=_budget(device_budget), host_budget=_budget(host_budget),
+                         device_budget=budget, host_budget=_budget(host_budget),
                          overlap_update=overlap_update)
     with verdicts_printed():  # the plan printed below says whether it fits
       if resumed:  # restored straight into its planned memory kinds
@@ -381,19 +399,19 @@ def run(
                              example_args=(first_batch,))
       else:
         state = step.init(init_state, example_args=(first_batch,))
-    plan = str(step.plan)
+    plan = step.plan.table()
     plan_bytes = step.plan.bytes_by_memory_kind()
+    _say(placement_line(step.plan, why or "as it fits there"))
     if plan_details:
       print(step.plan.table(reasons=True))
     else:
-      print(step.plan.format(reasons=False))
-      print("(each leaf's reason: print(step.plan), or python -m jaxtier plan --verbose)")
-    over = None if allow_over_budget else over_budget(step.plan, offload,
-                                                      remat_policy=config.remat_policy)
+      print(step.plan.summary(more="--plan_details"))
+    # Only a budget the user gave is checked (the CPU example's own is a demonstration).
+    over = (None if allow_over_budget or _budget(device_budget) is None and
+            _budget(host_budget) is None else
+            over_budget(step.plan, offload, remat_policy=config.remat_policy))
     if over:
       raise OverBudgetError(over)
-    print("state placement (jaxtier):")
-    print(placement_table(state))
   else:
     given = [f"--{name}={value}" for name, value in (("device_budget", device_budget),
                                                       ("host_budget", host_budget))
@@ -408,8 +426,8 @@ def run(
     # jaxtier refuses a plan (the refusal names the allocator fraction that admits it).
     jaxtier.admit(step.lower(shapes, first_batch))
     state = _restore_jitted(resumed.path, init_state) if resumed else jax.jit(init_state)()
-    print("state placement (no offload):")
-    print(placement_table(state))
+    _say(f"offload: all {jaxtier.format_bytes(state_bytes)} of state on the device, as "
+         "--offload=none asks (jax.jit)")
 
   tokens_per_step = batch_size * seq_len
   losses: list[float] = list(resumed.losses) if resumed else []
@@ -505,22 +523,22 @@ def run(
 
   timed = step_times[1:] or step_times
   tokens_per_sec = tokens_per_step * len(timed) / sum(timed)
-  print(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-        f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
-        f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
+  _say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+       f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
+       f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
   memory = _memory_figures(step.plan if offload != "none" else None)
   partial = offload != "none" and _no_activations(step.plan)
-  print("memory: " + ", ".join(
+  _say("memory: " + ", ".join(
       f"{k} {jaxtier.format_bytes(v)}"
       f"{' (state and gradients only: no activations)' if partial and 'predicted' in k else ''}"
       for k, v in memory.items() if v is not None))
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
-    rates = f" ({step.plan.rates_of})" if step.plan.rates_of else ""
-    print(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms{rates}, "
-          f"measured {measured * 1e3:.3g} ms (calls 2-4)")
+    # (Whether the rates are this machine's the plan's summary said.)
+    _say(f"planner: step predicted {step.plan.predicted_step_secs * 1e3:.3g} ms, measured "
+         f"{measured * 1e3:.3g} ms (calls 2-4)")
   if saved:
-    print(f"checkpoint: {saved}")
+    _say(f"checkpoint: {saved}")
   return result(tokens_per_sec=tokens_per_sec, total_secs=total_secs, memory=memory)
 
 
@@ -541,6 +559,13 @@ def _restore_jitted(path: str, init_state) -> Any:
                         jax.eval_shape(init_state))
   with ocp.StandardCheckpointer() as ckptr:
     return ckptr.restore(path, {"state": target})["state"]
+
+
+def _say(text: str) -> None:
+  """Prints `text` wrapped at words to the terminal's width (80 columns where unknown)."""
+  width = shutil.get_terminal_size((80, 24)).columns
+  print(textwrap.fill(text, width=max(width, 40), subsequent_indent="  ",
+                      break_long_words=False, break_on_hyphens=False))
 
 
 def _no_activations(plan) -> bool:
@@ -580,7 +605,9 @@ _SEQ_LEN = flags.DEFINE_integer("seq_len", None,
 _OFFLOAD = flags.DEFINE_enum("offload", "auto", list(OFFLOAD_MODES),
                              "none: jax.jit, all state on device; auto: "
                              "jaxtier.offload plans the placement (all on device when it "
-                             "fits the device budget); stream: the layers' params stream from "
+                             "fits the device budget; on the CPU without --device_budget, "
+                             "under one below the step's need, so that part of the state goes "
+                             "to pinned_host); stream: the layers' params stream from "
                              "pinned_host (host_stream), the rest auto; "
                              "optimizer_state_on_host: every optimizer-state leaf in "
                              "pinned_host, updated there.")
@@ -606,7 +633,9 @@ _LOG_EVERY = flags.DEFINE_integer("log_every", None,
                                   "Log (and sync) every N steps; default per config.",
                                   lower_bound=1)
 _DEVICE_BUDGET = flags.DEFINE_string("device_budget", "", "Device memory jaxtier "
-                                     "may use per device, e.g. 80GB; empty: no limit.")
+                                     "may use per device, e.g. 80GB; empty: no limit (with "
+                                     "--offload=auto on the CPU: the example's own, below "
+                                     "the step's need).")
 _HOST_BUDGET = flags.DEFINE_string("host_budget", "", "Pinned host memory jaxtier "
                                    "may use, e.g. 400GB; empty: no limit.")
 

@@ -91,8 +91,11 @@ def test_plan_places_optimizer_state_in_pinned_host():
   # A fixed policy compiles no device-only step: the predicted peak says what it leaves out,
   # beside the compiled offloaded step's figure.
   shown = str(step.plan)
-  assert "per device (state and gradients only: no activations)" in shown, shown
-  assert step.plan.compiler_peak_hbm_bytes and "; compiler: " in shown
+  assert re.search(r"peak device memory: [0-9.]+ \w+ predicted \(no activations\), "
+                   r"[0-9.]+ \w+ compiled", shown), shown
+  details = step.plan.table()
+  assert "per device (state and gradients only: no activations)" in details, details
+  assert step.plan.compiler_peak_hbm_bytes and "; compiler: " in details
 
 
 def test_bf16_params_get_fp32_masters():

@@ -83,6 +83,26 @@ def test_decoder_streamed_params_equal_device(corpus, device_run):
   assert "host_stream" in got["plan"] and "['layers']" in got["plan"]
 
 
+def test_run_auto_on_the_cpu_offloads_part_of_the_state_and_trains_as_jit(
+    corpus, device_run, capsys, monkeypatch):
+  # No device budget given: on the CPU backend the example sets one under the step's need,
+  # so that the planner places part of the state in pinned_host; the losses are jit's.
+  if jax.default_backend() != "cpu":
+    pytest.skip("the example's own device budget is the CPU backend's")
+  monkeypatch.setenv("COLUMNS", "200")  # each line unwrapped
+  got = _run(corpus, steps=20, offload="auto", log_every=20)
+  out = capsys.readouterr().out
+  assert got["plan_bytes"]["pinned_host"] > 0 and got["plan_bytes"]["device"] > 0
+  assert got["memory"]["pinned_host live (measured)"] > 0
+  np.testing.assert_allclose(got["losses"], device_run["losses"], rtol=1e-5)
+  said = [l for l in out.splitlines() if l.startswith("offload: ")]
+  assert len(said) == 1 and re.fullmatch(
+      r"offload: (param and )?optimizer_state [0-9.]+ \w+ in pinned_host, to fit a "
+      r"[0-9.]+ \w+ device budget \(CPU default\)", said[0]), out
+  budget = re.search(r"to fit a ([0-9.]+ \w+) device budget", said[0]).group(1)
+  assert f"; budget {budget}" in out  # the summary's peak line: the same budget
+
+
 def test_run_plan_details_prints_every_leaf(corpus, capsys, monkeypatch):
   monkeypatch.setenv("COLUMNS", "80")
   _run(corpus, steps=1, offload="optimizer_state_on_host", plan_details=True)
@@ -216,14 +236,14 @@ def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog,
   with caplog.at_level("WARNING"):
     _run(corpus, steps=1, offload="auto", device_budget="300KiB")
   out = capsys.readouterr().out
-  assert "note: DOES NOT FIT: " in out and out.count("DOES NOT FIT") == 1
+  assert "\nDOES NOT FIT: " in out and out.count("DOES NOT FIT") == 1
   assert not [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
   [step] = steps
   assert not step.plan.fits and step.plan.device_budget.given == 300 * 2**10
   missed = {v.limit: v for v in step.plan.violations}
   assert missed["device_budget"].limit_bytes == 300 * 2**10, missed
   assert missed["device_budget"].need_bytes > 300 * 2**10, missed
-  assert f"note: DOES NOT FIT: {step.plan.verdicts[0]}"[:60] in out
+  assert f"DOES NOT FIT: {step.plan.verdicts[0]}"[:60] in " ".join(out.split())
 
 
 def test_run_offload_none_over_the_allocator_is_refused_before_the_state_exists(

@@ -64,7 +64,7 @@ def test_summary_fits_twenty_lines_of_the_width(width):
                                                           ["host_stream"], ["total"])]
   assert [row[0] for row in matrix] == ["device", "host_cpu", "host_stream", "total"]
   assert matrix[0][1] == "10" and matrix[1][1] == "18" and matrix[3][1] == "29"
-  assert lines[0] == "jaxtier plan (gpu): DOES NOT FIT; 12 fused host updates/step"
+  assert lines[0] == "jaxtier plan (gpu): does not fit; 12 fused host updates/step"
   assert any(l.startswith("DOES NOT FIT: no placement") for l in lines)
   assert any(l.startswith("re-planned (1)") for l in lines)
   assert "fp32 masters" in text and "128.00 MiB" in text  # the masters' own row

@@ -30,15 +30,16 @@ def test_auto_without_budget_keeps_everything_on_device():
   for key in ("predicted_step_secs", "critical_path", "predicted_peak_hbm_bytes",
               "resource_secs", "segments", "notes"):
     assert key in data
-  text = str(plan)
+  text = str(plan)  # the summary
+  assert text == plan.summary() and len(text.splitlines()) <= 20
   if jax.default_backend() == "cpu":
     # Planned for the CPU backend: its device memory is RAM, not HBM.
-    assert "predicted step:" in text and "predicted peak device memory:" in text
-    assert "HBM" not in text.split("predicted step:")[1].split("note:")[0]
+    assert "\nstep: " in text and "\npeak device memory: " in text
+    assert "HBM" not in text and "predicted peak device memory:" in plan.table()
   else:
-    assert "predicted step:" in text and "predicted peak HBM:" in text
+    assert "\nstep: " in text and "\npeak HBM: " in text
   gpu = jaxtier.plan(STEP, mlp_state(), toy_batch(), platform="gpu")
-  assert "predicted peak HBM:" in str(gpu)
+  assert "\npeak HBM: " in str(gpu) and "predicted peak HBM:" in gpu.table()
 
 
 def test_auto_under_a_budget_the_device_plan_exceeds_runs_like_jit():

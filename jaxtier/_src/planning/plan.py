@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 from jaxtier._src.units import format_bytes
 
@@ -180,7 +179,8 @@ class Plan:
       (serial, layered inside the backward pass, or row by row; why where serial): what the
       planner costed and what the lowering builds; not part of the plan's JSON.
     rates_of: whose rates the predictions use, where not this machine's ('' when they are:
-      a calibrated profile, or a GPU plan with the default H200 profile).
+      a calibrated profile, or a GPU planned on a machine without one, for which the default
+      H200 profile is the GPU planned for).
     pinnable_bytes, pinnable_what: what the host can pin per device (None: not checked), and
       where that figure comes from (on a GPU: XLA's pinned pool caps it).
   """
@@ -258,12 +258,13 @@ class Plan:
     return json.dumps({k: _plain(v) for k, v in fields.items()}, indent=1)
 
   def __str__(self) -> str:
-    return self.format()
+    return self.summary()
 
   def summary(self, width: "int | None" = None, more: str = "plan.table()") -> str:
-    """The plan in at most 20 lines: state bytes per placement and role, the memory kinds
-    against their limits, the predicted step and peak, the verdict and the findings that
-    change what to do (a verdict, a re-plan, rates that are not this machine's).
+    """The plan in at most 20 lines (what `print(plan)` shows): state bytes per placement and
+    role, the memory kinds against their limits, the predicted step and peak, the verdict and
+    the findings that change what to do (a verdict, a re-plan, rates that are not this
+    machine's).
 
     Args:
       width: columns (None: the terminal's: COLUMNS, else the terminal, else 80). No line is
@@ -286,41 +287,8 @@ class Plan:
     return plan_text.table(self, width, reasons)
 
   def format(self, width: "int | None" = None, reasons: bool = True) -> str:
-    """The plan as text: a table of the leaves, then the predictions and notes.
-
-    Args:
-      width: columns (None: the terminal's, 160 where there is none).
-      reasons: include each leaf's reason (the widest column, several lines per leaf).
-    """
-    import shutil  # pylint: disable=g-import-not-at-top
-
-    from rich.console import Console  # pylint: disable=g-import-not-at-top
-    from rich.table import Table  # pylint: disable=g-import-not-at-top
-
-    if width is None:
-      width = shutil.get_terminal_size((160, 24)).columns
-    # The summary is a line of its own: as the table's title it would wrap at the table's
-    # width, mid-phrase.
-    header = (f"jaxtier plan ({self.platform}): device {format_bytes(self.device_bytes)}"
-              f"{_budget(self.device_budget.given)}, pinned_host {format_bytes(self.pinned_bytes)}"
-              f"{self._host_limit()}, {self.num_host_updates} fused host updates/step")
-    table = Table()
-    columns = ("leaf", "shape", "dtype", "bytes", "role", "placement") + (
-        ("reason",) if reasons else ())
-    for col in columns:
-      table.add_column(col, overflow="fold")
-    for leaf in self.leaves:
-      size = format_bytes(leaf.nbytes)
-      if leaf.master_nbytes:
-        size += f" (+{format_bytes(leaf.master_nbytes)} fp32 master on host)"
-      row = [leaf.path, str(list(leaf.shape)), leaf.dtype, size, leaf.role, leaf.placement]
-      table.add_row(*(row + [leaf.reason] if reasons else row))
-    console = Console(width=max(int(width), 40), record=True, file=open(os.devnull, "w"))
-    console.print(header, highlight=False, markup=False)
-    console.print(table)
-    for line in self.prediction_lines():
-      console.print(line, highlight=False, markup=False)
-    return console.export_text()
+    """`table(width, reasons)`."""
+    return self.table(width, reasons)
 
   def _host_limit(self) -> str:
     """' of <limit>' for the pinned bytes: the host budget, or what the host (on a GPU: XLA's

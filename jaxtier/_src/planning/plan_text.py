@@ -159,7 +159,8 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
   and placement, the memory kinds against their limits, the predicted step and peak, the
   verdict and the findings that change what to do; `more` says where the rest is."""
   fit = lambda text, **kw: fit_lines(text, width, **kw)
-  verdict = "fits" if plan.fits else "DOES NOT FIT"
+  # (The verdict's own line, below, says DOES NOT FIT and why.)
+  verdict = "fits" if plan.fits else "does not fit"
   updates = plan.num_host_updates
   lines = fit(f"jaxtier plan ({plan.platform}): {verdict}; {updates} fused host update"
               f"{'' if updates == 1 else 's'}/step")
@@ -168,6 +169,8 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
   if plan.pinnable_bytes is not None and (plan.host_budget is None
                                           or plan.pinnable_bytes < plan.host_budget):
     pinned += f" of {format_bytes(plan.pinnable_bytes)} pinnable"
+    if plan.host_budget is not None:
+      pinned += f" (host_budget {format_bytes(plan.host_budget)})"
   elif plan.host_budget is not None:
     pinned += f" of the {format_bytes(plan.host_budget)} host budget"
   lines += fit(f"state: device {format_bytes(plan.device_bytes)}, {pinned}")

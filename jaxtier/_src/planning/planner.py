@@ -247,10 +247,19 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               notes=tuple(notes) + verdict.overruled, verdict=verdict,
               num_planning_notes=len(notes),
               components=tuple(compiled), schedule=final.schedule,
-              rates_of=("" if not hardware.is_default or platform == "gpu"
-                        else "the default profile's H200 rates, not this machine's"),
+              rates_of=_rates_of(hardware, platform),
               pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what)
   return plan
+
+
+def _rates_of(hardware: profile.HardwareProfile, platform: str) -> str:
+  """Whose rates a plan for `platform` predicts with, where they are not this machine's: the
+  default profile's on this machine's own backend (no stored profile: `calibrate` measures
+  one); '' for a stored profile, and for a GPU planned on a machine without one (the default
+  profile is the GPU planned for)."""
+  if not hardware.is_default or platform != jax.default_backend():
+    return ""
+  return "the default profile's H200 rates, not this machine's"
 
 
 def served_leaves(inv: Inventory, placement: Mapping[int, str]) -> set[int]:
