@@ -7,7 +7,7 @@ import re
 import pytest
 
 from jaxtier._src.planning import plan_text
-from jaxtier._src.planning.plan import DeviceBudget, LeafPlan, Plan
+from jaxtier._src.planning.plan import DeviceBudget, LeafPlan, Plan, Verdict
 
 MiB = 2**20
 GiB = 2**30
@@ -46,8 +46,8 @@ def _plan(**fields):
               resource_secs={"compute": 1.0}, activation_policy="remat (nothing_saveable)",
               notes=tuple(f"note {i}: " + "detail " * 40 for i in range(8))
               + ("re-planned (1) against 38.00 GiB: the compiled peak was over the budget",),
-              fits=False, verdicts=("no placement the planner can make fits the budgets; "
-                                    + "because " * 30,),
+              verdict=Verdict(fits=False, verdicts=(
+                  "no placement the planner can make fits the budgets; " + "because " * 30,)),
               num_planning_notes=8, pinnable_bytes=64 * GiB, pinnable_what="the profile")
   base.update(fields)
   return Plan(**base)
@@ -129,12 +129,12 @@ def test_table_has_every_leaf_its_reasons_and_every_note():
 
 def test_the_calibrate_hint_is_said_once_and_only_where_rates_are_not_this_machines():
   rates = "the default profile's H200 rates, not this machine's"
-  uncalibrated = _plan(rates_of=rates, fits=True, verdicts=())
+  uncalibrated = _plan(rates_of=rates, verdict=Verdict())
   for width in (80, 120):
     text = uncalibrated.summary(width)
     assert text.count("python -m jaxtier calibrate") == 1
     assert "H200 default rates, not this machine's" in text
-  assert "calibrate" not in _plan(fits=True, verdicts=()).summary(80)
+  assert "calibrate" not in _plan(verdict=Verdict()).summary(80)
 
 
 def test_fit_lines_wraps_at_words_and_marks_what_it_leaves_out():
