@@ -178,6 +178,7 @@ def test_plan_budget_above_an_absent_gpus_memory_plans_against_the_device(tmp_pa
   assert "--device_budget" not in hint and "XLA_PYTHON_CLIENT_MEM_FRACTION=" in hint, hint
 
 
+@pytest.mark.slow
 def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
   # 8 MiB holds the tiny decoder's state but not its step's peak: DOES NOT FIT, not refused.
   out = _cli(tmp_path, "plan", "--config=tiny", "--device_budget=8MiB", "--json")
@@ -198,6 +199,7 @@ def test_plan_json_fitting_exits_0(tmp_path):
   assert plan["fits"] is True and plan["refused"] is None
 
 
+@pytest.mark.slow
 def test_plan_for_an_absent_gpu_says_where_the_pinnable_limit_comes_from(tmp_path):
   # The 13b moments need 95 GiB pinned; the limit is the profile's (no GPU here), not this
   # host's free memory.
@@ -222,6 +224,7 @@ def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tm
   assert not any("DOES NOT FIT" in l for l in lines), out.stdout
 
 
+@pytest.mark.slow
 def test_plan_that_assumes_another_activation_policy_says_how_to_train_it(tmp_path):
   # Under 7 MiB the planner picks a remat policy for the tiny decoder, which keeps its
   # activations: the plan fits only if train is told to remat, and the note names the flag.
@@ -283,6 +286,7 @@ def _train(tmp_path, *args):
               f"--data={text}", *args)
 
 
+@pytest.mark.slow
 def test_train_state_over_the_budget_names_what_is_left_to_try(tmp_path):
   # Under auto the planner has already put the optimizer state on the host: the params alone
   # are over 1 MiB. The command-line fix names streaming, not the mode already tried.
@@ -378,6 +382,7 @@ def test_plan_cli_gpu_on_cpu_says_default_profile_and_plots(tmp_path):
   assert {l["placement"] for l in data["leaves"]} == {"device"}  # fits the default budget
 
 
+@pytest.mark.slow
 def test_without_the_examples_extra_calibrate_runs_and_plan_names_the_extra(tmp_path):
   # The library and `calibrate` need none of flax / optax / tqdm (the `examples` extra); the
   # example model's `train` and `plan` say which are missing and what to install.
@@ -467,6 +472,7 @@ def test_train_prints_no_info_log_lines_unless_asked(tmp_path):
   assert info.search(out.stdout + out.stderr)
 
 
+@pytest.mark.slow
 def test_plan_summary_fits_the_terminal_and_details_show_reasons(tmp_path):
   env = {**os.environ, "COLUMNS": "90", "JAX_PLATFORMS": "cpu",
          "XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -488,6 +494,7 @@ def test_plan_summary_fits_the_terminal_and_details_show_reasons(tmp_path):
   assert "    parameter: read by the step's compute" in details.stdout
 
 
+@pytest.mark.slow
 def test_a_cpu_plan_says_its_step_time_is_an_h200s_once(tmp_path, monkeypatch):
   # No stored profile here (XDG_CACHE_HOME is the test's): the CPU plan predicts with the
   # default profile's H200 rates and says so once, with the command that measures this
@@ -517,6 +524,7 @@ def test_plan_streams_as_train_does_unless_nostream(tmp_path):
   assert "host_stream" not in placed(never)
 
 
+@pytest.mark.slow
 def test_plan_names_the_pinned_limit_in_force_over_a_larger_host_budget(tmp_path):
   # XLA's pinned pool (the profile's 64 GiB, planning for an absent GPU) is below the
   # host_budget given: the header and the pinned line say the limit that applies, and why.
@@ -562,6 +570,7 @@ def test_a_plan_over_the_device_budget_names_the_remat_policy(tmp_path):
   assert "from the command line: " in remat.stdout and "--remat_policy=" not in remat.stdout
 
 
+@pytest.mark.slow
 def test_a_plan_that_does_not_fit_says_so_once_and_names_no_host_fix(tmp_path):
   # 8 MiB is under the tiny decoder's peak: the plan's notes say DOES NOT FIT, and no log line
   # says it again. The device budget is the limit missed, not the host's: the fixes name
@@ -585,6 +594,7 @@ def test_a_plan_that_does_not_fit_says_so_once_and_names_no_host_fix(tmp_path):
   assert plan["violations"][0]["need_bytes"] > 8 * 2**20 and not plan["fits"]
 
 
+@pytest.mark.slow
 def test_a_plan_over_the_host_budget_names_the_host_fixes(tmp_path):
   # Refused over --host_budget: the host's limit is the one missed, and the fixes say so.
   out = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--host_budget=1KB",
@@ -600,6 +610,7 @@ def test_a_plan_over_the_host_budget_names_the_host_fixes(tmp_path):
                   "--offload=auto (keeps on the device what fits there)"), hint
 
 
+@pytest.mark.slow
 def test_a_plan_over_the_gpu_without_a_budget_asks_for_no_larger_budget(tmp_path):
   # A batch no H200 holds, no --device_budget given: the plan was told to raise a budget it
   # never set. The fixes are the batch and the activations.
@@ -635,6 +646,7 @@ def test_the_nostream_hint_is_shown_only_where_nostream_kept_the_planner_from_st
     assert (hint in fixes) == shown, (extra, fixes)
 
 
+@pytest.mark.slow
 def test_train_fixes_for_a_refusal_name_the_limit_that_refused_it(monkeypatch):
   # JAX's device allocator refused the plan (admission on a GPU): the host is not the limit,
   # so --host_budget is no fix. Over the pinned host memory it is.
@@ -689,6 +701,7 @@ def test_train_refuses_a_json_out_it_could_not_write_before_training(tmp_path):
   assert folder.returncode == 1 and "is a folder; name a file in it" in folder.stderr
 
 
+@pytest.mark.slow
 def test_a_flag_the_command_does_not_read_is_said_to_be_ignored(tmp_path):
   # The commands share one flag namespace: `plan --steps=3` parsed, planned and never said
   # that --steps did nothing.
@@ -725,6 +738,7 @@ def test_plan_details_lists_every_leaf_within_the_width(tmp_path, monkeypatch):
   assert "note: transient device bytes" in plan.stdout
 
 
+@pytest.mark.slow
 def test_train_stops_at_the_first_non_finite_loss_with_the_step_and_a_hint(tmp_path):
   # --learning_rate=1e6 trained 20 NaN steps and exited 0.
   out = _train(tmp_path, "--learning_rate=1e6", "--steps=20", f"--json_out={tmp_path / 'r.json'}")
@@ -740,6 +754,7 @@ def test_train_stops_at_the_first_non_finite_loss_with_the_step_and_a_hint(tmp_p
   assert "done: loss" not in out.stdout and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_train_interrupted_then_run_again_resumes_with_an_uninterrupted_runs_losses(tmp_path):
   # Ctrl-C (SIGINT) at a random step of `train --checkpoint_dir=D` saves a checkpoint at the
   # end of that step and exits 130; the same command again resumes from it, and its losses

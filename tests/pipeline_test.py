@@ -66,6 +66,7 @@ def test_offload_refines_its_plan_with_the_compiled_peak_and_keeps_it_within_bud
     np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_fits(
     monkeypatch):
   # The 14b decoder on an H200 as JAX starts there by default (pool 64 GiB, fraction 0.75 of

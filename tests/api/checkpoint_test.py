@@ -71,6 +71,7 @@ def _run(tmp_path, *args):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_run_resumed_in_a_new_process_gives_the_same_losses_exactly(tmp_path, dtype):
   path = str(tmp_path / "step10")

@@ -77,6 +77,7 @@ def _run(script: str, tmp_path) -> dict:
   return json.loads(line[0][len("RESULT"):])
 
 
+@pytest.mark.slow
 def test_data_parallel_and_fsdp_meshes(tmp_path):
   out = _run(SCRIPT, tmp_path)
   for name, r in out.items():
@@ -216,6 +217,7 @@ STREAM_SCRIPT = PRELUDE + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_host_stream_on_a_multi_device_mesh_is_refused_naming_why(tmp_path):
   # The streaming custom calls run on one device; XLA's SPMD partitioner refused them at the
   # first step ("Side-effect HLO must have sharding"). Planning says so first.

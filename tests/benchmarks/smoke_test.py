@@ -2,7 +2,8 @@
 
 Each script has a mode for this (`--smoke` / `--cpu_dry_run`); its figures mean nothing here.
 The scripts run in a subprocess from the repository's `benchmarks/` folder and its
-`diagnostics/` (they import `benchmarks/bench_util.py`), against the installed jaxtier.
+`diagnostics/` (they import `benchmarks/bench_util.py`), against the installed jaxtier. Every one is a subprocess of seconds to a minute on a 2-core CPU:
+the module is in the slow set (`-m slow`).
 """
 
 import json
@@ -11,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 BENCH = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                      "benchmarks"))
@@ -28,12 +31,7 @@ CASES = {
 }
 
 
-# The two slowest (tens of seconds on a 2-core CPU: several subprocesses each) are marked slow.
-SLOW = ("planner_bench.py", "e2e_smoke.py")
-
-
-@pytest.mark.parametrize("script", [
-    pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in sorted(CASES)])
+@pytest.mark.parametrize("script", sorted(CASES))
 def test_benchmark_runs_at_toy_sizes(script, tmp_path):
   args, result = CASES[script]
   out = (str(tmp_path / result) if script == "diagnostics/streaming_primitives_check.py"

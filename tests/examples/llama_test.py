@@ -52,6 +52,7 @@ def test_initial_loss_near_uniform(corpus):
   assert abs(float(loss) - math.log(256)) < 0.3
 
 
+@pytest.mark.slow
 def test_bf16_compute():
   config = llama.LlamaConfig(d_model=32, num_layers=1, num_heads=2, d_ff=64,
                              max_seq_len=16, dtype=jnp.bfloat16,
@@ -78,6 +79,7 @@ def test_config_errors():
                       max_seq_len=8, remat_policy="save_only_these_names")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["nothing_saveable", "offload_dot_with_no_batch_dims"])
 def test_remat_policies_give_the_same_loss_and_gradients(policy):
   # Each policy the planner may name (`activation_model`) runs and changes no value: the

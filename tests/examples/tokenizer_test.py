@@ -177,6 +177,7 @@ def test_load_texts_refuses_token_files_and_non_text(tmp_path):
   assert "".join(texts) == raw.decode("utf-8", errors="replace")
 
 
+@pytest.mark.slow
 def test_run_tiny_bpe_end_to_end(text_files, cache, monkeypatch, capsys):
   monkeypatch.setenv("XDG_CACHE_HOME", str(cache.parent / "xdg-run"))
   result = train.run(config_name="tiny", tokenizer="bpe", vocab_size=32768, data=text_files,
@@ -190,6 +191,7 @@ def test_run_tiny_bpe_end_to_end(text_files, cache, monkeypatch, capsys):
   assert f"config tiny: {llama.param_count(cfg):,} params" in out and "(bpe, vocab 32,768)" in out
 
 
+@pytest.mark.slow
 def test_cli_vocabulary_flags_reach_plan_and_train(tmp_path):
   env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
   cli = lambda *args: subprocess.run([sys.executable, "-m", "jaxtier", *args], text=True,

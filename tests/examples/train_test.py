@@ -18,6 +18,7 @@ from jaxtier._src.hardware import host as host_lib
 from jaxtier.examples import train
 
 
+@pytest.mark.slow
 def test_train_step_keeps_state_structure():
   _, state, train_step = train.make_train_state(MICRO, 1e-3, seed=0)
   batch = jax.ShapeDtypeStruct((2, 9), jnp.int32)
@@ -83,6 +84,7 @@ def test_decoder_streamed_params_equal_device(corpus, device_run):
   assert "host_stream" in got["plan"] and "['layers']" in got["plan"]
 
 
+@pytest.mark.slow
 def test_run_auto_on_the_cpu_offloads_part_of_the_state_and_trains_as_jit(
     corpus, device_run, capsys, monkeypatch):
   # No device budget given: on the CPU backend the example sets one under the step's need,
@@ -103,6 +105,7 @@ def test_run_auto_on_the_cpu_offloads_part_of_the_state_and_trains_as_jit(
   assert f"; budget {budget}" in out  # the summary's peak line: the same budget
 
 
+@pytest.mark.slow
 def test_run_plan_details_prints_every_leaf(corpus, capsys, monkeypatch):
   monkeypatch.setenv("COLUMNS", "80")
   _run(corpus, steps=1, offload="optimizer_state_on_host", plan_details=True)
@@ -124,6 +127,7 @@ def test_run_offload_auto_passes_budgets(corpus):
   assert err.value.plan.pinned_bytes > 1000 and not err.value.settings
 
 
+@pytest.mark.slow
 def test_run_over_budget_raises_before_training_unless_allowed(corpus, capsys):
   with pytest.raises(train.OverBudgetError, match=r"the plan does not fit: peak device memory "
                      r".* over the --device_budget of 1.00 MiB\. Fix: a larger --device_budget"):
@@ -139,6 +143,7 @@ def test_run_over_budget_raises_before_training_unless_allowed(corpus, capsys):
                   device_budget="1MiB")["losses"]) == 1
 
 
+@pytest.mark.slow
 def test_run_offload_none_says_budgets_are_not_used(corpus, capsys):
   _run(corpus, steps=1, offload="none", device_budget="1MiB")
   out = capsys.readouterr().out
@@ -155,6 +160,7 @@ def test_run_rejects_bad_arguments(corpus):
     train.run(config_name="nope", data=corpus, progress=False)
 
 
+@pytest.mark.slow
 def test_bf16_params_get_masters_under_remat_and_scan():
   # nnx.scan with a remat policy hands the stacked params back out of the scan; the optimizer
   # update reads that pass-through, which must still count as reading the param (fp32 master).
@@ -226,6 +232,7 @@ def test_run_warns_of_a_corpus_smaller_than_one_steps_batch(corpus, caplog):
   assert not [r for r in caplog.records if "the corpus is" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog, capsys,
                                                                  monkeypatch):
   # The plan printed says DOES NOT FIT in its notes; jaxtier's log does not say it again.
@@ -246,6 +253,7 @@ def test_run_says_a_plan_does_not_fit_once_in_the_plan_it_prints(corpus, caplog,
   assert f"DOES NOT FIT: {step.plan.verdicts[0]}"[:60] in " ".join(out.split())
 
 
+@pytest.mark.slow
 def test_run_offload_none_over_the_allocator_is_refused_before_the_state_exists(
     corpus, monkeypatch):
   # --offload=none is a plain jax.jit step: over JAX's allocator it was a raw
@@ -269,6 +277,7 @@ def test_run_offload_none_over_the_allocator_is_refused_before_the_state_exists(
   assert len(_run(corpus, steps=1, offload="none")["losses"]) == 1 and inits
 
 
+@pytest.mark.slow
 def test_run_warns_when_the_warmup_is_not_under_the_steps(corpus, capsys):
   # A fresh-user trial ran --warmup_steps=100 --steps=10 and was told nothing: the schedule
   # never reached the learning rate asked for.
@@ -279,6 +288,7 @@ def test_run_warns_when_the_warmup_is_not_under_the_steps(corpus, capsys):
   assert "warmup_steps" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_run_resumes_from_its_newest_checkpoint_with_an_uninterrupted_runs_losses(
     corpus, tmp_path, capsys):
   # Checkpoints at steps 3 and 6; with the last one gone (as if the run had stopped after step
@@ -305,6 +315,7 @@ def test_run_resumes_from_its_newest_checkpoint_with_an_uninterrupted_runs_losse
     _run(corpus, steps=9, checkpoint_dir=where, seed=1, batch_size=4)
 
 
+@pytest.mark.slow
 def test_run_stops_at_the_first_non_finite_loss(corpus):
   # A learning rate of 1e6: the loss turns NaN within a few steps of 20; the run stops there.
   with pytest.raises(train.NonFiniteLossError, match=r"the loss at step \d+ is nan: training "

@@ -73,6 +73,7 @@ def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch,
     assert json.load(f)["format_version"] == profile.PROFILE_FORMAT_VERSION
 
 
+@pytest.mark.slow
 def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
   p = profile.HardwareProfile(cpu_adamw_params_per_sec=1.5e9)
   path = profile.save(p, str(tmp_path / "p.json"))

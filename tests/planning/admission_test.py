@@ -35,6 +35,7 @@ def test_infeasible_budget_names_the_largest_leaves():
   assert missed.need_bytes == refused.predicted_peak_hbm_bytes > 10_000 and not missed.binding
 
 
+@pytest.mark.slow
 def test_refusal_names_the_host_limit_when_it_binds_and_budget_above_the_gpu_is_noted():
   # The 8b decoder against a 10 GiB device budget for an absent H200 (pinnable: the default
   # profile's 64 GiB): offloading everything movable would pin 87 GiB, so the refusal says the
@@ -108,6 +109,7 @@ def test_admission_counts_the_compiled_steps_pinned_bytes_beyond_the_state(monke
   assert {x.sharding.memory_kind for x in jax.tree.leaves(placed)} == {"device", "pinned_host"}
 
 
+@pytest.mark.slow
 def test_a_gpu_refusal_by_xlas_pinned_pool_names_the_value_that_fits(monkeypatch):
   # 13b for an absent H200: 94.55 GiB pinned over XLA's default 64 GiB pool. The fix names the
   # setting and the value that would hold the plan.

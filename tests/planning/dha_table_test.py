@@ -12,6 +12,7 @@ from jaxtier.examples import llama, train_state
 EMBED = "[0]['embed']['embedding'].value"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="plans for an absent GPU")
 def test_8b_with_a_128k_vocabulary_under_a_tight_budget_reads_the_table_in_place(monkeypatch):
   # XLA's pinned pool raised as a user of this size must (the 64 GB default holds less than

@@ -75,6 +75,7 @@ def test_sharded_budgets_are_per_device_in_plan():
   assert {l.path: l.nbytes for l in plan.leaves}["['params']['w1']"] == 256 * 256 * 4
 
 
+@pytest.mark.slow
 def test_auto_streams_where_only_streaming_fits_and_its_plan_says_it_fits():
   # A budget halfway between the optimizer-offload rule's peak and that of a plan streaming
   # every layer param: `auto` must stream, and the plan re-evaluated after its cut must predict
@@ -123,6 +124,7 @@ def test_cpu_plan_without_budget_is_checked_against_the_hosts_available_memory(m
     assert plan.fits and not plan.verdicts
 
 
+@pytest.mark.slow
 def test_does_not_fit_note_describes_the_plan_made():
   # Under the CLI's `--offload=stream` policy the layers' params are host_stream (placed by the
   # policy): the note must say so, not that this is "every optimizer-state leaf on the host".
@@ -151,6 +153,7 @@ def test_does_not_fit_note_describes_the_plan_made():
     assert f"exceeds the device budget of {units.format_bytes(state_only + 1)}" in note
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="plans for an absent GPU")
 def test_layered_updates_beside_a_streamed_stack_start_a_layer_later(monkeypatch):
   # A streamed scan's gradients land in pinned_host one iteration late (XLA schedules the
