@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 import jax
 
 _DONATED = "donated"
+# What XLA says when a donated buffer is still referenced outside it (a NumPy view).
+EXTERNAL_REFERENCE = "Donation requested for buffer with external reference"
 
 
 def donated() -> Any:
@@ -169,7 +171,29 @@ class Program:
     return fields_of(inputs)
 
   def __call__(self, inputs: Any) -> Any:
-    return self._jitted(*self._fields(inputs))
+    """Runs the program. A donated host array that a NumPy view still reads (`np.asarray` of
+    a pinned_host array is zero-copy) cannot be donated: XLA refuses the call before running
+    it. The program then runs on copies of the donated host arrays, so the caller's arrays and
+    their views keep their values, as a donated device array's `np.asarray` copy does."""
+    fields = self._fields(inputs)
+    try:
+      return self._jitted(*fields)
+    except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError has no stable home)
+      if EXTERNAL_REFERENCE not in str(e):
+        raise
+    donated = set(donate_argnums(self.input_class))
+    return self._jitted(*[
+        [_host_copy(x) for x in field] if k in donated else field
+        for k, field in enumerate(fields)])
 
   def lower(self, inputs: Any) -> Any:
     return self._jitted.lower(*self._fields(inputs))
+
+
+def _host_copy(x: Any) -> Any:
+  """A copy of `x` in its own buffer where it lives outside device memory (a NumPy view may
+  read it), else `x`."""
+  kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+  if not isinstance(x, jax.Array) or kind in (None, "device"):
+    return x
+  return jax.device_put(x, x.sharding, may_alias=False)
