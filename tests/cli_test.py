@@ -220,7 +220,13 @@ def test_train_replanned_under_an_internal_budget_shows_no_verdict_against_it(tm
                "--remat_policy=nothing_saveable", "--allow_over_budget")
   assert out.returncode == 0, out.stderr[-2000:]
   lines = out.stdout.splitlines()
-  assert any(l.startswith("re-planned (") for l in lines), out.stdout
+  if not any(l.startswith("re-planned (") for l in lines):
+    # XLA's CPU compiler sizes the step by the machine's CPU (its vector width and threads):
+    # where the first plan's compiled step fits 7 MiB there is nothing to re-plan.
+    peak = re.search(r"peak device memory: [0-9.]+ MiB predicted, ([0-9.]+) MiB compiled; "
+                     r"budget 7\.00 MiB", out.stdout)
+    assert peak and float(peak.group(1)) <= 7.0, out.stdout
+    pytest.skip("this machine's compiled step fits 7 MiB: no re-plan to check")
   assert not any("DOES NOT FIT" in l for l in lines), out.stdout
 
 
@@ -495,7 +501,7 @@ def test_plan_summary_fits_the_terminal_and_details_show_reasons(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_cpu_plan_says_its_step_time_is_an_h200s_once(tmp_path, monkeypatch):
+def test_a_cpu_plan_says_its_step_time_is_an_h200s_once(tmp_path):
   # No stored profile here (XDG_CACHE_HOME is the test's): the CPU plan predicts with the
   # default profile's H200 rates and says so once, with the command that measures this
   # machine; a GPU plan with that profile is for an H200. Once calibrated, no such line.
@@ -505,8 +511,10 @@ def test_a_cpu_plan_says_its_step_time_is_an_h200s_once(tmp_path, monkeypatch):
   assert times == ["times: H200 default rates, not this machine's: python -m jaxtier calibrate"]
   assert cpu.stdout.count("calibrate") == 1
   assert "not this machine" not in gpu.stdout and "calibrate" not in gpu.stdout
-  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # where the CLI looks
-  jaxtier.calibrate(num_params=1 << 16)
+  # Calibrated as the CLI plans, for the CPU backend (JAX_PLATFORMS=cpu: on a GPU machine too),
+  # into the cache the CLI reads.
+  stored = _cli(tmp_path, "calibrate")
+  assert stored.returncode == 0, stored.stderr[-2000:]
   calibrated = _cli(tmp_path, "plan", "--config=tiny")
   assert calibrated.returncode == 0, calibrated.stderr[-2000:]
   assert "calibrate" not in calibrated.stdout and "not this machine" not in calibrated.stdout

@@ -56,7 +56,10 @@ def test_run_loss_falls(device_run):
 def test_run_is_deterministic(corpus):
   a = _run(corpus, steps=5, clip=True, log_every=2)
   b = _run(corpus, steps=5, clip=True, log_every=5)
-  assert a["losses"] == b["losses"]
+  if jax.default_backend() == "cpu":
+    assert a["losses"] == b["losses"]
+  else:  # XLA's GPU scatter-add (the embedding's gradient) adds in no fixed order
+    np.testing.assert_allclose(a["losses"], b["losses"], rtol=1e-6)
   c = _run(corpus, steps=5, clip=True, seed=1)
   assert c["losses"] != a["losses"]
 
@@ -113,8 +116,10 @@ def test_run_plan_details_prints_every_leaf(corpus, capsys, monkeypatch):
   rows = [l for l in out.splitlines() if re.match(r"\[[01]\]\S* ", l)]
   assert len(rows) == 39  # the tiny state's leaves, one line each
   placements = [l.split()[-1] for l in rows]
-  executor = "host_dha" if jax.default_backend() == "gpu" else "host_cpu"
-  assert placements.count(executor) == 24 and placements.count("device") == 15
+  # Every AdamW moment on the host: on a GPU updated by the DHA kernel, whole (host_dha) or
+  # with the CPUs taking a share (host_split, the layers' stacks); on the CPU by host_cpu.
+  executors = {"host_dha", "host_split"} if jax.default_backend() == "gpu" else {"host_cpu"}
+  assert sum(p in executors for p in placements) == 24 and placements.count("device") == 15
   assert any(l.startswith("    optimizer state") for l in out.splitlines()), out
   assert max(len(l) for l in out.splitlines() if l in rows) <= 80
 
