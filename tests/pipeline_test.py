@@ -144,17 +144,23 @@ def test_does_not_fit_is_said_only_of_a_plan_whose_compiled_step_is_over(caplog)
   assert len(verdict.overruled) == len(verdict.findings)
   assert all((v.limit, v.limit_bytes) == ("device_budget", budget) and v.need_bytes > budget
              for f in verdict.findings for v in f.violations), verdict
-  # Over the compiled peak too: said.
+  # Over the compiled peak too: said, and run only where allowed (else refused).
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
     over = jaxtier.offload(step_fn, policy=train.stream_layers_policy,
-                           device_budget=compiled // 4)
+                           device_budget=compiled // 4, allow_over_budget=True)
     over.place(state, batch)
   assert [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
   assert not over.plan.fits and over.plan.device_budget.given == compiled // 4
   assert [(v.limit, v.limit_bytes) for v in over.plan.violations if not v.binding] == [
       ("device_budget", compiled // 4)], over.plan.violations
   assert all(v.need_bytes > v.limit_bytes for v in over.plan.violations)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    jaxtier.offload(step_fn, policy=train.stream_layers_policy,
+                    device_budget=compiled // 4).place(state, batch)
+  assert (err.value.limit, err.value.limit_bytes) == ("device_budget", compiled // 4)
+  assert err.value.need_bytes == err.value.plan.compiler_peak_hbm_bytes > compiled // 4
+  assert not err.value.plan.fits
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ log = logging.getLogger("jaxtier")
 
 def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
             host_budget: Any = None, policy: Any = "auto",
-            donate_argnums: "int | tuple[int, ...]" = (0,), overlap_update: bool = True) -> Any:
+            donate_argnums: "int | tuple[int, ...]" = (0,), overlap_update: bool = True,
+            allow_over_budget: bool = False) -> Any:
   """Wraps an unchanged train step so that its state spans device and pinned host memory.
 
   Works bare (`@jaxtier.offload`) or with options (`jaxtier.offload(step, host_budget='64GB')`).
@@ -34,7 +35,8 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
     device_budget: device memory the step may use at its peak (state and transient buffers),
       bytes per device or a size string ('80GB', '16GiB'); None: no limit (on a GPU, what the
       device has). The compiled step's peak (`memory_analysis()`) is checked against it and
-      the step re-planned (up to twice) when it is over.
+      the step re-planned (up to twice) when it is over; a plan still over it is refused
+      (below), unless `allow_over_budget`.
     host_budget: pinned host memory the plan may pin, bytes per device or a size string; None:
       limited only by what the host can pin.
     policy: 'auto' (the planner's solver: the fastest predicted placement within the budgets;
@@ -55,6 +57,10 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
       step's ids do not name while the step computes, the others after the backward pass
       (the serial update's bits). False: every host update runs after the backward pass. A step that fails after its layered updates
       began leaves those leaves partly updated (the error names them; restore a checkpoint).
+    allow_over_budget: run a plan that does not fit the `device_budget` given, as planned,
+      warning "DOES NOT FIT" (its `plan.fits` is False). False: such a plan is refused (below).
+      No effect without a `device_budget` (the budget the planner then sets itself is not
+      checked so).
 
   Returns:
     An `OffloadedStep` (or a decorator making one, when `fun` is omitted).
@@ -63,11 +69,16 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
     TypeError: `fun` not callable.
     jaxtier.OptionError (a ValueError and a TypeError): an option of the wrong type or form,
       named in its `option` field: a budget that is not a whole number of bytes > 0 nor a size
-      string, `overlap_update` not a bool, `donate_argnums` not ints.
+      string, `overlap_update` or `allow_over_budget` not a bool, `donate_argnums` not ints.
     ValueError: donate_argnums without 0.
     jaxtier.PlanError (a ValueError): a policy that is none of the forms above. Errors that
       need the traced step (a bad regex, an unknown placement, a budget the state cannot fit)
-      are raised by `place` or the first call, naming the leaf.
+      are raised by `place`, `init`, `restore` or the first call, naming the leaf, before
+      anything is allocated (the state passed is left as it was). Among them
+      `jaxtier.AdmissionError` with `limit` 'device_budget': the plan, judged with the
+      compiled step's peak where the step was compiled, does not fit the `device_budget` given
+      (and `allow_over_budget` is False); its `need_bytes` is that peak, `limit_bytes` the
+      budget, `plan` the plan refused (`plan.fits` False, `plan.violations` the limits missed).
 
   Example:
     >>> step = jaxtier.offload(train_step)            # doctest: +SKIP
@@ -76,7 +87,8 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
     >>> print(step.plan)                              # doctest: +SKIP
   """
   options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy,
-                           donate_argnums=donate_argnums, overlap_update=overlap_update)
+                           donate_argnums=donate_argnums, overlap_update=overlap_update,
+                           allow_over_budget=allow_over_budget)
   if fun is MISSING:
     return lambda f: OffloadedStep(_callable(f), options)
   return OffloadedStep(_callable(fun), options)

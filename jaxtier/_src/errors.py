@@ -55,11 +55,16 @@ class AdmissionError(PlanError):
   pinned pool refuses it and the host has the memory, {'XLA_PYTHON_CLIENT_MEM_FRACTION':
   '0.91'} where JAX's device allocator does and the GPU has the memory), to be set before JAX
   starts; empty where none would. `limit` names the limit that refused it, as
-  `BudgetViolation.limit` does: 'device_memory' (JAX's device allocator), 'host_limit' (pinned
-  host memory: the host budget, or what the host can pin) or 'host_memory' (the CPU backend's
-  RAM).
+  `BudgetViolation.limit` does: 'device_budget' (the step's peak device memory over the
+  `device_budget` given to `jaxtier.offload`, without `allow_over_budget=True`),
+  'device_memory' (JAX's device allocator), 'host_limit' (pinned host memory: the host budget,
+  or what the host can pin) or 'host_memory' (the CPU backend's RAM). `need_bytes` and
+  `limit_bytes` are what the plan needs of that limit and what it allows, bytes per device, as
+  `BudgetViolation`'s (None where the refusal names no one figure).
   """
 
   plan: Any = None  # the refused `Plan`, or None
   settings: Mapping[str, str] = MappingProxyType({})
   limit: str = ""
+  need_bytes: "int | None" = None
+  limit_bytes: "int | None" = None

@@ -37,6 +37,9 @@ class OffloadOptions:
       layer, overlapped with the compute (the serial step's arithmetic; components that need
       every gradient first, such as a global-norm clip, stay serial). False runs every
       host update after the backward pass.
+    allow_over_budget: run a plan that does not fit the `device_budget` given (warning that it
+      does not fit); False (the default) refuses it, before anything is allocated, with an
+      `AdmissionError` whose `limit` is 'device_budget'. No effect without a `device_budget`.
   """
 
   device_budget: "int | None" = None
@@ -44,6 +47,7 @@ class OffloadOptions:
   policy: Any = "auto"
   donate_argnums: tuple[int, ...] = (0,)
   overlap_update: bool = True
+  allow_over_budget: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "device_budget",
@@ -55,6 +59,13 @@ class OffloadOptions:
                         f"{type(self.overlap_update).__name__} {self.overlap_update!r:.80}",
                         option="overlap_update", value=self.overlap_update, expected="a bool")
     object.__setattr__(self, "overlap_update", bool(self.overlap_update))
+    if not isinstance(self.allow_over_budget, (bool, np.bool_)):
+      raise OptionError(f"jaxtier.offload: expected allow_over_budget True or False, got "
+                        f"{type(self.allow_over_budget).__name__} "
+                        f"{self.allow_over_budget!r:.80}",
+                        option="allow_over_budget", value=self.allow_over_budget,
+                        expected="a bool")
+    object.__setattr__(self, "allow_over_budget", bool(self.allow_over_budget))
     donate = tuple(self.donate_argnums) if isinstance(self.donate_argnums, (tuple, list)) else (
         self.donate_argnums,)
     if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in donate):

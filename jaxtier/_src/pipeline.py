@@ -66,7 +66,9 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   `abstract`: the state's leaves are `jax.ShapeDtypeStruct`s (`OffloadedStep.init`).
 
   Raises:
-    jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
+    jaxtier.PlanError / AdmissionError: from planning, or the plan kept over the device budget
+      given (`admission.admit_device_budget`, unless `options.allow_over_budget`); nothing has
+      been allocated then.
   """
   try:
     inv = inv_lib.take_inventory(fn, state, args, allow_abstract=abstract)
@@ -141,8 +143,11 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       available=(host_lib.available_bytes()
                  if platform == "cpu" and jax.default_backend() == "cpu" else None),
       resident_bytes=fixed["resident_bytes"], num_local_devices=_num_local_devices(state))
-  # Said once the compiled step is known: a plan predicted over the budget whose compiled
-  # step fits it fits (`_verify`).
+  # Judged once the compiled step is known: a plan predicted over the budget whose compiled
+  # step fits it fits (`_verify`). Over the budget the caller gave, it is refused unless they
+  # allow it; a budget the planner set itself is not the caller's.
+  if options.device_budget is not None and not options.allow_over_budget:
+    admission.admit_device_budget(planned.plan)
   _warn_unfit(planned.plan)
   return planned
 

@@ -32,7 +32,8 @@ def verdicts_printed():
 class OverBudgetError(ValueError):
   """`run(allow_over_budget=False)`: the plan does not fit the budget the caller gave.
 
-  Raised after planning (the plan is printed) and before the first step.
+  Raised after planning (the plan is printed) and before the first step; over the device
+  budget, before the state is allocated (`jaxtier.offload` refuses the plan).
   """
 
 

@@ -181,10 +181,20 @@ def check_seq_len(config: llama.LlamaConfig, config_name: str, seq_len: int) -> 
 
 
 def _offload_step(train_step, *, device_budget, host_budget, policy="auto",
-                  overlap_update=True):
+                  overlap_update=True, allow_over_budget=False):
   import jaxtier  # pylint: disable=g-import-not-at-top
   return jaxtier.offload(train_step, device_budget=device_budget, host_budget=host_budget,
-                         policy=policy, overlap_update=overlap_update)
+                         policy=policy, overlap_update=overlap_update,
+                         allow_over_budget=allow_over_budget)
+
+
+def _show_plan(plan, why: str, plan_details: bool) -> None:
+  """Prints where `plan` puts the state (`why`: what decided it) and the plan itself."""
+  _say(placement_line(plan, why))
+  if plan_details:
+    print(plan.table(reasons=True))
+  else:
+    print(plan.summary(more="--plan_details"))
 
 
 def _budget(value):
@@ -254,7 +264,9 @@ def run(
     progress: show a tqdm progress bar.
     allow_over_budget: if False, raise `OverBudgetError` before the first step when a
       ``device_budget`` / ``host_budget`` was given and the plan does not fit it
-      (`over_budget`); if True, only the plan's notes and jaxtier's warnings say so.
+      (`over_budget`; over the ``device_budget``, ``jaxtier.offload`` refuses the plan before
+      the state exists, and that refusal is raised as `OverBudgetError`); if True, only the
+      plan's notes and jaxtier's warnings say so (``jaxtier.offload(allow_over_budget=True)``).
     overlap_update: update the layers' leaves inside the backward pass
       (`jaxtier.offload(overlap_update=...)`).
     tokenizer: ``"byte"`` (bytes are tokens; the config's ``vocab_size`` is kept) or
@@ -389,23 +401,31 @@ def run(
       if figures is not None:
         budget = figures[0]
         why = f"to fit a {jaxtier.format_bytes(budget)} device budget (CPU default)"
+    # jaxtier refuses a plan over the --device_budget given before the state exists, unless
+    # allow_over_budget (the CPU example's own budget is a demonstration: not refused).
     step = _offload_step(train_step,
                          policy=stream_layers_policy if offload == "stream" else offload,
                          device_budget=budget, host_budget=_budget(host_budget),
-                         overlap_update=overlap_update)
-    with verdicts_printed():  # the plan printed below says whether it fits
-      if resumed:  # restored straight into its planned memory kinds
-        state = step.restore(resumed.path, jax.eval_shape(init_state),
-                             example_args=(first_batch,))
-      else:
-        state = step.init(init_state, example_args=(first_batch,))
+                         overlap_update=overlap_update,
+                         allow_over_budget=allow_over_budget or _budget(device_budget) is None)
+    try:
+      with verdicts_printed():  # the plan printed below says whether it fits
+        if resumed:  # restored straight into its planned memory kinds
+          state = step.restore(resumed.path, jax.eval_shape(init_state),
+                               example_args=(first_batch,))
+        else:
+          state = step.init(init_state, example_args=(first_batch,))
+    except jaxtier.AdmissionError as e:
+      if e.limit != "device_budget" or e.plan is None:
+        raise
+      # Refused over --device_budget: the refused plan is printed as an admitted one is, and
+      # the refusal said in the command line's terms (its flags and fixes).
+      _show_plan(e.plan, why or "as it fits there", plan_details)
+      raise OverBudgetError(over_budget(e.plan, offload, remat_policy=config.remat_policy)
+                            or str(e).removeprefix("jaxtier: ")) from e
     plan = step.plan.table()
     plan_bytes = step.plan.bytes_by_memory_kind()
-    _say(placement_line(step.plan, why or "as it fits there"))
-    if plan_details:
-      print(step.plan.table(reasons=True))
-    else:
-      print(step.plan.summary(more="--plan_details"))
+    _show_plan(step.plan, why or "as it fits there", plan_details)
     # Only a budget the user gave is checked (the CPU example's own is a demonstration).
     over = (None if allow_over_budget or _budget(device_budget) is None and
             _budget(host_budget) is None else

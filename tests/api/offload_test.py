@@ -272,15 +272,19 @@ def test_bad_budget_is_refused(kw):
 @pytest.mark.parametrize("kw, expected", [
     (dict(overlap_update="yes"), "a bool"), (dict(overlap_update=1), "a bool"),
     (dict(donate_argnums="0"), "an int or a tuple of ints"),
-    (dict(donate_argnums=(0, 1.0)), "an int or a tuple of ints")])
+    (dict(donate_argnums=(0, 1.0)), "an int or a tuple of ints"),
+    (dict(allow_over_budget="no"), "a bool"), (dict(allow_over_budget=None), "a bool")])
 def test_an_option_of_the_wrong_type_is_refused_naming_it(kw, expected):
   # overlap_update="yes" was taken (a truthy string).
   (name, value), = kw.items()
   with pytest.raises(TypeError, match=rf"^jaxtier.offload: expected {name} ") as err:
     jaxtier.offload(_step_fn(TX), **kw)
+  assert isinstance(err.value, jaxtier.OptionError)
   assert (err.value.option, err.value.value, err.value.expected) == (name, value, expected)
   assert jaxtier.offload(_step_fn(TX), overlap_update=np.bool_(False))._options.overlap_update \
       is False
+  assert jaxtier.offload(_step_fn(TX), allow_over_budget=np.bool_(True)
+                         )._options.allow_over_budget is True
 
 
 def test_a_step_that_is_not_callable_is_refused_when_wrapped():
@@ -324,9 +328,86 @@ def test_device_budget_over_is_refused():
       f"the state needs {jaxtier.format_bytes(err.value.plan.device_bytes)} "
       f"({err.value.plan.device_bytes} bytes) of device memory after offloading, over the "
       "device budget of 100 B (100 bytes)")
-  step = jaxtier.offload(_step_fn(TX), device_budget=100, policy={r"^\['params'\]": "host_xla"})
+  # With it the state fits the budget; the step's peak (its gradients and activations) does
+  # not, so the plan runs only with allow_over_budget (else refused: the tests below).
+  hinted = dict(device_budget=100, policy={r"^\['params'\]": "host_xla"})
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    jaxtier.offload(_step_fn(TX), **hinted).place(_mlp_state(TX), _batch())
+  assert err.value.limit == "device_budget" and err.value.plan.device_bytes == 8
+  step = jaxtier.offload(_step_fn(TX), **hinted, allow_over_budget=True)
   step.place(_mlp_state(TX), _batch())
   assert step.plan.device_bytes == 8  # only the two int32 step counters remain on device.
+
+
+def _state_bytes(state):
+  return sum(x.nbytes for x in jax.tree.leaves(state))
+
+
+def test_a_plan_over_the_device_budget_given_is_refused_before_allocating():
+  # A budget the state fits but the step does not (its gradients and activations come on
+  # top): no placement fits, and the plan is refused before anything is allocated, whether
+  # the step is called, placed or initialised; the caller's state is left as it was.
+  state = _mlp_state(TX)
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(state)]
+  budget = _state_bytes(state)
+  step = jaxtier.offload(_step_fn(TX), device_budget=budget)
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    step(state, _batch())
+  e = err.value
+  assert isinstance(e, jaxtier.PlanError) and isinstance(e, ValueError)
+  assert (e.limit, e.limit_bytes) == ("device_budget", budget) and not e.settings
+  plan = e.plan
+  # The verdict judged with the compiled step's peak, the figure refused.
+  assert plan is not None and not plan.fits and plan.device_budget.given == budget
+  peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes
+  assert e.need_bytes == peak > budget
+  assert [(v.limit, v.limit_bytes) for v in plan.violations] == [("device_budget", budget)]
+  assert all(v.need_bytes > budget for v in plan.violations) and plan.verdicts
+  fmt = jaxtier.format_bytes
+  msg = str(e)
+  assert msg.startswith("jaxtier: plan refused before allocating anything: ")
+  assert (f"peak device memory is {fmt(peak)} ({peak} bytes" in msg
+          and f"{fmt(peak - budget)} over the device budget of {fmt(budget)} ({budget} bytes)"
+          in msg), msg
+  assert e.reason in msg and f"a larger device_budget (at least {fmt(peak)})" in msg
+  assert "keeps more state in pinned_host" in msg and "allow_over_budget=True" in msg
+  assert step.plan is None  # no plan was taken up
+  for x, b in zip(jax.tree.leaves(state), before):
+    assert not x.is_deleted() and x.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(x), b)
+  with pytest.raises(jaxtier.AdmissionError, match="over the device budget"):
+    step.place(state, _batch())
+  with pytest.raises(jaxtier.AdmissionError, match="over the device budget"):
+    step.init(lambda: _mlp_state(TX), example_args=(_batch(),))
+  # The state is still the caller's: it trains, as jax.jit trains it.
+  ref = jax.jit(_step_fn(TX))(_mlp_state(TX), _batch())
+  got = jax.jit(_step_fn(TX))(state, _batch())
+  np.testing.assert_allclose(float(got[1]["loss"]), float(ref[1]["loss"]), rtol=1e-6)
+
+
+def test_allow_over_budget_runs_the_plan_over_the_budget_like_jit(caplog):
+  # As before the refusal: said (DOES NOT FIT), run as planned.
+  budget = _state_bytes(_mlp_state(TX))
+  step_fn = _step_fn(TX)
+  step = jaxtier.offload(step_fn, device_budget=budget, allow_over_budget=True)
+  with caplog.at_level("WARNING", logger="jaxtier"):
+    state = step.place(_mlp_state(TX), _batch())
+  assert [r for r in caplog.records if "DOES NOT FIT" in r.getMessage()]
+  assert not step.plan.fits and step.plan.device_budget.given == budget
+  assert [v.limit for v in step.plan.violations] == ["device_budget"]
+  _, ref = _train(jax.jit(step_fn, donate_argnums=0), _mlp_state(TX), 5)
+  _, got = _train(step, state, 5)
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+def test_without_a_device_budget_allow_over_budget_changes_nothing():
+  # No budget given: nothing to refuse (a budget the planner sets itself is not the caller's).
+  for allow in (False, True):
+    step = jaxtier.offload(_step_fn(TX), allow_over_budget=allow)
+    state = step.place(_mlp_state(TX), _batch())
+    assert step.plan.device_budget.given is None
+    _, losses = _train(step, state, 2)
+    assert np.all(np.isfinite(losses))
 
 
 def test_step_must_return_state_and_metrics():

@@ -135,9 +135,15 @@ def test_run_offload_auto_passes_budgets(corpus):
 @pytest.mark.slow
 def test_run_over_budget_raises_before_training_unless_allowed(corpus, capsys):
   with pytest.raises(train.OverBudgetError, match=r"the plan does not fit: peak device memory "
-                     r".* over the --device_budget of 1.00 MiB\. Fix: a larger --device_budget"):
+                     r".* over the --device_budget of 1.00 MiB\. Fix: a larger --device_budget"
+                     ) as err:
     _run(corpus, steps=1, offload="optimizer_state_on_host", device_budget="1MiB",
          allow_over_budget=False)
+  # jaxtier.offload refused the plan before the state existed; the trainer said it its way.
+  import jaxtier  # pylint: disable=g-import-not-at-top
+  refused = err.value.__cause__
+  assert isinstance(refused, jaxtier.AdmissionError) and refused.limit == "device_budget"
+  assert refused.limit_bytes == 2**20 < refused.need_bytes and not refused.plan.fits
   out = capsys.readouterr().out
   assert "jaxtier plan" in out and "done: loss" not in out  # planned, printed, no step ran
   assert not any(line.startswith("step ") for line in out.splitlines())

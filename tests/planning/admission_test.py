@@ -217,6 +217,28 @@ def test_a_plan_over_the_ram_of_the_cpu_backend_is_refused_before_allocating(mon
   assert state["opt"][0].mu["w"].sharding.memory_kind == "pinned_host"
 
 
+def test_a_plan_over_the_device_budget_given_is_refused_by_its_prediction_where_not_compiled():
+  # `jaxtier.offload` admits the plan it keeps against the device budget given (unless
+  # allow_over_budget): by its verdict, with the predicted peak where no compiled one is known.
+  fmt = jaxtier.format_bytes
+  full = jaxtier.plan(STEP, mlp_state(), toy_batch(), policy="none")
+  admission.admit_device_budget(full)  # no budget given: nothing to refuse
+  budget = full.device_bytes  # the state fits; its step's peak does not
+  plan = jaxtier.plan(STEP, mlp_state(), toy_batch(), policy="none", device_budget=budget)
+  peak = plan.predicted_peak_hbm_bytes
+  assert not plan.fits and plan.compiler_peak_hbm_bytes is None and peak > budget
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    admission.admit_device_budget(plan)
+  e = err.value
+  assert (e.limit, e.need_bytes, e.limit_bytes, e.plan) == ("device_budget", peak, budget, plan)
+  assert e.reason == (f"the predicted peak device memory is {fmt(peak)} ({peak} bytes), "
+                      f"{fmt(peak - budget)} over the device budget of {fmt(budget)} "
+                      f"({budget} bytes)")
+  assert "Largest device leaves: " in str(e) and "['params']['w1'] 256.00 KiB" in str(e)
+  admission.admit_device_budget(jaxtier.plan(STEP, mlp_state(), toy_batch(), policy="none",
+                                             device_budget=peak))
+
+
 def test_admitting_the_device_reads_the_allocators_limit_it_is_given_not_again(monkeypatch):
   # The caller passes the allocator's limit (read once per plan); naming the fraction that
   # holds the peak uses that figure, not another `allocator_limit_bytes()` call.

@@ -65,6 +65,25 @@ def test_a_replan_budgets_findings_are_notes():
   assert admission.judge(got.findings, replan, 7 * MiB) == got
 
 
+def test_a_compiled_peak_over_the_budget_given_does_not_fit():
+  # The prediction fitted (no finding), or the plan was made against a re-plan budget: the
+  # compiled step's peak over the budget given is what misses it.
+  compiled_over = ("the compiled step's peak device memory 11.00 MiB exceeds the device budget "
+                   "of 10.00 MiB")
+  for budget, findings in ((jaxtier.DeviceBudget.of(10 * MiB), ()),
+                           (jaxtier.DeviceBudget.of(10 * MiB).replanned(6 * MiB), (OVER,))):
+    got = admission.judge(findings, budget, 11 * MiB)
+    assert not got.fits and got.verdicts[-1] == compiled_over, got
+    assert [(v.limit, v.need_bytes, v.limit_bytes) for v in got.violations] == [
+        ("device_budget", 11 * MiB, 10 * MiB)]
+    assert got.findings == findings  # (judged again, it is not said twice)
+    assert admission.judge(got.findings, budget, 11 * MiB) == got
+    assert admission.judge(findings, budget, 10 * MiB).fits
+  # A finding over the budget that stands says it already; none given: none to miss.
+  assert len(admission.judge([OVER], jaxtier.DeviceBudget.of(10 * MiB), 11 * MiB).verdicts) == 1
+  assert admission.judge((), jaxtier.DeviceBudget(), 11 * MiB).fits
+
+
 def test_the_budget_planned_against():
   d = profile.DEFAULT_PROFILE
   given, notes = admission.plan_device_budget(10 * MiB, "cpu", d)

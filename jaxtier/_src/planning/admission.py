@@ -13,7 +13,8 @@ from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.host import HERE_PINNABLE
-from jaxtier._src.planning.plan import DeviceBudget, Finding, LeafPlan, Plan, Verdict
+from jaxtier._src.planning.plan import (BudgetViolation, DeviceBudget, Finding, LeafPlan, Plan,
+                                        Verdict)
 from jaxtier._src.units import format_bytes
 
 # Share of the device's memory a default budget leaves free (fragmentation, workspace).
@@ -96,7 +97,9 @@ def judge(findings: Sequence[Finding], device_budget: DeviceBudget,
   where the compiled step's peak, `compiler_peak_hbm_bytes`, is within the budget planned
   against and every limit missed is that budget (the compiler's figure is the one the
   allocator meets). Where the budget was capped at what the allocator of an absent GPU may
-  use, a miss of it is a miss of the device's memory ('device_memory').
+  use, a miss of it is a miss of the device's memory ('device_memory'). A compiled peak over
+  the budget the user gave is a finding of its own where none that stands misses that budget
+  (the prediction fitted it, or the plan was made against a re-plan budget).
 
   Args:
     findings: what the prediction misses (`Finding`s), against `device_budget.usable`.
@@ -112,21 +115,33 @@ def judge(findings: Sequence[Finding], device_budget: DeviceBudget,
     findings = tuple(dataclasses.replace(f, violations=tuple(
         dataclasses.replace(v, limit="device_memory") if v.limit == "device_budget" else v
         for v in f.violations)) for f in findings)
-  if not findings:
-    return Verdict()
+  peak, usable = compiler_peak_hbm_bytes, device_budget.usable
   violations = tuple(v for f in findings for v in f.violations)
   if device_budget.source == "re-plan":
     internal = format_bytes(device_budget.usable)
-    return Verdict(findings=findings, overruled=tuple(
+    verdict = Verdict(findings=findings, overruled=tuple(
         f"against the re-plan budget of {internal}, not yours: {f.sentence}" for f in findings))
-  peak, usable = compiler_peak_hbm_bytes, device_budget.usable
-  if (peak is not None and (usable is None or peak <= usable)
-      and all(v.limit == "device_budget" for v in violations)):
-    return Verdict(findings=findings, overruled=tuple(
+  elif (peak is not None and (usable is None or peak <= usable)
+        and all(v.limit == "device_budget" for v in violations)):
+    verdict = Verdict(findings=findings, overruled=tuple(
         f"the prediction said: {f.sentence}; the compiled step's peak, {format_bytes(peak)}, "
         "fits the budget" for f in findings))
-  return Verdict(findings=findings, fits=False, violations=violations,
-                 verdicts=tuple(f.sentence for f in findings))
+  else:
+    verdict = Verdict(findings=findings, fits=not findings, violations=violations,
+                      verdicts=tuple(f.sentence for f in findings))
+  given = device_budget.given
+  if (peak is not None and given is not None and peak > given
+      and device_budget.source in ("given", "re-plan")
+      and not any(v.limit == "device_budget" for v in verdict.violations)):
+    over = Finding(
+        sentence=f"the compiled step's peak device memory {format_bytes(peak)} exceeds the "
+        f"device budget of {format_bytes(given)}",
+        violations=(BudgetViolation(limit="device_budget", need_bytes=peak,
+                                    limit_bytes=given),))
+    verdict = dataclasses.replace(
+        verdict, fits=False, violations=verdict.violations + over.violations,
+        verdicts=verdict.verdicts + (over.sentence,))
+  return verdict
 
 
 FRACTION_SETTING = "XLA_PYTHON_CLIENT_MEM_FRACTION"
@@ -208,7 +223,60 @@ def admit_device_peak(peak: "int | None", allocator_limit: "int | None", *, sour
       f"jaxtier: {what} refused before allocating anything: {reason}. {detail}Fix: {fix}.")
   error.reason = reason
   error.settings = {FRACTION_SETTING: fraction} if fraction is not None else {}
-  error.limit = "device_memory"
+  error.limit, error.need_bytes, error.limit_bytes = "device_memory", peak, usable
+  raise error
+
+
+def admit_device_budget(plan: Plan) -> None:
+  """Refuses `plan` before anything is allocated where it does not fit the device budget the
+  caller gave (`jaxtier.offload(device_budget=...)` without `allow_over_budget=True`): its
+  verdict (`judge`, with the compiled step's peak where the step was compiled) says it does
+  not fit. A plan without a budget given (one the planner set itself) is not refused here.
+
+  Raises:
+    AdmissionError: `limit` 'device_budget', `need_bytes` the step's peak device memory (the
+      compiled step's, else the predicted one), `limit_bytes` the budget given, `reason` the
+      sizes, `plan` the plan.
+  """
+  given = plan.device_budget.given
+  if given is None or plan.fits:
+    return
+  predicted, compiled = plan.predicted_peak_hbm_bytes, plan.compiler_peak_hbm_bytes
+  peak = compiled if compiled is not None else predicted
+  if peak is None or peak <= given:
+    # The compiled peak fits, but the findings stand on another limit missed with the budget
+    # (a host limit that binds): the figure they missed the budget by.
+    peak = max((v.need_bytes for v in plan.violations if v.limit == "device_budget"),
+               default=peak)
+  if peak is not None and peak > given:
+    figures = (f"the compiled step's peak device memory is {format_bytes(peak)} ({peak} bytes"
+               + (f"; predicted {format_bytes(predicted)}" if predicted is not None else "")
+               + ")" if peak == compiled else
+               f"the predicted peak device memory is {format_bytes(peak)} ({peak} bytes)")
+    reason = (f"{figures}, {format_bytes(peak - given)} over the device budget of "
+              f"{format_bytes(given)} ({given} bytes)")
+  else:
+    reason = (f"it does not fit the device budget of {format_bytes(given)} ({given} bytes): "
+              + "; ".join(plan.verdicts))
+  largest = _largest([l for l in plan.leaves if l.memory_kind == "device"], lambda l: l.nbytes)
+  binding = plan.binding_violation()
+  host_note = "" if binding is None else (
+      f" But the host limit binds first: moving every leaf it may move to the host would pin "
+      f"{format_bytes(binding.need_bytes)}, over the host limit of "
+      f"{format_bytes(binding.limit_bytes)} (the smaller of host_budget and what the host can "
+      f"pin; on a GPU {POOL_SETTING} raises XLA's pinned pool, if the host has the memory).")
+  error = AdmissionError(
+      f"jaxtier: plan refused before allocating anything: {reason}. "
+      + (f"Largest device leaves: {largest}. " if largest else "")
+      + "Fix: a larger device_budget"
+      + (f" (at least {format_bytes(peak)})" if peak is not None and peak > given else "")
+      + "; a policy that keeps more state in pinned_host (a {regex: placement} dict or a "
+      "callable: 'host_stream' for a stack of layers' params, 'optimizer_state_on_host'); "
+      "fewer activations (a smaller batch or sequence, or rematerialise more: "
+      "jax.checkpoint); or allow_over_budget=True to run the plan as it is." + host_note)
+  error.reason = reason
+  error.limit, error.need_bytes, error.limit_bytes = "device_budget", peak, given
+  error.plan = plan
   raise error
 
 
@@ -239,7 +307,7 @@ def admit_host_memory(plan: Plan, available: "int | None", resident_bytes: int =
       "sequence or model; or plan for a GPU (platform='gpu' in jaxtier.plan, --platform=gpu "
       "in python -m jaxtier plan).")
   error.reason = reason
-  error.limit = "host_memory"
+  error.limit, error.need_bytes, error.limit_bytes = "host_memory", need, available
   error.plan = plan
   raise error
 
@@ -344,7 +412,7 @@ def _admit_pinned(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str,
           f"{_largest(host, host_bytes)}. Fix: {fix}.")
       error.reason = reason
       error.settings = settings
-      error.limit = "host_limit"
+      error.limit, error.need_bytes, error.limit_bytes = "host_limit", need, limit
       raise error
 
 

@@ -81,9 +81,12 @@ class Verdict:
 
   Attributes:
     findings: what the planner's prediction misses, against the budget planned for.
-    fits: False where a finding stands (the step still runs as planned).
-    violations: the limits missed by the findings that stand.
-    verdicts: one sentence per finding that stands, for people.
+    fits: False where a finding stands, or where the compiled step's peak is over the device
+      budget given (`jaxtier.offload` refuses a plan that does not fit the device budget
+      given, unless `allow_over_budget=True`).
+    violations: the limits missed by the findings that stand, and the device budget given
+      where only the compiled step's peak misses it.
+    verdicts: one sentence per finding that stands (and for such a compiled peak), for people.
     overruled: notes on the findings that do not stand: the compiled step's peak fits the
       budget the prediction missed, or the plan was made against a re-plan budget (then the
       compiled step judges it, against the budget given).
@@ -214,7 +217,8 @@ class Plan:
   @property
   def fits(self) -> bool:
     """False when the plan misses a budget (`violations` says which, `verdicts` says so for
-    people); the step still runs as planned."""
+    people). `jaxtier.offload` refuses such a plan where a device budget was given, unless
+    `allow_over_budget=True`; then, and where none was given, the step runs as planned."""
     return self.verdict.fits
 
   @property
