@@ -139,7 +139,7 @@ def versions(*modules: Any) -> dict:
 #   baseline  what the figures are compared with (the device-resident step, torch, a
 #             measurement), by name, in the same form
 #   ratio     name -> number, each name saying what over what
-# with at least one of bound and baseline, then optionally `launched_by` (the run_h200.sh command
+# with at least one of bound and baseline, then optionally `launched_by` (the run_gpu.sh command
 # line that ran the script: BENCH_LAUNCHED_BY) and `error` (the section that failed). Any other
 # key is the script's own detail (its docstring says what it holds).
 

@@ -1,4 +1,4 @@
-# The shared prologue of the GPU runs (device tool, from the repo root). benchmarks/run_h200.sh
+# The shared prologue of the GPU runs (device tool, from the repo root). benchmarks/run_gpu.sh
 # and each benchmarks/workloads/*.sh source it; a second source in the same shell returns at
 # once, so several workloads in one call build once.
 #

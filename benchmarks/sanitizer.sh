@@ -7,7 +7,7 @@
 # thing). The GPU is shared by SANITIZER_JOBS runs at a time.
 #
 # Usage (device tool, from the repo root, with jaxtier built and installed there; the workload
-# does both: `bash benchmarks/run_h200.sh sanitizer`):
+# does both: `bash benchmarks/run_gpu.sh sanitizer`):
 #   bash benchmarks/sanitizer.sh
 # Result: $OUT/sanitizer.txt (kept as benchmarks/results/sanitizer/<card>.txt): per run the command,
 # wall seconds, the sanitizer's summary line, its errors (those naming jaxtier counted apart) and

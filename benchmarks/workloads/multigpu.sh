@@ -2,7 +2,7 @@
 # topology, the multi-path GPU tests, then the multi-path fetch of a replicated host leaf and
 # offloaded data-parallel training on all GPUs against one. NVLink multicast stays off
 # (KINDS.md). Results: $OUT/multigpu/<n>gpu_<card>.json (the script's own form, not the results schema),
-# topo.log and the logs; MULTIGPU_FLAGS adds flags. Usage: bash benchmarks/run_h200.sh multigpu
+# topo.log and the logs; MULTIGPU_FLAGS adds flags. Usage: bash benchmarks/run_gpu.sh multigpu
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STEP_TAIL=20 step topo 30 nvidia-smi topo -m

@@ -4,7 +4,7 @@
 # params device-resident and with the optimizer state (and fp32 masters) in pinned_host. Loss
 # traces against the device-resident run's, step time and peak HBM over it. Result:
 # $OUT/w3/1b_b8_<card>.json; W3_FLAGS adds flags (a later --variants replaces these).
-# Usage: bash benchmarks/run_h200.sh w3
+# Usage: bash benchmarks/run_gpu.sh w3
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
 # shellcheck disable=SC2086  # W3_FLAGS: several flags
 STEP_TAIL=10 step w3_end_to_end 330 python3 benchmarks/e2e_smoke.py --out="$OUT" --config=1b \

@@ -6,7 +6,7 @@
 # run's `mfu_over_8b_device_only` is its MFU over the device-only run's of the same call.
 # Result: $OUT/w3/cli_mfu_8b_14b_<card>.json (about 7.5 minutes on the H200, the build aside). W3_MFU_RUNS
 # replaces the runs.
-# Usage: bash benchmarks/run_h200.sh w3mfu (a name of its own: "w3" is w3_end_to_end.sh)
+# Usage: bash benchmarks/run_gpu.sh w3mfu (a name of its own: "w3" is w3_end_to_end.sh)
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
 STEP_TAIL=20 step w3_mfu 545 python3 benchmarks/capacity_bench.py --steps=5 --timeout=340 \
     --out="$OUT" --workload=w3_mfu --result="w3/cli_mfu_8b_14b_{card}.json" \

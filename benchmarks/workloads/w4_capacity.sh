@@ -6,7 +6,7 @@
 # capacity configs added to its copy of the shapes. Result: $OUT/w4/capacity_<card>.json.
 # W4_RUNS: config:offload[:batch],... (default 14b:auto:1,15b:auto:1); W4_DS_CONFIG (default 14b); W4_DS=0
 # leaves DeepSpeed out.
-# Usage: bash benchmarks/run_h200.sh w4
+# Usage: bash benchmarks/run_gpu.sh w4
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
 if [[ -f .baselines/deepspeed/zero_offload_bench.py && "${W4_DS:-1}" != 0 ]]; then
   # The capacity configs' shapes (jaxtier/examples/llama.py), added to the peer's table.

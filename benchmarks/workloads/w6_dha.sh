@@ -3,7 +3,7 @@
 # (host_dha: the DHA gather and the host scatter-add of its gradient rows); one process per
 # variant. 1b at batch 8 x 1024 with the rest on the device, then 8b at 4 x 2048 with a 128K
 # vocabulary and the rest's optimizer state on the host (W6_8B=0 skips it). Result:
-# $OUT/w6/1b_32k_128k_<card>.json and $OUT/w6/8b_128k_<card>.json. Usage: bash benchmarks/run_h200.sh w6
+# $OUT/w6/1b_32k_128k_<card>.json and $OUT/w6/8b_128k_<card>.json. Usage: bash benchmarks/run_gpu.sh w6
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
 STEP_TAIL=12 step w6_dha 330 python3 benchmarks/w6_dha.py --out="$OUT" --configs=1b \
     --vocabs=32768,131072 --steps=8 --batch_size=8 --seq_len=1024 --timeout=120
