@@ -466,7 +466,7 @@ def _donations(compiled: Sequence[CompiledComponent],
     for spec in cc.operands:
       if spec.kind == "value":
         uses[spec.var] = uses.get(spec.var, 0) + 1
-  returned = {jaxpr.outvars[j] for j in compute_outs}
+  returned = {v for v in (jaxpr.outvars[j] for j in compute_outs) if isinstance(v, jc.Var)}
   arg_vars = set(jaxpr.invars[n_state:]) | set(jaxpr.constvars)
   feeds = set(feed_vars)
   device_kind = lambda j: j >= n_state or plan.leaves[j].memory_kind != MemoryKind.PINNED_HOST
