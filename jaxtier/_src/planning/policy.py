@@ -81,6 +81,16 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
       out[leaf.index] = auto if hit is None else Request(hit, reason(Kind.USER_PLACED), True)
     else:
       check_policy_form(policy, "jaxtier.offload")
+  if (is_named(policy, NamedPolicy.OPTIMIZER_STATE_ON_HOST)
+      and not any(leaf.role == Role.OPTIMIZER_STATE for leaf in inv.leaves)):
+    floats = [leaf for leaf in inv.leaves if leaf.role != Role.OTHER]
+    shown = "; ".join(f"{leaf.path}: {leaf.role.value}, {leaf.why}" for leaf in floats[:3])
+    warnings.warn(
+        f"jaxtier.offload: policy {policy!r} places nothing in pinned_host: no state leaf has "
+        "the role optimizer_state (read only elementwise, and feeding its own update and no "
+        "reduction such as a norm of the updated params among the metrics). "
+        f"{len(floats)} leaves are params or others" + (f", e.g. {shown}" if shown else "")
+        + ". plan.table() gives every leaf's role and why", stacklevel=4)
   if isinstance(policy, Mapping):
     for pat in policy:
       if not any(re.search(pat, leaf.path) for leaf in inv.leaves):
