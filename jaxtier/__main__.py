@@ -11,6 +11,7 @@ Commands:
           placement and why, and every note) (`--config`, `--batch_size`, `--seq_len`,
           `--device_budget`, `--host_budget`, `--offload` (the policy), `--remat_policy`,
           `--clip`, `--[no]overlap_update`, `--tokenizer`, `--vocab_size`, `--json`, `--platform`,
+          `--device_kind` (H100, H200 or A100: the GPU planned for where none is here),
           `--plot=plan.png`, `--nostream`; the vocabulary flags set the model's vocab_size,
           no tokenizer is trained). Exit status 1 when the plan is refused or over a budget (with
           `--json` too: its fields `fits` and `refused` say which).
@@ -43,6 +44,10 @@ _JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tool
                           "text form does.")
 _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
                               "plan: plan for this platform's executors (default: this machine's).")
+_DEVICE_KIND = flags.DEFINE_string(
+    "device_kind", "", "plan --platform=gpu on a machine without a GPU: the GPU planned for, "
+    "H100, H200 or A100 (its built-in profile: the H200's measured rates scaled by the card's "
+    "datasheet, not calibrated); default the H200's.")
 _PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host bytes per leaf "
                             "group into this image file (e.g. plan.png).")
 _DETAILS = flags.DEFINE_bool("details", False, "plan: print every leaf (its placement, bytes "
@@ -83,6 +88,15 @@ def plan_main() -> None:
   _, state, step = train_lib.make_train_state(config, optimizer, abstract=True)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   platform = _PLATFORM.value or jax.default_backend()
+  if _DEVICE_KIND.value:
+    from jaxtier._src.hardware import profile  # pylint: disable=g-import-not-at-top
+    try:  # said in a line, before planning (not after absl's usage text)
+      profile.check_device_kind(_DEVICE_KIND.value, platform)
+    except jaxtier.OptionError as e:
+      why = (str(e).removeprefix("jaxtier: ") if platform == "gpu" or "known:" in str(e) else
+             f"names the GPU planned for, and this plan is for {platform}: add --platform=gpu")
+      print(f"error: --device_kind={_DEVICE_KIND.value}: {why}", file=sys.stderr)
+      sys.exit(1)
   # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).
   policy = {"stream": train_lib.stream_layers_policy}.get(flags.FLAGS.offload,
                                                           flags.FLAGS.offload)
@@ -96,6 +110,7 @@ def plan_main() -> None:
     with train_lib.verdicts_printed():  # printed below, in the plan's notes
       plan = jaxtier.plan(step, state, tokens, device_budget=flags.FLAGS.device_budget or None,
                           host_budget=flags.FLAGS.host_budget or None, platform=platform,
+                          device_kind=_DEVICE_KIND.value or None,
                           policy=policy, streamable=streamable,
                           activations=llama.activation_model(config, batch, seq_len),
                           overlap_update=flags.FLAGS.overlap_update)
@@ -198,7 +213,8 @@ def _xla_settings_hint(plan, host_missed: bool) -> "str | None":
   if plan.pinnable_bytes is not None and need > plan.pinnable_bytes:
     settings.update(admission.pool_settings(math.ceil(need / 2**30)))
   peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes
-  limit, _ = admission.allocator_bytes(jaxtier.load_profile(platform="gpu", warn=False))
+  limit, _ = admission.allocator_bytes(jaxtier.load_profile(
+      platform="gpu", device_kind=_DEVICE_KIND.value or None, warn=False))
   fraction = host.fraction_that_holds(peak, admission.DEVICE_MARGIN, limit) if peak else None
   if fraction is not None:
     settings[admission.FRACTION_SETTING] = fraction
@@ -244,7 +260,7 @@ def _unwritable(path: str) -> "str | None":
 
 
 # The flags of one command that another does not read (every command reads absl's own).
-_PLAN_ONLY = ("platform", "plot", "verbose", "details", "stream")
+_PLAN_ONLY = ("platform", "device_kind", "plot", "verbose", "details", "stream")
 _NOT_READ = {
     "train": ("json",) + _PLAN_ONLY,
     "plan": ("steps", "data", "seed", "learning_rate", "warmup_steps", "log_every",
@@ -420,7 +436,9 @@ def calibrate_main() -> None:
     print("warning: no GPU here: the link, zero-copy and GPU executor figures are the H200 "
           "defaults (docs/design.md); the host side was measured, and matmul_tflops / hbm_gbps "
           "are this CPU's (the CPU backend's compute device)")
-  default = jaxtier.DEFAULT_PROFILE.rates()
+  # (On a GPU what is not measured is its card's built-in figure.)
+  from jaxtier._src.hardware import profile  # pylint: disable=g-import-not-at-top
+  default = profile.builtin_profile(prof.device_kind).rates()
   for name, value in prof.rates().items():
     mark = "" if value != default[name] else "  (default)"
     if name.endswith("_bytes"):

@@ -501,6 +501,36 @@ def test_plan_summary_fits_the_terminal_and_details_show_reasons(tmp_path):
 
 
 @pytest.mark.slow
+def test_plan_for_an_absent_gpu_names_its_card(tmp_path):
+  # --device_kind picks the built-in profile of the GPU planned for: the H100's 80 GB and
+  # slower HBM, not the H200's; the plan says which. An unknown card is an error in a line.
+  # (`_cli` runs on the CPU backend: the GPU is not here on any machine.)
+  h100 = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--device_kind=H100",
+              "--json")
+  h200 = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--json")
+  assert h100.returncode == 0 and h200.returncode == 0, (h100.stderr + h200.stderr)[-3000:]
+  got, default = json.loads(h100.stdout), json.loads(h200.stdout)
+  assert got["hardware_kind"] == "NVIDIA H100 80GB HBM3"
+  assert default["hardware_kind"] == "NVIDIA H200"
+  assert got["planned_device_budget"] < 60 * 2**30 < default["planned_device_budget"]
+  assert got["predicted_step_secs"] > default["predicted_step_secs"]  # HBM 3.35 TB/s, not 4.8
+  assert any("without one (cpu): the built-in H100 profile;" in n for n in got["notes"])
+  text = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--device_kind=H100")
+  assert text.returncode == 0, text.stderr[-3000:]
+  assert "planned for gpu on a machine without one (cpu): the built-in H100 profile" in (
+      _flat(text.stdout))
+  assert "not this machine" not in text.stdout  # the card planned for, not this machine
+  bad = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--device_kind=V100")
+  assert bad.returncode == 1 and not bad.stdout
+  assert bad.stderr.strip() == ("error: --device_kind=V100: no built-in hardware profile for "
+                                "device_kind 'V100'; known: H100, H200, A100")
+  cpu = _cli(tmp_path, "plan", "--config=tiny", "--device_kind=H100")  # a CPU plan has no card
+  assert cpu.returncode == 1 and not cpu.stdout
+  assert cpu.stderr.strip() == ("error: --device_kind=H100: names the GPU planned for, and this "
+                                "plan is for cpu: add --platform=gpu")
+
+
+@pytest.mark.slow
 def test_a_cpu_plan_says_its_step_time_is_an_h200s_once(tmp_path):
   # No stored profile here (XDG_CACHE_HOME is the test's): the CPU plan predicts with the
   # default profile's H200 rates and says so once, with the command that measures this

@@ -134,7 +134,7 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
          host_budget: Any = None, policy: Any = "auto", platform: "str | None" = None,
          streamable: Any = None, dha_readable: Any = None,
          activations: "cost_model.ActivationModel | None" = None,
-         overlap_update: bool = True) -> plan_lib.Plan:
+         overlap_update: bool = True, device_kind: "str | None" = None) -> plan_lib.Plan:
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
 
   `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s (to plan a model that is not
@@ -148,7 +148,11 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   lowering can stream, and every embedding table it can read in place, as `offload` plans); `activations` (a
   `jaxtier.ActivationModel`) lets the plan choose the activation policy. `overlap_update` as
   `offload`'s: the plan's notes say which host updates run layer by layer, and why the others
-  do not.
+  do not. `device_kind` names the GPU planned for on a machine without one (`platform="gpu"`):
+  "H100", "H200" or "A100", any case, or a device kind naming one ("NVIDIA H100 80GB HBM3"); its
+  built-in profile (the H200's measured rates scaled by the card's datasheet, not calibrated:
+  `plan.hardware_kind` names it) gives the rates and the memory. None: the H200 (the default
+  profile). On a GPU it may name only this machine's card.
 
   Returns:
     The `jaxtier.Plan`: each leaf's placement, bytes and reason, and the predictions above
@@ -157,15 +161,19 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
 
   Raises:
     jaxtier.PlanError, jaxtier.AdmissionError, TypeError: as `OffloadedStep.place`.
+    jaxtier.OptionError: `device_kind` names no card with a built-in profile (the message lists
+      them), is given for a CPU plan, or names another card than this machine's GPU.
   """
   options = OffloadOptions(device_budget=device_budget, host_budget=host_budget, policy=policy,
                            overlap_update=overlap_update)
   platform = platform or jax.default_backend()
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
+  profile.check_device_kind(device_kind, platform)  # before tracing the step
   return pipeline.plan_only(fun, options, as_arrays("jaxtier.plan", state), args,
                             platform=platform, streamable=streamable,
-                            dha_readable=dha_readable, activations=activations)
+                            dha_readable=dha_readable, activations=activations,
+                            device_kind=device_kind)
 
 
 def available_host_bytes() -> "int | None":

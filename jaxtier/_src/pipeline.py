@@ -237,16 +237,17 @@ def _raise_with_room(error: "PlanError | None", inv: inv_lib.Inventory, fixed: d
 
 def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
               *, platform: str, streamable: Any = None, dha_readable: Any = None,
-              activations: Any = None) -> Plan:
+              activations: Any = None, device_kind: "str | None" = None) -> Plan:
   """The plan `plan_step` starts from, for `platform` (which this machine may lack).
 
   `streamable` / `dha_readable`: the parameter leaves (indices) that may be placed
   `host_stream` / `host_dha`; None: every one the lowering can serve so (`dha_readable`: the
-  embedding tables among them).
+  embedding tables among them). `device_kind`: the GPU planned for where this machine has
+  none (`profile.load`).
   """
   inv = inv_lib.take_inventory(fn, state, args, api="jaxtier.plan")
   here = jax.default_backend()
-  hardware = profile.load(platform=platform)
+  hardware = profile.load(platform=platform, device_kind=device_kind)
   blocked = _stream_blocked(state)
   if blocked:  # none, whatever the caller allows
     streamable = frozenset()
@@ -277,7 +278,7 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   notes = _schedule_notes(result)
   if platform != here:
     notes += (f"planned for {platform} on a machine without one ({here}): "
-              + ("the default hardware profile" if hardware.is_default else "a stored profile")
+              + profile.describe(hardware)
               + f"; pinnable host memory from the profile ({format_bytes(pinnable)})",)
   return dataclasses.replace(result, notes=result.notes + notes) if notes else result
 

@@ -135,6 +135,12 @@ def test_the_calibrate_hint_is_said_once_and_only_where_rates_are_not_this_machi
     assert text.count("python -m jaxtier calibrate") == 1
     assert "H200 default rates, not this machine's" in text
   assert "calibrate" not in _plan(verdict=Verdict()).summary(80)
+  # On a GPU with no stored profile, its card's built-in rates (`profile.builtin_profile`).
+  h100 = _plan(rates_of="the built-in H100 profile's rates, not this machine's",
+               verdict=Verdict())
+  text = h100.summary(120)
+  assert "times: H100 built-in rates, not this machine's: python -m jaxtier calibrate" in text
+  assert text.count("python -m jaxtier calibrate") == 1 and "H200" not in text
 
 
 def test_fit_lines_wraps_at_words_and_marks_what_it_leaves_out():

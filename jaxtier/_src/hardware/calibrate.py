@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxtier._src.hardware import host as host_lib
-from jaxtier._src.hardware.profile import DEFAULT_PROFILE, HardwareProfile
+from jaxtier._src.hardware.profile import DEFAULT_PROFILE, HardwareProfile, builtin_profile
 from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.primitives.op_programs import (
   ADAMW_ALIASES,
@@ -393,8 +393,11 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
   if not measured:
     return DEFAULT_PROFILE
   kind = jax.devices()[0].device_kind
+  # What is not measured (on a GPU: the DHA update kernel's rates, the gather, NVLink) stays
+  # the card's built-in figure (`profile.builtin_profile`; the H200's for an unknown card).
+  base = builtin_profile(kind) if backend == "gpu" else DEFAULT_PROFILE
   return dataclasses.replace(
-      DEFAULT_PROFILE, **fields, device_kind=kind, versions=_versions(),
+      base, **fields, device_kind=kind, versions=_versions(),
       source=f"calibrated on {kind} ({' and '.join(measured)} measured"
       f"{'' if 'gpu' in measured else '; link and GPU executor figures are the H200 defaults'}, "
       f"{time.strftime('%Y-%m-%d')})")

@@ -1,4 +1,5 @@
-"""`HardwareProfile`: the rates and capacities the cost model uses, its defaults and storage."""
+"""`HardwareProfile`: the rates and capacities the cost model uses, its defaults, the built-in
+profiles of the cards jaxtier knows (`builtin_profile`) and storage."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 
 from jaxtier._src.hardware.host import XLA_MEM_FRACTION_DEFAULT
 
@@ -205,6 +207,134 @@ class HardwareProfile:
 DEFAULT_PROFILE = HardwareProfile()
 
 
+# Built-in profiles of other cards: the H200's measured rates (`DEFAULT_PROFILE`) scaled by the
+# ratio of the cards' datasheet figures, as no other card has been calibrated for jaxtier. The
+# host's figures (host DRAM, the CPU executor, its threads, the pinnable memory) stay the H200
+# machine's: they are the host's, not the card's.
+#
+# Datasheet figures of the H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): dense bf16 peak
+# 989 TFLOP/s (the GH100 compute of the H100 SXM: 132 SMs), HBM3e 4.8 TB/s, NVLink 4 900 GB/s
+# (both directions), PCIe Gen5 x16.
+H200_BF16_TFLOPS = 989.0
+H200_HBM_TBPS = 4.8
+H200_NVLINK_GBPS = 900.0
+
+# H100 SXM 80GB (NVIDIA H100 Tensor Core GPU datasheet): the H200's GH100 compute (132 SMs, 989
+# TFLOP/s dense bf16), so matmul_tflops and the DHA kernel's per-element rate stay the H200's;
+# HBM3 3.35 TB/s; NVLink 4 900 GB/s and PCIe Gen5 x16 as the H200's, so the link and zero-copy
+# rates stay too; memory 81,559 MiB (nvidia-smi's total on the H100 80GB HBM3).
+H100_HBM_TBPS = 3.35
+H100_HBM_BYTES = 81_559 * 2**20
+H100_PROFILE = dataclasses.replace(
+    DEFAULT_PROFILE,
+    hbm_gbps=DEFAULT_PROFILE.hbm_gbps * H100_HBM_TBPS / H200_HBM_TBPS,
+    hbm_bytes=int(H100_HBM_BYTES * XLA_MEM_FRACTION_DEFAULT),
+    device_kind="NVIDIA H100 80GB HBM3",
+    source="defaults for an NVIDIA H100 (the H200's measured rates scaled by the datasheet; "
+           "not calibrated)")
+
+# A100 SXM4 80GB (NVIDIA A100 Tensor Core GPU datasheet): dense bf16 peak 312 TFLOP/s; HBM2e
+# 2.04 TB/s (2,039 GB/s); 80 GB (81,920 MiB); NVLink 3 600 GB/s (both directions); PCIe Gen4
+# x16: 16 GT/s a lane against Gen5's 32, the same 128b/130b encoding, so the copy engines' and
+# the zero-copy rates (and the DHA kernel's, which the link bounds) are half the H200's. The DHA
+# kernel's per-element rate with its operands in HBM (16.3e9 AdamW elements/s on the H200, some
+# 0.5 TB/s: far from its HBM's bound) is scaled by SMs x boost clock: 108 x 1,410 MHz against
+# 132 x 1,980.
+A100_BF16_TFLOPS = 312.0
+A100_HBM_TBPS = 2.04
+A100_HBM_BYTES = 81_920 * 2**20
+A100_NVLINK_GBPS = 600.0
+PCIE_GEN4_OF_GEN5 = 0.5
+A100_SM_CLOCK_OF_H200 = (108 * 1410) / (132 * 1980)
+# The rates the link bounds: the copy engines', zero-copy's and the DHA kernels'.
+LINK_BOUND_FIELDS = ("link_h2d_gbps", "link_d2h_gbps", "link_duplex_gbps", "dha_read_gbps",
+                     "dha_write_gbps", "dha_rw_gbps", "dha_adamw_params_per_sec",
+                     "dha_update_gbps", "dha_gather_gbps", "dha_matmul_gbps")
+A100_PROFILE = dataclasses.replace(
+    DEFAULT_PROFILE,
+    **{name: getattr(DEFAULT_PROFILE, name) * PCIE_GEN4_OF_GEN5 for name in LINK_BOUND_FIELDS},
+    dha_update_elements_per_sec=(DEFAULT_PROFILE.dha_update_elements_per_sec
+                                 * A100_SM_CLOCK_OF_H200),
+    matmul_tflops=DEFAULT_PROFILE.matmul_tflops * A100_BF16_TFLOPS / H200_BF16_TFLOPS,
+    hbm_gbps=DEFAULT_PROFILE.hbm_gbps * A100_HBM_TBPS / H200_HBM_TBPS,
+    hbm_bytes=int(A100_HBM_BYTES * XLA_MEM_FRACTION_DEFAULT),
+    inter_gpu_gbps=DEFAULT_PROFILE.inter_gpu_gbps * A100_NVLINK_GBPS / H200_NVLINK_GBPS,
+    device_kind="NVIDIA A100-SXM4-80GB",
+    source="defaults for an NVIDIA A100 (the H200's measured rates scaled by the datasheet; "
+           "not calibrated)")
+
+# The built-in profiles by the card's name in `jax.Device.device_kind` ('NVIDIA H100 80GB
+# HBM3', 'NVIDIA A100-SXM4-80GB'); the H200's is the default profile itself.
+BUILTIN_PROFILES = {"H100": H100_PROFILE, "H200": DEFAULT_PROFILE, "A100": A100_PROFILE}
+# A card's name as a word of its own: 'GH200' (Grace Hopper, its host on NVLink-C2C) is not an
+# H200.
+_CARD = re.compile(r"(?<![A-Z0-9])(" + "|".join(BUILTIN_PROFILES) + r")(?![0-9])")
+
+
+def card_of(device_kind: str) -> "str | None":
+  """The built-in card `device_kind` names ('H100', 'H200' or 'A100', any case, as a word of
+  its own: 'NVIDIA H100 80GB HBM3' is 'H100'), or None."""
+  match = _CARD.search(device_kind.upper())
+  return match.group(1) if match else None
+
+
+def builtin_profile(device_kind: str) -> HardwareProfile:
+  """The built-in profile of the card `device_kind` names (`card_of`), else `DEFAULT_PROFILE`
+  (the H200's): rates and memory from the H200's measured figures scaled by the card's
+  datasheet (`BUILTIN_PROFILES`), not calibrated."""
+  card = card_of(device_kind)
+  return BUILTIN_PROFILES[card] if card else DEFAULT_PROFILE
+
+
+def check_device_kind(device_kind: "str | None", platform: str) -> "str | None":
+  """The card `device_kind` names, for a plan for `platform` on this machine; None when not given.
+
+  `device_kind` names the GPU planned for where this machine has none (`platform` 'gpu' on a
+  CPU machine). On a GPU it may only name this machine's own card (its stored or built-in
+  profile is the one used).
+
+  Raises:
+    jaxtier.OptionError: not a string, a card with no built-in profile, given for a CPU plan,
+      or naming another card than this machine's GPU.
+  """
+  from jaxtier._src.errors import OptionError  # pylint: disable=g-import-not-at-top
+  if device_kind is None:
+    return None
+  known = ", ".join(BUILTIN_PROFILES)
+  expected = f"a GPU with a built-in profile: one of {known} (or a device kind naming one)"
+  if not isinstance(device_kind, str):
+    raise OptionError(f"jaxtier: expected device_kind a string ({expected}), got "
+                      f"{device_kind!r}", option="device_kind", value=device_kind,
+                      expected=expected)
+  card = card_of(device_kind)
+  if card is None:
+    raise OptionError(f"jaxtier: no built-in hardware profile for device_kind {device_kind!r}; "
+                      f"known: {known}", option="device_kind", value=device_kind,
+                      expected=expected)
+  if platform != "gpu":
+    raise OptionError(f"jaxtier: device_kind {device_kind!r} names a GPU, and the plan is for "
+                      f"{platform!r}: plan with platform 'gpu'", option="device_kind",
+                      value=device_kind, expected=expected)
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() == "gpu":
+    here = jax.devices()[0].device_kind
+    if card_of(here) != card:
+      raise OptionError(
+          f"jaxtier: device_kind {device_kind!r} is not this machine's GPU ({here}): a plan "
+          "for this GPU uses its own profile (device_kind names the GPU planned for on a "
+          "machine without one)", option="device_kind", value=device_kind, expected=expected)
+  return card
+
+
+def describe(hardware: HardwareProfile) -> str:
+  """Which profile `hardware` is, for a plan's notes: 'the default hardware profile' (the
+  H200's), 'the built-in H100 profile', or 'a stored profile'."""
+  if hardware == DEFAULT_PROFILE:
+    return "the default hardware profile"
+  card = card_of(hardware.device_kind) if hardware.is_default else None
+  return f"the built-in {card} profile" if card else "a stored profile"
+
+
 def split_fraction(profile: HardwareProfile = DEFAULT_PROFILE) -> float:
   """The `dha_fraction` of the `split` executor: the DHA kernel's share of the elements.
 
@@ -246,56 +376,85 @@ def save(profile: HardwareProfile, path: "str | None" = None) -> str:
 _WARNED: set[str] = set()
 
 
+def _builtin_here() -> "tuple[HardwareProfile, str]":
+  """(the profile, how the warnings name it) used where this machine has no stored profile:
+  on a GPU the built-in profile of its card (`builtin_profile`), else the defaults."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() != "gpu":
+    return DEFAULT_PROFILE, "the defaults"
+  kind = jax.devices()[0].device_kind
+  card = card_of(kind)
+  if card is None:
+    return DEFAULT_PROFILE, (f"the H200 defaults (no built-in figures for {kind}; known: "
+                             f"{', '.join(BUILTIN_PROFILES)})")
+  if card == "H200":
+    return DEFAULT_PROFILE, "the H200 defaults"
+  return BUILTIN_PROFILES[card], (f"the built-in {card} figures (the H200's measured rates "
+                                  f"scaled by the {card}'s datasheet; not calibrated)")
+
+
 def load(path: "str | None" = None, *, platform: "str | None" = None,
-         warn: bool = True) -> HardwareProfile:
-  """The stored profile for this machine's device, or `DEFAULT_PROFILE`.
+         device_kind: "str | None" = None, warn: bool = True) -> HardwareProfile:
+  """The stored profile for this machine's device, or the built-in one of its card.
 
   Args:
     path: a profile JSON written by `save` (default: `cache_path()` of this machine's device).
     platform: the platform being planned for ('cpu'/'gpu'); when it is not this machine's
-      backend (planning for a GPU on a machine without one), the defaults are returned: a
-      stored profile describes this machine's devices, not the absent GPU.
-    warn: log a warning (once per path) when the defaults are returned for want of a profile,
-      or because the stored one is stale.
+      backend (planning for a GPU on a machine without one), a built-in profile is returned
+      (`device_kind`'s, else `DEFAULT_PROFILE`): a stored profile describes this machine's
+      devices, not the absent GPU.
+    device_kind: the GPU planned for on a machine without one ('H100', 'H200', 'A100', or a
+      device kind naming one: `check_device_kind`); None: the H200 (`DEFAULT_PROFILE`). On a
+      GPU it may name only this machine's card. Not read where `path` is given.
+    warn: log a warning (once per path) when a built-in profile is returned for want of a
+      stored one, or because the stored one is stale.
 
   Returns:
-    The profile; `DEFAULT_PROFILE` where none is stored, where the file is not JSON, or where
-    the stored one was written in an older format (its "format_version" missing or below
-    `PROFILE_FORMAT_VERSION`).
+    The profile. Where none is stored, where the file is not JSON, or where the stored one was
+    written in an older format (its "format_version" missing or below
+    `PROFILE_FORMAT_VERSION`): on a GPU the built-in profile of its card
+    (`builtin_profile(jax.devices()[0].device_kind)`), else `DEFAULT_PROFILE`.
 
   Raises:
     ValueError: the file holds unknown fields or non-positive rates.
+    jaxtier.OptionError: `device_kind` has no built-in profile, or does not fit `platform`
+      (`check_device_kind`).
   """
   import json  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
-  if path is None and platform is not None and platform != jax.default_backend():
-    return DEFAULT_PROFILE
+  if path is None:
+    card = check_device_kind(device_kind, platform or jax.default_backend())
+    if platform is not None and platform != jax.default_backend():
+      return BUILTIN_PROFILES[card] if card else DEFAULT_PROFILE
   path = path or cache_path()
   if not os.path.exists(path):
     if warn and path not in _WARNED and jax.default_backend() == "gpu":
       _WARNED.add(path)
-      log.warning("jaxtier: no hardware profile at %s; planning with the H200 defaults. Run "
-                  "`python -m jaxtier calibrate` once on this machine.", path)
-    return DEFAULT_PROFILE
+      log.warning("jaxtier: no hardware profile at %s; planning with %s. Run "
+                  "`python -m jaxtier calibrate` once on this machine.", path,
+                  _builtin_here()[1])
+    return _builtin_here()[0]
   try:
     with open(path) as f:
       data = json.load(f)
   except ValueError as e:  # not JSON (a truncated or overwritten file): as a stale profile
+    fallback, named = _builtin_here()
     if warn and path not in _WARNED:
       _WARNED.add(path)
-      log.warning("jaxtier: ignoring %s: not a profile (%s); planning with the defaults. Run "
-                  "`python -m jaxtier calibrate`.", path, e)
-    return DEFAULT_PROFILE
+      log.warning("jaxtier: ignoring %s: not a profile (%s); planning with %s. Run "
+                  "`python -m jaxtier calibrate`.", path, e, named)
+    return fallback
   version = data.pop("format_version", None) if isinstance(data, dict) else None
   if not isinstance(version, int) or version < PROFILE_FORMAT_VERSION:
+    fallback, named = _builtin_here()
     if warn and path not in _WARNED:
       _WARNED.add(path)
       log.warning("jaxtier: ignoring %s: written by an older jaxtier (profile format %s, this "
-                  "one reads %d); planning with the defaults. Run `python -m jaxtier calibrate`.",
+                  "one reads %d); planning with %s. Run `python -m jaxtier calibrate`.",
                   path, version if version is not None else "unversioned",
-                  PROFILE_FORMAT_VERSION)
-    return DEFAULT_PROFILE
+                  PROFILE_FORMAT_VERSION, named)
+    return fallback
   names = {f.name for f in dataclasses.fields(HardwareProfile)}
   unknown = sorted(set(data) - names)
   if unknown:

@@ -182,10 +182,13 @@ class Plan:
       (serial, layered inside the backward pass, or row by row; why where serial): what the
       planner costed and what the lowering builds; not part of the plan's JSON.
     rates_of: whose rates the predictions use, where not this machine's ('' when they are:
-      a calibrated profile, or a GPU planned on a machine without one, for which the default
-      H200 profile is the GPU planned for).
+      a calibrated profile, or a GPU planned on a machine without one, for which the built-in
+      profile (the default H200's, or that of the card named) is the GPU planned for).
     pinnable_bytes, pinnable_what: what the host can pin per device (None: not checked), and
       where that figure comes from (on a GPU: XLA's pinned pool caps it).
+    hardware_kind: the `device_kind` of the hardware profile the predictions use ('NVIDIA H200'
+      for the default profile, 'NVIDIA H100 80GB HBM3' for the H100's built-in one; the notes
+      give its `source`); '' where not recorded.
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -213,6 +216,7 @@ class Plan:
   rates_of: str = ""
   pinnable_bytes: "int | None" = None
   pinnable_what: str = ""
+  hardware_kind: str = ""
 
   @property
   def fits(self) -> bool:

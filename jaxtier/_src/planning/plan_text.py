@@ -36,6 +36,8 @@ _CALIBRATE = "python -m jaxtier calibrate"
 # The notes the summary shows (beside the verdicts): a re-plan against a smaller budget, and a
 # plan made for a platform this machine does not have.
 _FINDINGS = ("re-planned", "planned for ")
+# `Plan.rates_of` for a card's built-in profile (`planner._rates_of`).
+_BUILTIN_RATES = re.compile(r"the built-in (\S+) profile's rates, not this machine's")
 
 
 def terminal_width(width: "int | None" = None) -> int:
@@ -211,9 +213,12 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
 
 
 def _short_rates(rates_of: str) -> str:
-  """`Plan.rates_of` as the summary says it: the H200 defaults, named shortly."""
-  return ("H200 default rates, not this machine's" if "default" in rates_of and "H200" in rates_of
-          else rates_of)
+  """`Plan.rates_of` as the summary says it: the H200 defaults, or a card's built-in rates,
+  named shortly."""
+  if "default" in rates_of and "H200" in rates_of:
+    return "H200 default rates, not this machine's"
+  builtin = _BUILTIN_RATES.fullmatch(rates_of)
+  return f"{builtin.group(1)} built-in rates, not this machine's" if builtin else rates_of
 
 
 def table_lines(plan, width: int, reasons: bool = True) -> list[str]:

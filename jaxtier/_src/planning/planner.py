@@ -248,18 +248,23 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               num_planning_notes=len(notes),
               components=tuple(compiled), schedule=final.schedule,
               rates_of=_rates_of(hardware, platform),
-              pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what)
+              pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what,
+              hardware_kind=hardware.device_kind)
   return plan
 
 
 def _rates_of(hardware: profile.HardwareProfile, platform: str) -> str:
   """Whose rates a plan for `platform` predicts with, where they are not this machine's: the
-  default profile's on this machine's own backend (no stored profile: `calibrate` measures
-  one); '' for a stored profile, and for a GPU planned on a machine without one (the default
-  profile is the GPU planned for)."""
+  default profile's (the H200's) or a card's built-in one (`profile.builtin_profile`) on this
+  machine's own backend (no stored profile: `calibrate` measures one); '' for a stored
+  profile, and for a GPU planned on a machine without one (the built-in profile is the GPU
+  planned for)."""
   if not hardware.is_default or platform != jax.default_backend():
     return ""
-  return "the default profile's H200 rates, not this machine's"
+  card = profile.card_of(hardware.device_kind)
+  if hardware == profile.DEFAULT_PROFILE or card is None:
+    return "the default profile's H200 rates, not this machine's"
+  return f"the built-in {card} profile's rates, not this machine's"
 
 
 def served_leaves(inv: Inventory, placement: Mapping[int, str]) -> set[int]:
