@@ -50,6 +50,7 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
       `refusal`).
   """
   out: dict[int, Request] = {}
+  pattern_of: dict[int, str] = {}  # the pattern that placed each leaf (a dict policy)
   if isinstance(policy, Mapping):
     for pat in policy:
       try:
@@ -77,8 +78,11 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
                         "policy(path: str, leaf) and returns a placement name or None") from e
       out[leaf.index] = auto if asked is None else Request(asked, reason(Kind.USER_PLACED), True)
     elif isinstance(policy, Mapping):
-      hit = next((p for pat, p in policy.items() if re.search(pat, leaf.path)), None)
-      out[leaf.index] = auto if hit is None else Request(hit, reason(Kind.USER_PLACED), True)
+      pat = next((pat for pat in policy if re.search(pat, leaf.path)), None)
+      out[leaf.index] = auto if pat is None else Request(policy[pat], reason(Kind.USER_PLACED),
+                                                         True)
+      if pat is not None:
+        pattern_of[leaf.index] = pat
     else:
       check_policy_form(policy, "jaxtier.offload")
   if (is_named(policy, NamedPolicy.OPTIMIZER_STATE_ON_HOST)
@@ -97,6 +101,9 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
         warnings.warn(f"jaxtier.offload: policy pattern {pat!r} matches no state leaf (paths "
                       f"look like {inv.leaves[0].path if inv.leaves else 'none'}); the leaves it "
                       "was meant for get the automatic placement", stacklevel=4)
+  skipped = []
+  floating_patterns = {pattern_of[l.index] for l in inv.leaves
+                       if l.index in pattern_of and l.role != Role.OTHER}
   for i, request in out.items():
     leaf = inv.leaves[i]
     placement = request.placement
@@ -115,12 +122,26 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
       # (Not `user_placed`: the solver may still decide where its update runs.)
       out[i] = Request(placement, reason(Kind.STATE_NOT_STREAMED, asked=request.placement))
     refused = rec.refusal(inv, leaf, stream_blocked)
+    if (refused is not None and refused.kind is placements.RefusalKind.NOT_FLOAT
+        and pattern_of.get(i) in floating_patterns):
+      # A pattern over a module's leaves also matches its RNG keys and counters, which no
+      # placement off the device can hold: they keep the automatic placement (named below). A
+      # pattern that matches only such leaves meant them: refused.
+      skipped.append(leaf.path)
+      out[i] = Request(Placement.DEVICE, reason(Kind.INVENTORY, why=leaf.why))
+      continue
     if refused is not None:
       raise PlanError(_refused(refused, leaf, isinstance(policy, Mapping)))
     if (rec.schedule_of(leaf.role) is Schedule.UPDATED_IN_PLACE
         and host_exec == Placement.HOST_CPU):
       # On the CPU backend every executor is the CPU handler.
       out[i] = out[i]._replace(placement=Placement.HOST_CPU)
+  if skipped:
+    warnings.warn(
+        f"jaxtier.offload: the policy's patterns match {len(skipped)} leaves that are not "
+        f"floating point ({', '.join(skipped[:4])}{' and more' if len(skipped) > 4 else ''}): "
+        "RNG keys and counters stay on the device; the pattern places the others",
+        stacklevel=4)
   return types.MappingProxyType(out)
 
 

@@ -1,0 +1,57 @@
+"""A policy pattern over a module's leaves places the ones it can and names the ones it skips."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxtier
+
+TX = optax.sgd(1e-2)
+
+
+def _state():
+  params = {"layers": {"w": jnp.linspace(-1.0, 1.0, 3 * 16 * 16).reshape(3, 16, 16)},
+            "head": jnp.ones((16, 4))}
+  rng = {"layers": {"count": jnp.zeros((3,), jnp.int32), "key": jax.random.key_data(
+      jax.random.split(jax.random.key(0), 3))}}
+  return {"params": params, "rng": rng, "opt": TX.init(params)}
+
+
+def _step(state, x):
+  def loss_fn(p):
+    h = x
+    for k in range(3):
+      h = jnp.tanh(h @ p["layers"]["w"][k])
+    return jnp.mean((h @ p["head"]) ** 2)
+  loss, g = jax.value_and_grad(loss_fn)(state["params"])
+  u, o = TX.update(g, state["opt"], state["params"])
+  rng = {"layers": {"count": state["rng"]["layers"]["count"] + 1,
+                    "key": state["rng"]["layers"]["key"]}}
+  return {"params": optax.apply_updates(state["params"], u), "rng": rng, "opt": o}, {"loss": loss}
+
+
+def test_a_pattern_skips_rng_keys_and_counters_naming_them_and_places_the_rest():
+  x = jnp.linspace(0.0, 1.0, 8 * 16).reshape(8, 16)
+  step = jaxtier.offload(_step, policy={r"\['layers'\]": "host_xla"})
+  with pytest.warns(UserWarning, match=r"patterns match 2 leaves that are not floating point "
+                    r"\(\['rng'\]\['layers'\]\['count'\], \['rng'\]\['layers'\]\['key'\]\)"):
+    state = step.place(_state(), x)
+  where = step.plan.placements()
+  assert where["['params']['layers']['w']"] == "host_xla"
+  assert where["['rng']['layers']['count']"] == "device"
+  assert where["['rng']['layers']['key']"] == "device"
+  ref_state, ref = jax.jit(_step)(_state(), x)
+  state, got = step(state, x)
+  np.testing.assert_allclose(float(got["loss"]), float(ref["loss"]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_a_callable_policy_placing_a_counter_on_the_host_is_still_refused_naming_it():
+  x = jnp.ones((8, 16))
+  policy = lambda path, leaf: "host_xla" if "count" in path else None
+  with pytest.raises(jaxtier.PlanError, match=r"\['rng'\]\['layers'\]\['count'\] \(int32\[3\]\)"
+                     r" would be placed host_xla, but only floating-point leaves"):
+    jaxtier.offload(_step, policy=policy).place(_state(), x)
