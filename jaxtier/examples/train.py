@@ -600,8 +600,19 @@ def _memory_figures(plan) -> dict[str, "int | None"]:
   none) and pinned_host bytes live now (the state's host leaves, jaxtier's masters and
   scratch), beside the plan's predicted and compiled figures."""
   stats = jax.local_devices()[0].memory_stats() or {}
-  pinned = sum(x.nbytes for x in jax.live_arrays()
-               if getattr(x.sharding, "memory_kind", None) == "pinned_host")
+  # Each buffer once: two Array objects may share one (orbax's save leaves such an alias of
+  # each saved leaf until the next step donates the buffer).
+  buffers: dict[Any, int] = {}
+  for x in jax.live_arrays():
+    if getattr(x.sharding, "memory_kind", None) != "pinned_host":
+      continue
+    for shard in x.addressable_shards:
+      try:
+        key = (shard.device.id, shard.data.unsafe_buffer_pointer())
+      except Exception:  # pylint: disable=broad-except  (a backend without raw pointers)
+        key = id(shard.data)
+      buffers[key] = shard.data.nbytes
+  pinned = sum(buffers.values())
   return {
       "peak device (measured)": stats.get("peak_bytes_in_use"),
       "peak device (predicted)": getattr(plan, "predicted_peak_hbm_bytes", None),

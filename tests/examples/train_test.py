@@ -356,3 +356,20 @@ def test_a_batch_whose_activations_cannot_fit_is_refused_before_compiling(corpus
   state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
       train.make_train_state(MICRO, 1e-2, abstract=True)[1]))
   assert jaxtier.format_bytes((2 * 32 + 256) * 8 * 32 * 4 + state) in err.value.reason
+
+
+def test_the_measured_pinned_host_bytes_count_each_buffer_once():
+  # Two Array objects over one buffer (as an orbax save leaves of each saved leaf until the
+  # next step donates it) are one buffer's bytes.
+  import gc  # pylint: disable=g-import-not-at-top
+  from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  x = jax.device_put(np.ones(1000, np.float32), sharding)
+  alias = jax.make_array_from_single_device_arrays(x.shape, sharding, [x])
+  assert alias is not x and alias.unsafe_buffer_pointer() == x.unsafe_buffer_pointer()
+  gc.collect()  # what earlier tests left for the collector goes first
+  held = train._memory_figures(None)["pinned_host live (measured)"]  # pylint: disable=protected-access
+  del x, alias
+  gc.collect()
+  freed = train._memory_figures(None)["pinned_host live (measured)"]  # pylint: disable=protected-access
+  assert held - freed == 4000
