@@ -90,11 +90,16 @@ def plan_main() -> None:
   platform = _PLATFORM.value or jax.default_backend()
   if _DEVICE_KIND.value:
     from jaxtier._src.hardware import profile  # pylint: disable=g-import-not-at-top
-    try:  # said in a line, before planning (not after absl's usage text)
-      profile.check_device_kind(_DEVICE_KIND.value, platform)
-    except jaxtier.OptionError as e:
-      why = (str(e).removeprefix("jaxtier: ") if platform == "gpu" or "known:" in str(e) else
-             f"names the GPU planned for, and this plan is for {platform}: add --platform=gpu")
+    # Said in a line, before planning (not after absl's usage text).
+    why = None
+    if profile.card_of(_DEVICE_KIND.value) is not None and platform != "gpu":
+      why = f"names the GPU planned for, and this plan is for {platform}: add --platform=gpu"
+    else:
+      try:
+        profile.check_device_kind(_DEVICE_KIND.value, platform)
+      except jaxtier.OptionError as e:
+        why = str(e).removeprefix("jaxtier: ")
+    if why is not None:
       print(f"error: --device_kind={_DEVICE_KIND.value}: {why}", file=sys.stderr)
       sys.exit(1)
   # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).

@@ -429,12 +429,12 @@ def load(path: "str | None" = None, *, platform: "str | None" = None,
       return BUILTIN_PROFILES[card] if card else DEFAULT_PROFILE
   path = path or cache_path()
   if not os.path.exists(path):
+    fallback, named = _builtin_here()
     if warn and path not in _WARNED and jax.default_backend() == "gpu":
       _WARNED.add(path)
       log.warning("jaxtier: no hardware profile at %s; planning with %s. Run "
-                  "`python -m jaxtier calibrate` once on this machine.", path,
-                  _builtin_here()[1])
-    return _builtin_here()[0]
+                  "`python -m jaxtier calibrate` once on this machine.", path, named)
+    return fallback
   try:
     with open(path) as f:
       data = json.load(f)
