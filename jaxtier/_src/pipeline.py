@@ -361,6 +361,19 @@ def _schedule_notes(plan: Plan) -> tuple[str, ...]:
     notes.append(f"{len(layered)} of {len(plan.components)} host updates run layer by layer "
                  f"inside the backward pass, overlapped with it (their {len(leaves)} host "
                  f"leaves: {named(leaves)})")
+  spec = plan.speculation
+  if spec is not None:
+    miss = f"{spec.max_miss:.0%}"
+    notes.append(
+        f"{len(spec.components)} of them read a value computed from every gradient (a "
+        "global-norm clip, a non-finite check): they run on a guess of it (the clip does not "
+        "bind, the gradients are finite), writing spare buffers ("
+        f"{format_bytes(spec.spare_pinned_bytes)} pinned); a wrong guess is redone after the "
+        f"backward pass, bit for bit; guessing pays while under {miss} of the recent steps "
+        "miss it" if spec.enabled else
+        f"{len(spec.components)} of them read a value computed from every gradient (a "
+        "global-norm clip, a non-finite check) and run after the backward pass: "
+        f"{spec.why}")
   for s in plan.schedule:
     if s.mode != update_schedule.Mode.ROWS:
       continue

@@ -118,15 +118,37 @@ def test_a_leaf_on_a_mesh_keeps_its_update_serial():
   assert str(got[0].reason) == "sharded over a mesh"
 
 
-def test_a_global_norm_clip_keeps_the_stack_serial():
+def test_a_global_norm_clip_guards_the_stack_on_its_predicate():
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  jaxpr, plan = _planned(*_stack_step(tx))
+  got = _decide(jaxpr, plan)
+  blocks = _by_part(plan, got)["blocks"]
+  # Layered on the guess `norm < max` (the clip does not bind): the norm is read only by the
+  # case that guess leaves unchosen.
+  assert blocks and all(s.mode == Mode.LAYERED and s.guarded for s in blocks), blocks
+  assert all(s.guesses == ((1.0,),) and len(s.unread) == 1 for s in blocks), blocks
+  assert plan.schedule == got
+  assert "layered host update (exposed)" in [name for name, _, _ in plan.segments]
+  assert plan.speculation is not None and plan.speculation.enabled
+
+
+def test_a_scale_by_the_global_norm_keeps_the_stack_serial():
+  # Every gradient divided by the norm, clipped or not: no guess of a predicate leaves it
+  # unread, so the update waits for the backward pass.
+  def normalize():
+    def update(g, state, params=None):
+      del params
+      norm = optax.tree.norm(g)
+      return jax.tree.map(lambda t: t / norm, g), state
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+  tx = optax.chain(normalize(), optax.adam(1e-2))
   jaxpr, plan = _planned(*_stack_step(tx))
   got = _decide(jaxpr, plan)
   blocks = _by_part(plan, got)["blocks"]
   assert blocks and all(s.mode == Mode.SERIAL for s in blocks)
   assert all(s.reason.kind == Why.WAITS_FOR_EVERY_GRADIENT for s in blocks), blocks
   assert "global-norm clip" in str(blocks[0].reason)
-  assert plan.schedule == got
+  assert plan.speculation is None
   assert "layered host update (exposed)" not in [name for name, _, _ in plan.segments]
 
 

@@ -31,6 +31,20 @@ A table's update is `rows` under the same rules, its one gradient being the tabl
 scatter-added one, its other vector operands host leaves shaped like the table, read by nothing
 but the update and the forward's row gather. Under `JAXTIER_DISABLE_FFI` (no custom calls run)
 or `overlap_update=False`, every update is serial.
+
+Guarded (speculative) layered updates. `optax.clip_by_global_norm` passes each gradient through
+`select(norm < max, g, g / norm * max)`, and `optax.apply_if_finite` (its `cond` made selects by
+`analysis/conditions.py`) `select(finite, new, old)`: the late scalars a component reads are a
+predicate (bool or integer) and values only the unchosen case reads. A component is guarded
+when every late scalar it reads is either such a predicate (a `Guard`) or is read by its op
+program only through a select that a predicate's value leaves unchosen (`free_under`), for at
+least one assignment of the predicates (`Guard.values`: the assignments under which no result
+reads a late value other than the predicates). The layered calls then run with the predicates
+set to a guessed assignment: when the backward pass has made the real predicates and they equal
+the guess, every result is the serial step's, bit for bit (a select returns its chosen case
+unchanged). The runtime keeps the guessed step's writes apart from the state (`lowering/
+overlap.py`'s spare buffers) until it has compared them, and runs the serial schedule when they
+differ (`runtime/runner.py`).
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis import lookups as lookups_lib
 from jaxtier._src.primitives.base import ffi_disabled
+from jaxtier._src.primitives.host_update import Op
 
 
 class Mode(enum.StrEnum):
@@ -163,6 +178,13 @@ class UpdateSchedule:
     table: rows: the table's state leaf index (-1 otherwise).
     grad: rows: the operand position of the table's gradient (-1 otherwise).
     scatter: rows: the backward's scatter-add equation index (-1 otherwise).
+    guards: layered: the operand positions of the late predicates the update speculates on
+      (module doc), in order; () when it reads no late scalar.
+    guesses: the assignments of `guards` (one value per guard, as the op program reads them:
+      1.0 true, 0.0 false) under which no result reads `unread` (each one the calls may run
+      with).
+    unread: layered: the late scalar operands the guessed calls do not read (the clip's norm);
+      they are passed as 1.0.
   """
 
   component: int
@@ -179,6 +201,14 @@ class UpdateSchedule:
   table: int = -1
   grad: int = -1
   scatter: int = -1
+  guards: tuple[int, ...] = ()
+  guesses: tuple[tuple[float, ...], ...] = ()
+  unread: tuple[int, ...] = ()
+
+  @property
+  def guarded(self) -> bool:
+    """Whether the layered calls speculate on late predicates (module doc)."""
+    return bool(self.guards)
 
   @property
   def written_leaves(self) -> tuple[int, ...]:
@@ -221,8 +251,6 @@ def layer_loop(loops: layer_stacks.LayerLoops, cc: Any
     aval = spec.var.aval if spec.kind == "value" else jaxpr.invars[spec.index].aval
     shape = tuple(aval.shape)
     if int(np.prod(shape)) == 1:
-      if spec.kind == "value" and spec.var in late:
-        return Refusal(Why.WAITS_FOR_EVERY_GRADIENT)
       continue
     if int(np.prod(shape)) != n_total or not shape or shape[0] != length:
       return Refusal(Why.OPERAND_NOT_STACKED, operand=pos, layers=length)
@@ -231,7 +259,116 @@ def layer_loop(loops: layer_stacks.LayerLoops, cc: Any
   for r in cc.results:
     if int(np.prod(r.shape)) != n_total or not r.shape or r.shape[0] != length:
       return Refusal(Why.RESULT_NOT_STACKED)
+  if late_scalars(loops, cc, k) and guard_of(loops, cc, k) is None:
+    return Refusal(Why.WAITS_FOR_EVERY_GRADIENT)
   return k, grads
+
+
+def late_scalars(loops: layer_stacks.LayerLoops, cc: Any, k: int) -> tuple[int, ...]:
+  """The operand positions of component `cc`'s scalars that depend on what the top-level
+  equation k (its layer loop) computes: known only once the backward pass has run."""
+  late = loops.tainted(k)
+  return tuple(p for p, spec in enumerate(cc.operands)
+               if spec.kind == "value" and spec.var in late
+               and int(np.prod(spec.var.aval.shape)) == 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardOf:
+  """How a component reading late scalars speculates (`UpdateSchedule.guards` and the rest)."""
+
+  guards: tuple[int, ...]
+  guesses: tuple[tuple[float, ...], ...]
+  unread: tuple[int, ...]
+
+
+# Guards a component may speculate on at most (each assignment of them is checked).
+MAX_GUARDS = 3
+
+
+def guard_of(loops: layer_stacks.LayerLoops, cc: Any, k: int) -> "GuardOf | None":
+  """The guards of component `cc` whose layer loop is equation k (module doc), or None where
+  it has none: a late scalar that is no predicate is read under every assignment of the
+  predicates, or it reads more than `MAX_GUARDS` predicates."""
+  late = late_scalars(loops, cc, k)
+  guards = tuple(p for p in late
+                 if np.dtype(cc.operands[p].var.aval.dtype) == np.bool_
+                 or np.issubdtype(np.dtype(cc.operands[p].var.aval.dtype), np.integer))
+  unread = tuple(p for p in late if p not in guards)
+  if not guards or len(guards) > MAX_GUARDS:
+    return None
+  guesses = []
+  for bits in range(2 ** len(guards) - 1, -1, -1):  # all true first
+    guess = tuple(float((bits >> g) & 1) for g in range(len(guards)))
+    if not reads(cc.program, dict(zip(guards, guess)), set(unread)):
+      guesses.append(guess)
+  return GuardOf(guards, tuple(guesses), unread) if guesses else None
+
+
+_COMPARE = {Op.GT: np.greater, Op.GE: np.greater_equal, Op.LT: np.less, Op.LE: np.less_equal,
+            Op.EQ: np.equal, Op.NE: np.not_equal}
+_ARITH = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.MAX: np.maximum,
+          Op.MIN: np.minimum}
+
+
+def reads(program: Any, fixed: dict[int, float], watched: "set[int]") -> bool:
+  """Whether a result of op `program` depends on an operand of `watched` when the operands of
+  `fixed` hold the values given (a select whose condition those values decide depends only on
+  the case it picks). Conservative: a value it cannot decide depends on all it reads."""
+  known: dict[int, float] = {}    # register -> its value, where `fixed` decides it
+  depends: dict[int, bool] = {}   # register -> whether it depends on `watched`
+  for op, dst, a, b, c in np.asarray(program.code).tolist():
+    if op == Op.STORE:
+      if depends.get(a, False):
+        return True
+      continue
+    if op == Op.LOAD:
+      known.pop(dst, None)
+      if a in fixed:
+        known[dst] = np.float32(fixed[a])
+      depends[dst] = a in watched
+      continue
+    if op == Op.CONST:
+      known[dst] = np.float32(program.consts[a])
+      depends[dst] = False
+      continue
+    if op == Op.SELECT:
+      if a in known:
+        pick = c if known[a] != 0 else b
+        depends[dst] = depends.get(pick, False)
+        if pick in known:
+          known[dst] = known[pick]
+        else:
+          known.pop(dst, None)
+        continue
+      ins = (a, b, c)
+    elif op == Op.CLAMP:
+      ins = (a, b, c)
+    elif op in (Op.COPY, Op.NOT) or 10 <= op < 40:
+      ins = (a,)
+    else:
+      ins = (a, b)
+    value = None
+    if all(r in known for r in ins):
+      x = [known[r] for r in ins]
+      if op == Op.COPY:
+        value = x[0]
+      elif op == Op.NOT:
+        value = np.float32(x[0] == 0)
+      elif op == Op.AND:
+        value = np.float32(x[0] != 0 and x[1] != 0)
+      elif op == Op.OR:
+        value = np.float32(x[0] != 0 or x[1] != 0)
+      elif op in _COMPARE:
+        value = np.float32(_COMPARE[op](x[0], x[1]))
+      elif op in _ARITH:
+        value = np.float32(_ARITH[op](x[0], x[1]))
+    depends[dst] = any(depends.get(r, False) for r in ins)
+    if value is None:
+      known.pop(dst, None)
+    else:
+      known[dst] = value
+  return False
 
 
 def in_place_gradients(jaxpr: Any, tables: Collection[int], host_eqns: Collection[int]
@@ -304,8 +441,10 @@ class _Decider:
       else:
         got = self._layered(c, cc)
       if isinstance(got, UpdateSchedule):
+        late = set(got.guards) | set(got.unread)
         early = [spec.var for p, spec in enumerate(cc.operands)
-                 if spec.kind == "value" and p not in dict(got.grads) and p != got.grad]
+                 if spec.kind == "value" and p not in dict(got.grads) and p != got.grad
+                 and p not in late]
         hoist = self._hoisted(got.loop, early)
         got = (hoist if isinstance(hoist, Refusal)
                else dataclasses.replace(got, hoist=hoist))
@@ -384,9 +523,13 @@ class _Decider:
     if isinstance(got, Refusal):
       return got
     targets, extra = got
+    guard = guard_of(self.loops, cc, k) if late_scalars(self.loops, cc, k) else None
     return UpdateSchedule(c, Mode.LAYERED, loop=k, length=length, count=count,
                           grads=tuple(sorted(grads.items())), targets=tuple(targets),
-                          extra=tuple(extra), buffers=self._buffers(cc, targets, extra))
+                          extra=tuple(extra), buffers=self._buffers(cc, targets, extra),
+                          guards=guard.guards if guard else (),
+                          guesses=guard.guesses if guard else (),
+                          unread=guard.unread if guard else ())
 
   def _rows(self, c: int, cc: Any) -> "UpdateSchedule | Refusal":
     """The row-by-row form of the update of a table read in place, or why it has none."""

@@ -62,6 +62,40 @@ class ComputeIn:
 
 @_pytree
 @dataclasses.dataclass(frozen=True)
+class SpeculativeIn:
+  """The speculative `compute`'s inputs (`rewrite.SplitStep.speculative`): the state is only
+  read, and every layered write goes to a spare buffer, so that a wrong guess loses nothing.
+
+  Fields (each a list of arrays):
+    device_leaves: the state's device leaves (read: intact for the serial schedule's rerun).
+    host_leaves: all its pinned_host leaves, as `SplitStep.host_leaves` (read).
+    args: the step's arguments after the state, flattened (read).
+    spare_device: one buffer per device leaf a layered update writes
+      (`SplitStep.spare_device`), of its shape and placement: the update writes the leaf's
+      new value there (donated).
+    scratch: the pinned_host gradient buffers (donated).
+    masters: the fp32 masters of the layered params, as `SplitStep.layered_masters` (read).
+    spare_host: likewise per `SplitStep.layered_host` leaf (donated).
+    spare_masters: likewise per layered master (donated).
+    guess: the guessed value of each late predicate (`SplitStep.guards`), float32 [] (1.0 true,
+      0.0 false; read).
+  """
+
+  device_leaves: Sequence[Any] = read()
+  host_leaves: Sequence[Any] = read()
+  args: Sequence[Any] = read()
+  # Donated device buffers first: JAX pairs each donated input, in order, with the first
+  # remaining output of its shape (`ComputeOut.first` holds their new values).
+  spare_device: Sequence[Any] = donated()
+  scratch: Sequence[Any] = donated()
+  masters: Sequence[Any] = read()
+  spare_host: Sequence[Any] = donated()
+  spare_masters: Sequence[Any] = donated()
+  guess: Sequence[Any] = read()
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
 class ComputeOut:
   """`compute`'s outputs.
 
@@ -73,6 +107,11 @@ class ComputeOut:
     scratch: the gradient buffers, written (the next step donates them again).
     layered_host: the new values of `ComputeIn.layered_host` (the same buffers).
     layered_masters: the new values of `ComputeIn.layered_masters` (the same buffers).
+    guards: the value each late predicate took (`SplitStep.guards`, as float32 []).
+
+  The speculative `compute` (`SpeculativeIn`) returns the same fields, `layered_host` and
+  `layered_masters` in the spare buffers, and the new values of the device leaves it wrote in
+  `SpeculativeIn.spare_device` first in `first`.
   """
 
   first: Sequence[Any] = ()
@@ -81,6 +120,7 @@ class ComputeOut:
   scratch: Sequence[Any] = ()
   layered_host: Sequence[Any] = ()
   layered_masters: Sequence[Any] = ()
+  guards: Sequence[Any] = ()
 
 
 @_pytree

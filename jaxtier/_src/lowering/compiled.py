@@ -52,6 +52,9 @@ class StepPrograms:
     make_update: feeds' shardings -> `split.update` jitted, donating `calling.UpdateIn`'s
       donated fields: the updated host leaves, their masters and `split.donated_feeds`.
     master_indices: the param leaves that carry an fp32 master copy, in a fixed order.
+    speculative: the programs of the speculative lowering (`rewrite(..., speculate=True)`:
+      `compute` takes a `calling.SpeculativeIn`), where the plan has guarded updates; else
+      None.
   """
 
   split: rewrite_lib.SplitStep
@@ -62,6 +65,7 @@ class StepPrograms:
   compute: calling.Program
   make_update: Callable[[Sequence[Any]], calling.Program]
   master_indices: list[int]
+  speculative: "StepPrograms | None" = None
   _update: Any = None
 
   @property
@@ -123,7 +127,19 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
   `overlap_update`: update leaves stacked over layers inside the backward pass, where they
   qualify (`lowering/overlap.py`)."""
   state_sh = state_shardings(state, plan)
-  split = rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh, overlap_update)
+  programs = _programs(rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh,
+                                           overlap_update), plan, state, args, state_sh)
+  if overlap_update and any(s.guarded for s in plan.schedule):
+    spec = rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh, overlap_update,
+                               speculate=True)
+    if spec.guesses:
+      programs.speculative = _programs(spec, plan, state, args, state_sh)
+  return programs
+
+
+def _programs(split: rewrite_lib.SplitStep, plan: Plan, state: Any, args: Sequence[Any],
+              state_sh: list[Any]) -> StepPrograms:
+  """The jitted programs of one lowering (`split`) of `plan`."""
   stream = split.stream
   n_state = len(plan.leaves)
   masters = rewrite_lib.master_indices(plan.components)
@@ -143,20 +159,29 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
   arg_sh = [jc.named_sharding(x, jc.memory_kind_of(x) or MemoryKind.DEVICE, mesh)
             for x in jax.tree_util.tree_leaves(args)]
   out_sh = lambda js: [state_sh[j] if j < n_state else None for j in js]
-  compute_in_sh = split.compute_inputs(state_sh, arg_sh, scratch_sh, master_sh_of)
-  compute = calling.Program(split.compute, compute_in_sh, calling.ComputeOut(
-      first=out_sh(split.compute_outs[:split.num_first]), feeds=[None] * split.num_feeds,
-      rest=out_sh(split.compute_outs[split.num_first:]), scratch=scratch_sh,
-      layered_host=out_sh(split.layered_host),
-      layered_masters=list(compute_in_sh.layered_masters)))
-
   # A metric the update program returns (an updated leaf, or an elementwise function of one,
   # computed by a host update) comes out of the custom call in pinned_host: the step's
   # outputs other than the state are on the device, as under jax.jit (replicated over the
-  # state's mesh: XLA copies them there).
+  # state's mesh: XLA copies them there). The late predicates (`ComputeOut.guards`) too.
   metric_mesh = mesh if mesh is not None else (state_sh[0].mesh if state_sh else None)
   metric_sh = (None if metric_mesh is None
                else NamedSharding(metric_mesh, PartitionSpec(), memory_kind=MemoryKind.DEVICE))
+  if split.speculative:
+    compute_in_sh = split.speculative_inputs(
+        state_sh, arg_sh, scratch_sh, master_sh_of,
+        {("leaf", i): state_sh[i] for i in split.layered_host + split.spare_device}
+        | {("master", i): master_sh_of[i] for i in split.layered_masters},
+        [metric_sh] * split.guards)
+    layered_master_sh = list(compute_in_sh.spare_masters)
+  else:
+    compute_in_sh = split.compute_inputs(state_sh, arg_sh, scratch_sh, master_sh_of)
+    layered_master_sh = list(compute_in_sh.layered_masters)
+  compute = calling.Program(split.compute, compute_in_sh, calling.ComputeOut(
+      first=out_sh(split.compute_outs[:split.num_first]), feeds=[None] * split.num_feeds,
+      rest=out_sh(split.compute_outs[split.num_first:]), scratch=scratch_sh,
+      layered_host=out_sh(split.layered_host), layered_masters=layered_master_sh,
+      guards=[metric_sh] * split.guards))
+
   update_out_sh = [state_sh[j] if j < n_state else metric_sh for j in split.update_outs]
 
   def make_update(feed_sh):

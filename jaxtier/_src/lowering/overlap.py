@@ -76,6 +76,9 @@ class LayeredUpdate:
       on the device that are exactly a bf16 value widened (`jaxpr_graph.narrow_source_dtype`):
       the slice the call reads, copies down (host_cpu) and keeps alive until the join is half
       the fp32 one; the update widens it as it loads it.
+    guards: the operand positions of the late predicates the calls read as guessed
+      (`update_schedule.UpdateSchedule.guards`; only in a speculative lowering).
+    unread: the late scalar operands the guessed calls do not read, passed as 1.0.
   """
 
   component: int
@@ -90,6 +93,8 @@ class LayeredUpdate:
   sent: dict[int, int] = dataclasses.field(default_factory=dict)
   rows: "TableRows | None" = None
   narrow: dict[int, Any] = dataclasses.field(default_factory=dict)
+  guards: tuple[int, ...] = ()
+  unread: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,11 @@ class OverlapSchedule:
   def components(self) -> set[int]:
     return {u.component for u in self.updates}
 
+  @property
+  def guarded(self) -> bool:
+    """Whether any update runs on guessed predicates (a speculative lowering)."""
+    return any(u.guards for u in self.updates)
+
 
 EMPTY = OverlapSchedule()
 
@@ -174,7 +184,7 @@ class ScheduleError(ValueError):
 
 
 def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
-              enabled: bool = True
+              enabled: bool = True, speculate: bool = False
               ) -> tuple[streaming.StreamSchedule, OverlapSchedule, dha_tables.LookupSchedule]:
   """The streaming schedule of `plan`'s host_stream leaves (`streaming.schedule`), the tables
   read in place (`dha_tables.schedule`; their gradient buffers follow the streamed gradients'
@@ -191,12 +201,13 @@ def schedules(jaxpr: Any, plan: Any, shardings: "Sequence[Any] | None" = None,
   lookup = dha_tables.schedule(jaxpr, plan, host_eqns, len(stream.scratch))
   stream = dataclasses.replace(stream, scratch=stream.scratch + lookup.scratch,
                                sent_vars={**stream.sent_vars, **lookup.sent_vars})
-  return stream, schedule(jaxpr, plan, stream, shardings, enabled, lookup), lookup
+  return stream, schedule(jaxpr, plan, stream, shardings, enabled, lookup, speculate), lookup
 
 
 def schedule(jaxpr: Any, plan: Any, stream: streaming.StreamSchedule,
              shardings: "Sequence[Any] | None" = None, enabled: bool = True,
-             lookup: "dha_tables.LookupSchedule" = dha_tables.EMPTY) -> OverlapSchedule:
+             lookup: "dha_tables.LookupSchedule" = dha_tables.EMPTY,
+             speculate: bool = False) -> OverlapSchedule:
   """The components of `plan` run layer by layer in the backward pass or row by row, as
   `plan.schedule` records (module doc).
 
@@ -207,6 +218,8 @@ def schedule(jaxpr: Any, plan: Any, stream: streaming.StreamSchedule,
     shardings: one `NamedSharding` per state leaf, or None.
     enabled: `OffloadOptions.overlap_update`: False where the plan runs none during the step.
     lookup: the tables read in place (their gradient buffers).
+    speculate: run the guarded components layered, on guessed predicates (the speculative
+      lowering); False: they are serial (reason: they wait for every gradient).
 
   Returns:
     The schedule; `serial` gives each other component's reason (an `update_schedule.Refusal`).
@@ -229,6 +242,10 @@ def schedule(jaxpr: Any, plan: Any, stream: streaming.StreamSchedule,
   for rec in records:
     if rec.mode == update_schedule.Mode.SERIAL:
       serial[rec.component] = rec.reason
+      continue
+    if rec.guarded and not speculate:
+      serial[rec.component] = update_schedule.Refusal(
+          update_schedule.Why.WAITS_FOR_EVERY_GRADIENT)
       continue
     cc = compiled[rec.component]
     what = (f"the plan runs the host update of {plan.leaves[cc.component.seeds[0]].path} "
@@ -272,7 +289,8 @@ def _layer_update(rec: update_schedule.UpdateSchedule, cc: CompiledComponent, ja
                        rec.extra, hoist=rec.hoist, buffers=rec.buffers, sent=sent,
                        narrow={p: d for p, j in grads.items() if p not in sent
                                and (d := jaxpr_graph.scan_ys_narrow_dtype(scan, j))
-                               is not None})
+                               is not None},
+                       guards=rec.guards, unread=rec.unread)
 
 
 def _table_update(rec: update_schedule.UpdateSchedule, cc: CompiledComponent,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -78,6 +79,24 @@ class SplitStep:
   layered_masters: list[int] = dataclasses.field(default_factory=list)  # param leaves
   update_masters: list[int] = dataclasses.field(default_factory=list)  # `update`'s masters
   lookup: dha_tables.LookupSchedule = dha_tables.EMPTY  # tables read in place (host_dha)
+  guards: int = 0  # late predicates the guarded updates read (`ComputeOut.guards`)
+  guesses: tuple[tuple[float, ...], ...] = ()  # assignments of them the guessed calls may run on
+  speculative: bool = False  # `compute` takes a `SpeculativeIn` (writes spare buffers)
+  spare_device: list[int] = dataclasses.field(default_factory=list)  # device leaves written
+
+  def speculative_inputs(self, leaves: Sequence[Any], args: Sequence[Any],
+                         scratch: Sequence[Any], masters: Mapping[int, Any],
+                         spares: Mapping[tuple[str, int], Any], guess: Sequence[Any]
+                         ) -> calling.SpeculativeIn:
+    """The speculative `compute`'s inputs: as `compute_inputs`, the layered buffers' spares
+    from `spares` ({('leaf', i) or ('master', i): array}) and the guessed predicates."""
+    return calling.SpeculativeIn(
+        device_leaves=[leaves[i] for i in self.device_leaves],
+        host_leaves=[leaves[i] for i in self.host_leaves], args=list(args),
+        scratch=list(scratch), masters=[masters[i] for i in self.layered_masters],
+        spare_host=[spares["leaf", i] for i in self.layered_host],
+        spare_masters=[spares["master", i] for i in self.layered_masters],
+        spare_device=[spares["leaf", i] for i in self.spare_device], guess=list(guess))
 
   @property
   def has_update(self) -> bool:
@@ -139,7 +158,7 @@ class SplitStep:
 
 
 def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = None,
-            overlap_update: bool = True) -> SplitStep:
+            overlap_update: bool = True, speculate: bool = False) -> SplitStep:
   """Lowers the traced step by `plan` into a `SplitStep` (compute, then fused host updates).
 
   Every equation that no fused host update (`plan.components`) takes is re-bound as traced;
@@ -151,20 +170,40 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   layer by layer inside the backward pass where `overlap_update` and `overlap.schedule` allow
   (`SplitStep.overlap`). The update program's masters are ordered like
   `master_indices(serial components)`, scratch buffers like `SplitStep.stream.scratch`.
+
+  `speculate`: the speculative lowering: the guarded components (`Plan.schedule`'s `guards`)
+  run layered on guessed late predicates, and `compute` takes a `calling.SpeculativeIn`: it
+  reads the state and writes every layered update's results to spare buffers (module doc of
+  `analysis/update_schedule.py`). Otherwise they are serial.
   """
   every = plan.components
   jaxpr, consts = closed_jaxpr.jaxpr, list(closed_jaxpr.consts)
   # Tables read in place: their gradients go to scratch buffers after the streamed ones'.
-  stream, ov, lookup = overlap_lib.schedules(jaxpr, plan, shardings, overlap_update)
+  stream, ov, lookup = overlap_lib.schedules(jaxpr, plan, shardings, overlap_update,
+                                             speculate)
+  # The late predicates of the guarded components, and the assignments of them every
+  # guarded component may run on.
+  guarded = [s for s in plan.schedule if s.guarded]
+  guard_vars: list[Any] = []
+  for rec in guarded:
+    for p in rec.guards:
+      if every[rec.component].operands[p].var not in guard_vars:
+        guard_vars.append(every[rec.component].operands[p].var)
+  guesses = tuple(
+      g for g in itertools.product((1.0, 0.0), repeat=len(guard_vars))
+      if all(tuple(g[guard_vars.index(every[rec.component].operands[p].var)]
+                   for p in rec.guards) in rec.guesses for rec in guarded)) if guarded else ()
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}
   xla_host = {l.index for l in plan.leaves
               if schedule_of(l.placement, l.role) is Schedule.COPIED}
   layered_host = list(ov.host_leaves)
+  # Speculating, `compute` reads every host leaf and writes the layered ones' spares.
   host = [l.index for l in plan.leaves if l.memory_kind == "pinned_host"
-          and l.index not in ov.host_leaves]
+          and (speculate or l.index not in ov.host_leaves)]
   device = [l.index for l in plan.leaves if l.memory_kind != "pinned_host"]
+  spare_device = list(ov.device_leaves) if speculate else []
   masters = master_indices(compiled)
   layered_masters = list(ov.masters)
   # The layered host leaves' new values (outvar j for leaf j) are returned last, after the
@@ -181,7 +220,9 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # `update` makes (a bf16 param from its master) then pairs with a feed (its gradient).
   compute_outs = [j for j in range(len(jaxpr.outvars)) if j not in by_update
                   and j not in passthrough and j not in layered_host]
-  rank = {i: r for r, i in enumerate(device)}
+  # Speculating, the device leaves are read, not donated: the outputs first paired are the
+  # new values in the spare buffers.
+  rank = {i: r for r, i in enumerate(spare_device if speculate else device)}
   compute_outs.sort(key=lambda j: (0, rank[j]) if j in rank else (1, j))
   num_first = sum(1 for j in compute_outs if j in rank)
   update_outs = sorted(by_update)
@@ -206,19 +247,26 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # Gradient buffers kept zero between steps: their tables' updates zero the rows they read.
   kept_zero = {u.rows.scratch for u in ov.tables}
 
-  def compute(inputs: calling.ComputeIn) -> calling.ComputeOut:
+  def compute(inputs: "calling.ComputeIn | calling.SpeculativeIn") -> calling.ComputeOut:
     state = [None] * n_state
     for i, x in zip(device, inputs.device_leaves):
       state[i] = x
     for i, x in zip(host, inputs.host_leaves):
       state[i] = jax.device_put(x, jc.memory_space("device")) if i in xla_host else x
-    for i, x in zip(layered_host, inputs.layered_host):
-      state[i] = x
+    if speculate:
+      masters = dict(zip(layered_masters, inputs.masters))
+      spares = ({("leaf", i): x for i, x in zip(layered_host, inputs.spare_host)}
+                | {("master", i): x for i, x in zip(layered_masters, inputs.spare_masters)}
+                | {("leaf", i): x for i, x in zip(spare_device, inputs.spare_device)})
+      guess = dict(zip(guard_vars, inputs.guess))
+    else:
+      for i, x in zip(layered_host, inputs.layered_host):
+        state[i] = x
+      masters, spares, guess = dict(zip(layered_masters, inputs.layered_masters)), {}, {}
     env: dict[Any, Any] = dict(zip(jaxpr.invars, state + list(inputs.args)))
     env.update(zip(jaxpr.constvars, consts))
     scratch = list(inputs.scratch)
-    layers = _LayerCalls(every, ov, jaxpr, state, dict(zip(layered_masters,
-                                                            inputs.layered_masters)))
+    layers = _LayerCalls(every, ov, jaxpr, state, masters, spares, guess)
 
     def read(v):
       if isinstance(v, jc.Literal):
@@ -265,7 +313,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     return calling.ComputeOut(
         first=outs[:num_first], feeds=feeds, rest=outs[num_first:], scratch=scratch,
         layered_host=[read(jaxpr.outvars[j]) for j in layered_host],
-        layered_masters=[new_masters[i] for i in layered_masters])
+        layered_masters=[new_masters[i] for i in layered_masters],
+        guards=[jnp.asarray(read(v), jnp.float32).reshape(()) for v in guard_vars])
 
   def update(inputs: calling.UpdateIn) -> calling.UpdateOut:
     host_of = dict(zip(updated, inputs.updated_host)) | dict(zip(read_only, inputs.read_host))
@@ -293,7 +342,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
                    update_outs=update_outs, passthrough=passthrough, num_feeds=len(feed_vars),
                    num_first=num_first, stream=stream, donated_feeds=donated_feeds,
                    overlap=ov, layered_host=layered_host, layered_masters=layered_masters,
-                   update_masters=masters, lookup=lookup)
+                   update_masters=masters, lookup=lookup, guards=len(guard_vars),
+                   guesses=guesses, speculative=speculate, spare_device=spare_device)
 
 
 class _LayerCalls:
@@ -301,15 +351,24 @@ class _LayerCalls:
   (`issue`), then joined (`join`)."""
 
   def __init__(self, compiled: Sequence[CompiledComponent], ov: overlap_lib.OverlapSchedule,
-               jaxpr: Any, state: list[Any], masters: dict[int, Any]):
+               jaxpr: Any, state: list[Any], masters: dict[int, Any],
+               spares: "Mapping[tuple[str, int], Any] | None" = None,
+               guess: "Mapping[Any, Any] | None" = None):
+    """`spares`: where the calls write each buffer's new value ({('leaf', i) or ('master',
+    i): array}; empty: in place). `guess`: the guessed value of each late predicate var that
+    guarded calls read (`LayeredUpdate.guards`)."""
     self.compiled, self.ov, self.jaxpr = compiled, ov, jaxpr
     self.state, self.masters = state, masters
+    self.spares, self.guess = dict(spares or {}), dict(guess or {})
     self.tokens: list[Any] = []
     self.read_values: list[Any] = []  # device values the calls read, alive until the join
     self.ids: dict[int, Any] = {}  # component -> the ids of its table's gather
     self.early: dict[int, Any] = {}  # component -> the token of its untouched rows' call
 
   def _buffer(self, key: tuple[str, int]) -> Any:
+    """The buffer the calls write for `key`: its spare when speculating, else itself."""
+    if key in self.spares:
+      return self.spares[key]
     kind, i = key
     return self.masters[i] if kind == "master" else self.state[i]
 
@@ -355,19 +414,32 @@ class _LayerCalls:
 
   def _table_call(self, u: overlap_lib.LayeredUpdate, read: Any, given: dict[int, Any],
                   ids: Any, rows: str, zero: "int | None", after: list[Any]) -> Any:
-    program, operands = self._operands(u, given, read)
-    token = hu.host_update_rows(program, operands, u.targets, ids=ids, row_length=u.count,
+    program, operands, targets = self._operands(u, given, read)
+    token = hu.host_update_rows(program, operands, targets, ids=ids, row_length=u.count,
                                 rows=rows, zero=zero, after=after)
     self.tokens.append(token)
     return token
 
   def _operands(self, u: overlap_lib.LayeredUpdate, given: dict[int, Any],
-                value: Callable[[Any], Any]) -> tuple[hu.Program, list[Any]]:
-    """The program and operands of one call of `u`: `given[pos]` where given (a pinned_host
-    buffer read in place, or a gradient stand-in), else the component's operand (`value` for a
-    jaxpr var), then the extra state leaves its results are written into."""
+                value: Callable[[Any], Any]
+                ) -> tuple[hu.Program, list[Any], tuple[int, ...]]:
+    """The program, operands and targets of one call of `u`: `given[pos]` where given (a
+    pinned_host buffer read in place, or a gradient stand-in), else the component's operand
+    (`value` for a jaxpr var; a guarded update's late predicates as guessed, the scalars they
+    leave unread as 1.0), then the extra state leaves its results are written into, then the
+    spare buffers results are written to instead of the operands they overwrite."""
     cc = self.compiled[u.component]
     targets = set(u.targets)
+    guarded = {cc.operands[p].var for p in u.guards}
+    unread = {cc.operands[p].var for p in u.unread}
+
+    def late(v):
+      if v in guarded:
+        return self.guess[v]
+      if v in unread:
+        return jnp.ones(v.aval.shape, v.aval.dtype)
+      return value(v)
+
     operands = []
     for pos, spec in enumerate(cc.operands):
       if pos in given:
@@ -375,15 +447,22 @@ class _LayerCalls:
         # stand-in is this call's own.
         operands.append(given[pos])
         continue
-      x = _operand(spec, self.state, self.masters, value)
+      x = _operand(spec, self.state, self.masters, late)
       if pos not in targets and spec.kind in ("value", "const"):
         # The GPU call reads it after XLA's stream has moved on (the gradient slice, a
         # scalar, a device leaf it only reads): alive until the join. Not a written buffer:
         # named as another join's operand, XLA would copy it.
         self.read_values.append(x)
       operands.append(x)
-    operands += [self.state[j] for j in u.extra]
-    return dataclasses.replace(cc.program, num_operands=len(operands)), operands
+    operands += [self._buffer(("leaf", j)) for j in u.extra]
+    out_targets = list(u.targets)
+    if self.spares:
+      for r, (t, key) in enumerate(zip(u.targets, u.buffers)):
+        if t < len(cc.operands) and key in self.spares:
+          out_targets[r] = len(operands)
+          operands.append(self.spares[key])
+    return (dataclasses.replace(cc.program, num_operands=len(operands)), operands,
+            tuple(out_targets))
 
   def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
             scratch: dict[int, Any]) -> Any:
@@ -394,10 +473,10 @@ class _LayerCalls:
     slices = {cc.operands[pos].var: (outs[j].astype(u.narrow[pos]) if pos in u.narrow
                                      else outs[j])
               for pos, j in u.grads.items() if pos not in scratch}
-    program, operands = self._operands(u, scratch,
-                                       lambda v: slices[v] if v in slices else read(v))
+    program, operands, targets = self._operands(
+        u, scratch, lambda v: slices[v] if v in slices else read(v))
     token = hu.host_update_layer(
-        program, operands, u.targets, offset=layer * u.count, count=u.count,
+        program, operands, targets, offset=layer * u.count, count=u.count,
         after=streaming.arrays_of(outs), executor=cc.executor, dha_fraction=cc.dha_fraction,
         dha_grid=cc.dha_grid)
     self.tokens.append(token)

@@ -140,6 +140,49 @@ class DeviceBudget:
 
 
 @dataclasses.dataclass(frozen=True)
+class Speculation:
+  """How a plan's guarded updates run: layered on guessed late predicates (the clip does not
+  bind, the gradients are finite), the guessed writes kept in spare buffers until the real
+  predicates are known; the serial schedule where the guess was wrong.
+
+  A step whose guess holds takes `speculative_step_secs`; one whose guess fails takes that and
+  `serial_step_secs` more (its speculative compute, then the serial schedule); with no guess it
+  takes `serial_step_secs`. Guessing pays while the share of recent steps it misses is under
+  `max_miss` = (serial - speculative) / serial: the break-even (`runtime/runner.Guesser`).
+
+  Attributes:
+    components: the guarded components (indices into `Plan.components`).
+    spare_pinned_bytes: the spare buffers in pinned_host (a copy of every host leaf and fp32
+      master the guarded and other layered updates write), bytes per device.
+    spare_device_bytes: the spare buffers on the device (the device leaves they write), and
+      the device leaves the speculative compute reads without donating, bytes per device.
+    speculative_step_secs: the predicted step, guess right (`Plan.predicted_step_secs`).
+    serial_step_secs: the predicted step of the serial schedule.
+    max_miss: the break-even share of wrong guesses (above).
+    enabled: whether the step speculates: False where the spares do not fit the host
+      budget or what the host can pin (`why` says which).
+    why: why it does not speculate ('' where it does).
+  """
+
+  components: tuple[int, ...]
+  spare_pinned_bytes: int
+  spare_device_bytes: int
+  speculative_step_secs: "float | None"
+  serial_step_secs: "float | None"
+  max_miss: float
+  enabled: bool = True
+  why: str = ""
+
+  def step_secs(self, miss: float) -> "float | None":
+    """The predicted mean step when a share `miss` of the guesses fail (seconds)."""
+    if self.speculative_step_secs is None or self.serial_step_secs is None:
+      return None
+    if not self.enabled or miss > self.max_miss:
+      return self.serial_step_secs
+    return self.speculative_step_secs + miss * self.serial_step_secs
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
   """The placement of every state leaf, with its byte totals (all per device).
 
@@ -189,6 +232,8 @@ class Plan:
     hardware_kind: the `device_kind` of the hardware profile the predictions use ('NVIDIA H200'
       for the default profile, 'NVIDIA H100 80GB HBM3' for the H100's built-in one; the notes
       give its `source`); '' where not recorded.
+    speculation: how the guarded updates (a clipped or guarded step's, speculating on late
+      predicates: `analysis/update_schedule.py`) run, or None where there are none.
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -217,6 +262,13 @@ class Plan:
   pinnable_bytes: "int | None" = None
   pinnable_what: str = ""
   hardware_kind: str = ""
+  speculation: "Speculation | None" = None
+
+  @property
+  def speculation_max_miss(self) -> float:
+    """The share of recent steps a guess may miss before the serial schedule runs instead
+    (`Speculation.max_miss`; 0 where nothing speculates)."""
+    return self.speculation.max_miss if self.speculation is not None else 0.0
 
   @property
   def fits(self) -> bool:

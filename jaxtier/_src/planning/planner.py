@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.analysis.inventory import Inventory
+from jaxtier._src.analysis.update_schedule import Mode
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
@@ -28,7 +29,8 @@ from jaxtier._src.planning import cost_model, placements, solver
 from jaxtier._src.planning import problem as problem_lib
 from jaxtier._src.planning.admission import judge, plan_device_budget
 from jaxtier._src.planning.cut import cut_updates
-from jaxtier._src.planning.plan import BudgetViolation, DeviceBudget, Finding, LeafPlan, Plan
+from jaxtier._src.planning.plan import (BudgetViolation, DeviceBudget, Finding, LeafPlan, Plan,
+                                        Speculation)
 from jaxtier._src.planning.policy import Policy, requested
 from jaxtier._src.planning.reasons import Kind, Placed, reason, render
 from jaxtier._src.units import format_bytes
@@ -127,7 +129,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   # What the prediction misses; `admission.judge` makes the plan's verdict of them.
   findings: list[Finding] = []
 
-  def problem_for(placement, layered_dha_fraction=None):
+  def problem_for(placement, layered_dha_fraction=None, speculate=True):
     return problem_lib.build_problem(
         leaves=inv.leaves, jaxpr=jaxpr, compiled=cut.compiled, master_nbytes={
             i: inv.leaves[i].nbytes * 4 // jnp.dtype(inv.leaves[i].dtype).itemsize
@@ -139,7 +141,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
         tables=dict(dha_readable or {}), activations=activations,
         device_budget=usable, host_budget=host_limit,
         profile=hardware, platform=platform, overlap_update=overlap_update, meshed=meshed,
-        layered_dha_fraction=layered_dha_fraction)
+        layered_dha_fraction=layered_dha_fraction, speculate=speculate)
 
   act_policy = None
   if solve:
@@ -238,6 +240,14 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     else:
       pinned_bytes += leaf.nbytes
     pinned_bytes += master_nbytes
+  speculation = None
+  if any(s.guarded for s in final.schedule):
+    serial = solver.evaluate_fixed(problem_for(placement, layered_fraction, speculate=False),
+                                   final_params, final_updates, act_policy).prediction
+    speculation = _speculation(final.schedule, leaves, pred.step_secs, serial.step_secs,
+                               pinned_bytes, host_limit)
+    if not speculation.enabled:
+      pred = serial  # the step runs the serial schedule
   plan = Plan(tuple(leaves), platform, device_bytes, pinned_bytes, device_budget, host_budget,
               len(compiled), predicted_step_secs=pred.step_secs,
               critical_path=pred.critical_path, predicted_peak_hbm_bytes=pred.peak_hbm_bytes,
@@ -249,8 +259,30 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               components=tuple(compiled), schedule=final.schedule,
               rates_of=_rates_of(hardware, platform),
               pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what,
-              hardware_kind=hardware.device_kind)
+              hardware_kind=hardware.device_kind, speculation=speculation)
   return plan
+
+
+def _speculation(schedule: Sequence[Any], leaves: Sequence[LeafPlan], speculative_secs: float,
+                 serial_secs: float, pinned_bytes: int, host_limit: "int | None"
+                 ) -> Speculation:
+  """The plan's `Speculation`: the spare buffers its speculative step needs (a copy of every
+  buffer a layered or row update writes; the device leaves, read without being donated),
+  whether they fit the host's pinned limit, and the break-even share of wrong guesses."""
+  written = {key for s in schedule if s.mode != Mode.SERIAL for key in s.buffers}
+  spare_pinned = sum(leaves[i].master_nbytes if kind == "master" else leaves[i].nbytes
+                     for kind, i in written
+                     if kind == "master" or leaves[i].memory_kind != "device")
+  spare_device = sum(l.nbytes for l in leaves if l.memory_kind == "device")
+  enabled, why = True, ""
+  if host_limit is not None and pinned_bytes + spare_pinned > host_limit:
+    enabled = False
+    why = (f"its spare buffers ({format_bytes(spare_pinned)}) and the state's pinned bytes "
+           f"({format_bytes(pinned_bytes)}) exceed the {format_bytes(host_limit)} that may be "
+           "pinned")
+  max_miss = max(0.0, (serial_secs - speculative_secs) / serial_secs) if serial_secs else 0.0
+  return Speculation(tuple(s.component for s in schedule if s.guarded), spare_pinned,
+                     spare_device, speculative_secs, serial_secs, max_miss, enabled, why)
 
 
 def _rates_of(hardware: profile.HardwareProfile, platform: str) -> str:

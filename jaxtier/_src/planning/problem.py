@@ -307,7 +307,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                   profile: HardwareProfile, platform: str,
                   overlap_update: bool = True,
                   meshed: "frozenset[int] | set[int]" = frozenset(),
-                  layered_dha_fraction: "float | None" = None) -> Problem:
+                  layered_dha_fraction: "float | None" = None,
+                  speculate: bool = True) -> Problem:
   """The solver's `Problem` for a traced step, from the planner's first cut.
 
   Args:
@@ -335,6 +336,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       they do.
     meshed: state leaves on a mesh of more than one device (besides those `leaves` shows
       sharded): their updates run after the backward pass.
+    speculate: False costs the guarded updates (`update_schedule.UpdateSchedule.guards`) as
+      serial: the step whose guess failed, or that was not guessed.
     layered_dha_fraction: the DHA kernel's share of a layered host_split update's elements
       (None: the profile's `split_fraction`); the other updates' splits keep the profile's.
   """
@@ -350,6 +353,10 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       meshed=set(meshed) | {l.index for l in leaves
                             if l.is_float and _shard_fraction_of(l) < 1.0},
       overlap_update=overlap_update)
+  if not speculate:
+    decided = tuple(update_schedule.serial(
+        d.component, update_schedule.Refusal(update_schedule.Why.WAITS_FOR_EVERY_GRADIENT))
+        if d.guarded else d for d in decided)
   # A table the solver may still place `host_dha` is costed row by row where it does
   # (`UpdateItem.by_rows`); under a schedule that runs nothing during the step, never.
   runs_during = not any(s.reason is not None and s.reason.kind in (

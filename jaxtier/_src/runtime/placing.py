@@ -71,14 +71,14 @@ def for_step(leaves: Sequence[Any], shardings: Sequence[Any]) -> list[Any]:
            for x, s in zip(leaves, shardings)]
   seen: set[Any] = set()
   for i, x in enumerate(moved):
-    key = _buffer_key(x)
+    key = buffer_key(x)
     if key in seen:
       moved[i] = jnp.copy(x)
     seen.add(key)
   return moved
 
 
-def _buffer_key(x: Any) -> Any:
+def buffer_key(x: Any) -> Any:
   """What identifies `x`'s storage: its shards' (device, buffer address), else the object."""
   try:
     return tuple((sh.device.id, sh.data.unsafe_buffer_pointer()) for sh in x.addressable_shards)

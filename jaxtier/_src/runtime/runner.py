@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import signal
 import threading
@@ -9,9 +10,11 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import pipeline
+from jaxtier._src.runtime import placing
 from jaxtier._src.runtime.masters import MasterCopies
 
 log = logging.getLogger("jaxtier")
@@ -24,6 +27,46 @@ INTERRUPTED_NOTE = (
     "jaxtier: interrupted during a step, after its inputs were donated: the step ran to its "
     "end, and its new state is `step.last_state` (its metrics `step.last_metrics`); continue "
     "from it: `state = step.last_state`")
+
+
+# The recent steps whose late predicates (a clip that binds, a non-finite gradient) the guess
+# is taken from.
+GUESS_WINDOW = 16
+
+
+class Guesser:
+  """Guesses the late predicates of the next step from the recent ones (`GUESS_WINDOW`).
+
+  The guess is the assignment the most recent steps took most often (the latest among equal
+  counts), where the speculative calls may run on it (`guesses`); before any step, the first
+  of `guesses` (all true: the clip does not bind, the gradients are finite). No guess (the
+  serial schedule) where that assignment is not one of `guesses`, or where it was wrong on
+  more than `max_miss` of the recent steps: a wrong guess costs its speculative step and
+  the serial one.
+  """
+
+  def __init__(self, guesses: Sequence[tuple[float, ...]], max_miss: float):
+    self.guesses = tuple(tuple(g) for g in guesses)
+    self.max_miss = max_miss
+    self.history: collections.deque = collections.deque(maxlen=GUESS_WINDOW)
+    self.tried = self.missed = 0
+
+  def guess(self) -> "tuple[float, ...] | None":
+    if not self.history:
+      return self.guesses[0] if self.guesses else None
+    counts = collections.Counter(self.history)
+    best = max(counts.values())
+    pick = next(g for g in reversed(self.history) if counts[g] == best)
+    if pick not in self.guesses or 1.0 - best / len(self.history) > self.max_miss:
+      return None
+    return pick
+
+  def saw(self, actual: tuple[float, ...], guessed: "tuple[float, ...] | None") -> None:
+    """Records a step's predicates, and whether a guess made for it held."""
+    self.history.append(actual)
+    if guessed is not None:
+      self.tried += 1
+      self.missed += actual != guessed
 
 
 class StepRunner:
@@ -55,6 +98,10 @@ class StepRunner:
     self.scratch: list[jax.Array] = []
     self.calls = 0
     self.step_times: list[float] = []
+    spec, planned = self._programs.speculative, self._plan.speculation
+    self.guesser = (Guesser(spec.split.guesses, planned.max_miss)
+                    if spec is not None and planned is not None and planned.enabled else None)
+    self._spares: dict[tuple[str, int], jax.Array] = {}
 
   def ensure_scratch(self) -> None:
     """Allocates the pinned_host buffers that receive streamed leaves' gradients (once)."""
@@ -100,6 +147,14 @@ class StepRunner:
                 ) -> tuple[Any, Any]:
     """The step's programs over the placed state leaves `moved`: (new state, metrics)."""
     t0 = time.perf_counter()
+    guess = self.guesser.guess() if self.guesser is not None else None
+    if guess is not None:
+      result = self._speculate(moved, arg_leaves, guess)  # records the predicates
+      if result is not None:
+        if timing:
+          self._record_step_time(jax.tree_util.tree_leaves(result),
+                                 time.perf_counter() - t0)
+        return result
     split = self._programs.split
     # 1. Forward, backward, streaming, and the updates of leaves stacked over layers, layer by
     #    layer (`split.overlap`): those host leaves and masters are donated to it; the other
@@ -124,6 +179,8 @@ class StepRunner:
       if hasattr(e, "add_note"):
         e.add_note(self.failure_note(inputs.device_leaves))
       raise
+    if self.guesser is not None and guess is None:
+      self.guesser.saw(tuple(float(x) for x in computed.guards), None)
     updated = None
     if split.has_update:
       update = self._programs.update([x.sharding for x in computed.feeds])
@@ -134,6 +191,83 @@ class StepRunner:
       self._record_step_time(outs, time.perf_counter() - t0)
     out = jax.tree_util.tree_unflatten(self._out_treedef, outs)
     return out[0], out[1]
+
+  def _speculate(self, moved: Sequence[Any], arg_leaves: Sequence[Any],
+                 guess: tuple[float, ...]) -> "tuple[Any, Any] | None":
+    """The step run speculatively (`StepPrograms.speculative`): its guarded updates layered on
+    the guessed late predicates, written to spare buffers while the state is only read. Once
+    its compute program has run, the predicates it made are compared with the guess: equal,
+    the step's outputs are those of the serial schedule bit for bit, the spares hold the new
+    values and the old buffers become the next step's spares; different, the spares are
+    dropped back and None is returned: the caller runs the serial schedule over the intact
+    state. A compute program that fails also leaves the state intact (its error is raised,
+    noted so)."""
+    spec = self._programs.speculative
+    split = spec.split
+    masters = self._masters.by_index()
+    spares = self._spare_buffers(spec, moved, masters)
+    inputs = split.speculative_inputs(moved, arg_leaves, self.scratch, masters, spares,
+                                      [np.float32(g) for g in guess])
+    try:
+      computed = spec.compute(inputs)
+      self.scratch = list(computed.scratch)
+      jax.block_until_ready(computed)
+    except Exception as e:
+      self.scratch, self._spares = [], {}  # donated to the failed program
+      if hasattr(e, "add_note"):
+        e.add_note("jaxtier: the step failed in its speculative compute program, which only "
+                   "reads the state: every leaf of the state given is intact and usable.")
+      raise
+    actual = tuple(float(x) for x in computed.guards)
+    self.guesser.saw(actual, guess)
+    written = self._written(split, computed)
+    if actual != guess:
+      self._spares = written  # the guessed values: overwritten next time
+      log.debug("jaxtier: late predicates %s, guessed %s: the serial schedule runs", actual,
+                guess)
+      return None
+    updated = None
+    if split.has_update:
+      update = spec.update([x.sharding for x in computed.feeds])
+      updated = update(split.update_inputs(moved, masters, computed.feeds, self.scratch))
+    outs = split.assemble(moved, computed, updated, self._out_treedef.num_leaves)
+    # The buffers the state held become the next step's spares (the caller gave them:
+    # donated, as the serial schedule's programs take them).
+    self._spares = ({("leaf", i): moved[i] for i in split.layered_host + split.spare_device}
+                    | {("master", i): masters[i] for i in split.layered_masters})
+    self._masters.update(split.new_masters(computed, updated), outs)
+    out = jax.tree_util.tree_unflatten(self._out_treedef, outs)
+    return out[0], out[1]
+
+  @staticmethod
+  def _written(split: Any, computed: Any) -> dict[tuple[str, int], jax.Array]:
+    """The spare buffers a speculative compute program handed back, by key."""
+    return ({("leaf", i): x for i, x in zip(split.layered_host, computed.layered_host)}
+            | {("master", i): x for i, x in zip(split.layered_masters,
+                                                computed.layered_masters)}
+            | {("leaf", i): x for i, x in zip(split.spare_device,
+                                              computed.first[:len(split.spare_device)])})
+
+  def _spare_buffers(self, spec: Any, moved: Sequence[Any], masters: dict[int, Any]
+                     ) -> dict[tuple[str, int], jax.Array]:
+    """One spare buffer per buffer the speculative updates write: those kept from the last
+    step, else new ones (zeros, made where they live). A kept one that is the storage of a
+    leaf of this step's state (the caller passed an old state again) is replaced."""
+    split = spec.split
+    want = ({("leaf", i): (moved[i], spec.state_shardings[i])
+             for i in split.layered_host + split.spare_device}
+            | {("master", i): (masters[i], masters[i].sharding)
+               for i in split.layered_masters})
+    taken = {placing.buffer_key(x) for x in list(moved) + list(masters.values())
+             if isinstance(x, jax.Array)}
+    out = {}
+    for key, (like, sh) in want.items():
+      x = self._spares.get(key)
+      if (x is None or x.is_deleted() or x.shape != like.shape or x.dtype != like.dtype
+          or placing.buffer_key(x) in taken):
+        x = jax.jit(lambda s=like.shape, d=like.dtype: jnp.zeros(s, d), out_shardings=sh)()
+      out[key] = x
+    return out
 
   def failure_note(self, device_leaves: Sequence[Any]) -> str:
     """What a failed compute program left of the state (added to its exception), given the

@@ -1,0 +1,202 @@
+"""Guarded updates run on a guess (`analysis/update_schedule.py`, `runtime/runner.py`).
+
+A stack of layers under `nnx.scan`, its optimizer state on the host, clipped by
+`optax.clip_by_global_norm`: the layered updates run during the backward pass on the guess that
+the clip does not bind, writing spare buffers; a step whose clip binds runs the serial schedule
+instead. Over many steps, where the clip binds on some and not on others, the state equals the
+serial schedule's bit for bit (CPU), for every optimizer of the optimizer table.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxtier
+from jaxtier._src.analysis import update_schedule
+from jaxtier._src.analysis.update_schedule import Mode, Why
+from jaxtier._src.lowering import hlo as hlo_lib
+from jaxtier._src.primitives import host_update as hu
+
+from lowering import overlap_test as ot
+
+ON_GPU = jax.default_backend() == "gpu"
+# The clip's max norm, and the steps whose batch is scaled up so that their gradient norm is
+# over it (the others are under it).
+MAX_NORM = 1.0
+LOUD = 40.0
+
+
+def _batch(i):
+  x, y = ot._batch(i)
+  loud = i % 7 == 3
+  return x * (LOUD if loud else 1.0), y * (LOUD if loud else 0.05)
+
+
+def _clipped(make):
+  return optax.chain(optax.clip_by_global_norm(MAX_NORM), make())
+
+
+def _train(tx, overlap, steps, dtype=jnp.float32):
+  graphdef, params = ot._model(dtype)
+  step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST, overlap_update=overlap)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  losses, norms = [], []
+  for i in range(steps):
+    state, m = step(state, _batch(i))
+    losses.append(float(m["loss"]))
+  return step, state, losses
+
+
+def _same(a_state, b_state):
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(a_state)[0],
+                          jax.tree.leaves(b_state)):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=str(path))
+
+
+def test_the_clip_s_updates_are_guarded_by_its_predicate():
+  step, _, _ = _train(_clipped(lambda: optax.adamw(1e-2)), overlap=True, steps=1)
+  plan = step.plan
+  guarded = [s for s in plan.schedule if s.guarded]
+  # The stacked kernel's and bias's updates: layered on the guess that the clip does not bind
+  # (`norm < max` true); the norm itself is read only by the unchosen case.
+  assert len(guarded) == 2 and all(s.mode == Mode.LAYERED for s in guarded)
+  for s in guarded:
+    cc = plan.components[s.component]
+    assert s.guesses == ((1.0,),)
+    assert [np.dtype(cc.operands[p].var.aval.dtype) for p in s.guards] == [np.bool_]
+    assert [np.dtype(cc.operands[p].var.aval.dtype) for p in s.unread] == [np.float32]
+  assert plan.speculation is not None and plan.speculation.enabled
+  assert plan.speculation.components == tuple(s.component for s in guarded)
+  # The serial schedule (its rerun) keeps them after the backward pass, and costs more.
+  assert plan.speculation.serial_step_secs > plan.speculation.speculative_step_secs
+  assert 0 < plan.speculation.max_miss < 1
+  serial = step._programs.split.overlap
+  assert not serial.updates
+  assert {w.kind for w in serial.serial.values()} >= {Why.WAITS_FOR_EVERY_GRADIENT}
+  spec = step._programs.speculative.split
+  assert spec.speculative and spec.overlap.guarded and spec.guards == 1
+  assert spec.guesses == ((1.0,),)
+
+
+def test_reads_follows_the_case_a_fixed_predicate_picks():
+  # r0 = operand 0 (a gradient); r1 = r0 / operand 1 (the norm); r2 = operand 2 (norm < max);
+  # result = select(r2, r1, r0): r0 where r2 is true.
+  op = hu.Op
+  code = np.asarray([(op.LOAD, 0, 0, 0, 0), (op.LOAD, 1, 1, 0, 0), (op.DIV, 1, 0, 1, 0),
+                     (op.LOAD, 2, 2, 0, 0), (op.SELECT, 3, 2, 1, 0),
+                     (op.STORE, 0, 3, 0, 0)], np.int32)
+  program = hu.Program(code=code, consts=np.zeros(1, np.float32), num_regs=4, num_operands=3,
+                       num_results=1)
+  assert not update_schedule.reads(program, {2: 1.0}, {1})
+  assert update_schedule.reads(program, {2: 0.0}, {1})
+  assert update_schedule.reads(program, {}, {1})
+  # A predicate negated before the select is followed too.
+  negated = np.concatenate([code[:4], [(op.NOT, 2, 2, 0, 0)], code[4:]]).astype(np.int32)
+  program = hu.Program(code=negated, consts=np.zeros(1, np.float32), num_regs=4,
+                       num_operands=3, num_results=1)
+  assert update_schedule.reads(program, {2: 1.0}, {1})
+  assert not update_schedule.reads(program, {2: 0.0}, {1})
+
+
+@pytest.mark.parametrize("name", [
+    "adamw",
+    pytest.param("sgd_momentum", marks=pytest.mark.slow),
+    pytest.param("adam", marks=pytest.mark.slow),
+    pytest.param("lion", marks=pytest.mark.slow),
+    pytest.param("rmsprop_centered_momentum", marks=pytest.mark.slow),
+    pytest.param("adabelief", marks=pytest.mark.slow),
+    pytest.param("adamw_warmup_cosine", marks=pytest.mark.slow),
+])
+def test_guessed_steps_equal_the_serial_schedule_bit_for_bit(name):
+  steps = 200 if name != "adamw" else 60
+  make = ot.OPTIMIZERS[name]
+  _, s_state, s_losses = _train(_clipped(make), overlap=False, steps=steps)
+  step, l_state, l_losses = _train(_clipped(make), overlap=True, steps=steps)
+  guesser = step._runner.guesser
+  binds = [p == (0.0,) for p in guesser.history]
+  # The clip bound on some steps and not on others; the guess held on some and missed on
+  # others (each miss ran the serial schedule).
+  assert any(binds) and not all(binds), binds
+  assert 0 < guesser.missed < guesser.tried, (guesser.tried, guesser.missed)
+  if not ON_GPU:
+    assert l_losses == s_losses
+    _same(s_state, l_state)
+  else:
+    np.testing.assert_allclose(l_losses, s_losses, rtol=1e-5)
+
+
+def test_bf16_params_guessed_equal_the_serial_schedule():
+  make = lambda: optax.adamw(1e-2, weight_decay=0.1)
+  _, s_state, s_losses = _train(_clipped(make), overlap=False, steps=30, dtype=jnp.bfloat16)
+  step, l_state, l_losses = _train(_clipped(make), overlap=True, steps=30, dtype=jnp.bfloat16)
+  spec = step._programs.speculative.split
+  # The block's fp32 masters and its bf16 params (on the device) are written to spares.
+  assert len(spec.layered_masters) == 2 and len(spec.spare_device) == 2
+  assert step._runner.guesser.missed > 0
+  if not ON_GPU:
+    assert l_losses == s_losses
+    _same(s_state, l_state)
+    masters = {i: np.asarray(m) for i, m in step._masters.by_index().items()}
+    assert all(np.isfinite(m).all() for m in masters.values())
+
+
+def test_a_step_that_always_clips_runs_the_serial_schedule():
+  tx = optax.chain(optax.clip_by_global_norm(1e-6), optax.adamw(1e-2))
+  _, s_state, s_losses = _train(tx, overlap=False, steps=10)
+  tx = optax.chain(optax.clip_by_global_norm(1e-6), optax.adamw(1e-2))
+  step, l_state, l_losses = _train(tx, overlap=True, steps=10)
+  guesser = step._runner.guesser
+  # The first guess missed; the recent steps all clipped since: no more guessing.
+  assert (guesser.tried, guesser.missed) == (1, 1)
+  assert guesser.guess() is None
+  if not ON_GPU:
+    assert l_losses == s_losses
+    _same(s_state, l_state)
+
+
+def test_old_state_given_again_is_not_overwritten():
+  # The buffers a guessed step's state held become the next guessed step's spares (donated to
+  # it, as the serial schedule donates the state). A caller that passes such a state again gets
+  # new spares: the step reads it, and does not write its new values over it.
+  tx = optax.chain(optax.clip_by_global_norm(1e9), optax.adam(1e-2))
+  graphdef, params = ot._model()
+  step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  first, _ = step(state, _batch(0))
+  kept = jax.tree.map(np.asarray, first)
+  second, m2 = step(first, _batch(1))
+  again, m3 = step(first, _batch(1))
+  assert (step._runner.guesser.tried, step._runner.guesser.missed) == (3, 0)
+  _same(kept, first)
+  if not ON_GPU:
+    assert float(m2["loss"]) == float(m3["loss"])
+    _same(second, again)
+  # A state two steps old is donated as the spares of the step after (where the backend
+  # donates, JAX says so on reading it): never written over while still readable.
+  step(again, _batch(2))
+  for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(first)):
+    assert b.is_deleted() or np.array_equal(a, np.asarray(b))
+
+
+def test_speculative_compute_reads_the_state_in_place():
+  tx = _clipped(lambda: optax.adamw(1e-2))
+  graphdef, params = ot._model()
+  step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  step(state, _batch(0))  # builds the spares
+  runner = step._runner
+  spec = step._programs.speculative
+  split = spec.split
+  leaves = jax.tree.leaves(step.last_state)
+  masters = step._masters.by_index()
+  inputs = split.speculative_inputs(leaves, jax.tree.leaves(_batch(1)), runner.scratch, masters,
+                                    runner._spare_buffers(spec, leaves, masters), [np.float32(1)])
+  hlo = spec.compute.lower(inputs).compile().as_text()
+  # Neither the layer calls nor the joins get a host leaf (read or spare) through a copy or a
+  # slice; one call per layer per stacked leaf, one join per spare written.
+  assert hlo_lib.hlo_violations(hlo, target=hu.LAYER_TARGET) == []
+  assert hlo_lib.hlo_violations(hlo, target=hu.JOIN_TARGET) == []
+  assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 2 * ot.LAYERS
+  assert hlo.count(f'custom_call_target="{hu.JOIN_TARGET}"') == 6
