@@ -214,7 +214,7 @@ def _xla_settings_hint(plan, host_missed: bool) -> "str | None":
   from jaxtier._src.hardware import host  # pylint: disable=g-import-not-at-top
   from jaxtier._src.planning import admission  # pylint: disable=g-import-not-at-top
   settings = {}
-  need = plan.pinned_bytes + (plan.compiler_host_extra_bytes or 0)
+  need = plan.pinned_need_bytes
   if plan.pinnable_bytes is not None and need > plan.pinnable_bytes:
     settings.update(admission.pool_settings(math.ceil(need / 2**30)))
   peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes

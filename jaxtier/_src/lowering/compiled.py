@@ -216,7 +216,7 @@ def reserve_pinned_pool(plan: Plan, shardings: Sequence[Any]) -> bool:
     Whether the buffer was made (False: nothing to do, or it could not be allocated; the pool
     then grows as it does, and the failure is logged).
   """
-  need = plan.pinned_bytes + (plan.compiler_host_extra_bytes or 0)
+  need = plan.pinned_need_bytes
   host = [sh for sh, leaf in zip(shardings, plan.leaves)
           if leaf.memory_kind == MemoryKind.PINNED_HOST]
   if plan.platform != "gpu" or need < RESERVE_MIN_BYTES or not host:

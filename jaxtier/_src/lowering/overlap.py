@@ -24,6 +24,11 @@ The writes are unseen by XLA: each call names iteration t's outputs as order-onl
 (every read of slice t, in the forward or the backward, comes before), and the written buffers
 are read afterwards only through the join's results.
 
+The speculative lowering (`schedule(..., speculate=True)`) also runs the guarded components
+(a clipped step's: `analysis/update_schedule.py`) layer by layer, reading their late predicates
+as guessed; its caller (`rewrite.py`) points every written buffer at a spare one, so that the
+state is only read. Otherwise the guarded components are serial.
+
 An embedding table read in place (`host_dha`, `lowering/dha_tables.py`) is updated row by row
 instead (`TableRows`): its gradient is zero on every row the step's ids do not name, and those
 rows' update (AdamW's moment decay, weight decay) needs nothing the step computes. One

@@ -292,7 +292,7 @@ def admit_host_memory(plan: Plan, available: "int | None", resident_bytes: int =
   peak = plan.compiler_peak_hbm_bytes or plan.predicted_peak_hbm_bytes
   if plan.platform != "cpu" or available is None or peak is None:
     return
-  pinned = plan.pinned_bytes + (plan.compiler_host_extra_bytes or 0)
+  pinned = plan.pinned_need_bytes
   need = peak + pinned - resident_bytes
   if need <= available:
     return
@@ -379,8 +379,8 @@ def _admit_pinned(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str,
                   num_local_devices: int = 1) -> None:
   """Refuses pinned host bytes (the state's and, once compiled, what the compiled step
   allocates beyond them) over the host budget or `pinnable_bytes`."""
-  extra = plan.compiler_host_extra_bytes or 0
-  need = plan.pinned_bytes + extra
+  extra = plan.pinned_need_bytes - plan.pinned_bytes
+  need = plan.pinned_need_bytes
   host = [l for l in plan.leaves if l.memory_kind == "pinned_host" or l.master_nbytes]
   host_bytes = lambda l: (l.nbytes if l.memory_kind == "pinned_host" else 0) + l.master_nbytes
   for pool, limit, what, fix in (
@@ -404,7 +404,8 @@ def _admit_pinned(plan: Plan, pinnable_bytes: "int | None", pinnable_what: str,
       compiled = "" if not extra else (
           f" (the state's {format_bytes(plan.pinned_bytes)} and {format_bytes(extra)} that the "
           "compiled step allocates beyond it: its programs' pinned_host outputs not aliased to "
-          "an input, their host temporaries and the streamed leaves' gradient buffers)")
+          "an input, their host temporaries, the streamed leaves' gradient buffers and the "
+          "spare buffers of a clipped step's guessed updates)")
       reason = (f"it needs {format_bytes(need)} ({need} bytes) of pinned host memory per "
                 f"device{compiled}, over {what} of {format_bytes(limit)} ({limit} bytes)")
       error = AdmissionError(

@@ -265,6 +265,14 @@ class Plan:
   speculation: "Speculation | None" = None
 
   @property
+  def pinned_need_bytes(self) -> int:
+    """Pinned host bytes the step holds, per device: the state's (`pinned_bytes`), what its
+    compiled programs allocate beyond it, and the spare buffers of a speculating step."""
+    spares = (self.speculation.spare_pinned_bytes
+              if self.speculation is not None and self.speculation.enabled else 0)
+    return self.pinned_bytes + (self.compiler_host_extra_bytes or 0) + spares
+
+  @property
   def speculation_max_miss(self) -> float:
     """The share of recent steps a guess may miss before the serial schedule runs instead
     (`Speculation.max_miss`; 0 where nothing speculates)."""

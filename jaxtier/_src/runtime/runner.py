@@ -205,7 +205,13 @@ class StepRunner:
     spec = self._programs.speculative
     split = spec.split
     masters = self._masters.by_index()
-    spares = self._spare_buffers(spec, moved, masters)
+    try:
+      spares = self._spare_buffers(spec, moved, masters)
+    except Exception as e:  # pylint: disable=broad-except  (XLA's allocator errors vary)
+      log.warning("jaxtier: no room for the spare buffers of the guessed updates (%s); the "
+                  "clipped steps run the serial schedule", str(e).splitlines()[0][:300])
+      self.guesser, self._spares = None, {}
+      return None
     inputs = split.speculative_inputs(moved, arg_leaves, self.scratch, masters, spares,
                                       [np.float32(g) for g in guess])
     try:
