@@ -5,8 +5,10 @@ For each optimizer of the table: 50 steps of a small MLP, offloaded (`jaxtier.of
 from the same seed. Losses agree to 1e-5 relative, final params and optimizer state to fp32 tolerance, and the plan
 puts every moment leaf on the host executor (`host_cpu` on CPU, `host_dha` on GPU). Optimizers
 whose update is not one elementwise pass (Adafactor's factored moments, a Shampoo-like
-preconditioner, MultiSteps' `cond` over the whole tree) train the same through XLA's
-memory-kind transfers (`host_xla`), and the plan names each such leaf and why.
+preconditioner) train the same through XLA's memory-kind transfers (`host_xla`), and the plan
+names each such leaf and why. An update applied under a traced condition (apply_if_finite,
+MultiSteps skipping non-finite steps) is one `cond` over the whole tree, made selects per leaf
+before planning (`analysis/conditions.py`): it fuses too.
 """
 
 import logging
@@ -176,11 +178,14 @@ OPTIMIZERS = {
     "shampoo_like": (_shampoo_like, "`reduce_sum` is not elementwise"),
     # MultiSteps: one lax.cond (skip / update) over the whole state reads every leaf. With
     # the default predicate the branch index is a constant: the analysis takes that branch
-    # and the accumulators fuse. A real predicate (skip_not_finite) keeps the cond: fallback.
+    # and the accumulators fuse. A real predicate (skip_not_finite) keeps the cond, whose
+    # skipping branch keeps the state: it becomes selects per leaf, and fuses too.
     "multisteps_adam": (lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2), FUSED),
     "multisteps_skip_not_finite": (lambda: optax.MultiSteps(
         optax.adam(1e-2), every_k_schedule=2, should_skip_update_fn=optax.skip_not_finite),
-                                   r"host leaves of different sizes .* interact; `cond`"),
+                                   FUSED),
+    "apply_if_finite_adamw": (lambda: optax.apply_if_finite(
+        optax.adamw(1e-2, weight_decay=0.1), max_consecutive_errors=3), FUSED),
 }
 
 

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import conditions
 from jaxtier._src.analysis import jaxpr_graph
 from jaxtier._src.vocab import Role
 
@@ -156,6 +157,9 @@ def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
       jax.tree.map(abstract, state), *jax.tree.map(abstract, tuple(args)))
   closed = jc.inline_calls(closed)
+  # A `cond` that may skip a state update (optax.apply_if_finite's) becomes selects, so that
+  # each leaf's update is its own dataflow; planning and lowering both read this jaxpr.
+  closed = conditions.select_conds(closed, num_state=len(flat))
   state_treedef = jax.tree_util.tree_structure(state)
   out_treedef = jax.tree_util.tree_structure(out_shape)
   if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2

@@ -108,8 +108,8 @@ def table_lookup(jaxpr: Any, index: int) -> "TableLookup | NotATable":
           " (ids clamped into the table), which the DHA gather does not do (an id out of "
           "range reads zeros there): use `jnp.take`'s default mode")
     if not jaxpr_graph.elementwise_over(eqn, n):
-      why = (" (an update applied under a condition, as optax.apply_if_finite's, reads it "
-             "there)" if eqn.primitive.name in ("cond", "while") else "")
+      why = (" (control flow whose branches or body read the whole table)"
+             if eqn.primitive.name in ("cond", "while") else "")
       return NotATable(
           f"the step reads it with `{eqn.primitive.name}`{why}, not only as rows gathered "
           "by `jnp.take(table, ids, axis=0)` and elementwise by its update")
