@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxtier
 from jaxtier._src.analysis import update_schedule
@@ -200,3 +201,85 @@ def test_speculative_compute_reads_the_state_in_place():
   assert hlo_lib.hlo_violations(hlo, target=hu.JOIN_TARGET) == []
   assert hlo.count(f'custom_call_target="{hu.LAYER_TARGET}"') == 2 * ot.LAYERS
   assert hlo.count(f'custom_call_target="{hu.JOIN_TARGET}"') == 6
+
+
+def test_a_failed_guessed_step_leaves_every_leaf_intact():
+  # The speculative compute only reads the state: a failure in its backward pass, after some
+  # layers' guessed updates ran, loses nothing, and the next step continues from that state.
+  tx = optax.chain(optax.clip_by_global_norm(1e9), optax.adam(1e-2))
+  graphdef, params = ot._model()
+  calls = {"n": 0, "fail": False}
+
+  def fail_in_backward(x):
+    calls["n"] += 1
+    if calls["fail"] and calls["n"] >= 3:
+      raise RuntimeError("injected failure in the backward pass")
+    return x
+
+  @jax.custom_vjp
+  def probe(h):
+    return h
+
+  def probe_fwd(h):
+    return h, None
+
+  def probe_bwd(_, g):
+    return (jax.pure_callback(fail_in_backward, jax.ShapeDtypeStruct(g.shape, g.dtype), g),)
+  probe.defvjp(probe_fwd, probe_bwd)
+
+  class Probed(ot._stacks.Stack):
+
+    def body(self, h, block):
+      return block(probe(h))
+
+  graphdef = nnx.split(Probed(nnx.Rngs(0), layers=ot.LAYERS, width=ot.WIDTH, head=2))[0]
+  step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  state, _ = step(state, _batch(0))  # a guessed step that held
+  assert step._runner.guesser.tried == 1
+  before = jax.tree.map(np.asarray, state)
+  calls.update(n=0, fail=True)
+  with pytest.raises(Exception) as info:
+    jax.block_until_ready(step(state, _batch(1)))
+  notes = "\n".join(getattr(info.value, "__notes__", []))
+  assert "only reads the state" in notes and "intact" in notes, notes
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  _same(before, state)
+  calls.update(fail=False)
+  after, m = step(state, _batch(1))
+  assert np.isfinite(float(m["loss"]))
+
+
+def test_apply_if_finite_guesses_finite_and_skips_a_non_finite_step_exactly():
+  # optax.apply_if_finite's `cond` is made selects (`analysis/conditions.py`): its updates are
+  # guarded by the finite check. Steps 3 and 8 have a non-finite gradient: their guess
+  # (finite) misses, the serial schedule skips them, and the state equals the serial one.
+  def batch(i):
+    x, y = ot._batch(i)
+    return (x.at[0, 0].set(jnp.inf) if i in (3, 8) else x), y
+
+  def train(overlap):
+    tx = optax.apply_if_finite(optax.adamw(1e-2), max_consecutive_errors=3)
+    graphdef, params = ot._model()
+    step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST, overlap_update=overlap)
+    state = step.place({"params": params, "opt": tx.init(params)}, batch(0))
+    kernels = []
+    for i in range(12):
+      state, _ = step(state, batch(i))
+      kernels.append(np.asarray(state["params"]["blocks"]["w"]["kernel"].get_value()))
+    return step, state, kernels
+
+  _, s_state, _ = train(False)
+  step, l_state, kernels = train(True)
+  guarded = [s for s in step.plan.schedule if s.guarded]
+  assert len(guarded) == 2 and all(s.guesses == ((1.0,), (0.0,)) for s in guarded)
+  guesser = step._runner.guesser
+  assert (guesser.tried, guesser.missed) == (12, 2)
+  assert [p for p, in guesser.history].count(0.0) == 2
+  # The non-finite steps were skipped: the params did not move, and the counter counted them.
+  np.testing.assert_array_equal(kernels[3], kernels[2])
+  np.testing.assert_array_equal(kernels[8], kernels[7])
+  assert not np.array_equal(kernels[4], kernels[3])
+  assert int(l_state["opt"].total_notfinite) == 2
+  if not ON_GPU:
+    _same(s_state, l_state)
