@@ -183,6 +183,15 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
     if plan.measured_step_secs is not None:
       step.append(f"{_ms(plan.measured_step_secs)} measured")
     lines += fit("step: " + ", ".join(step))
+  spec = plan.speculation
+  if spec is not None and spec.serial_step_secs is not None:
+    if spec.enabled:
+      lines += fit(f"clipped/guarded: updates run on a guess (spares "
+                   f"{format_bytes(spec.spare_pinned_bytes)} pinned); a step whose clip binds "
+                   f"{_ms(spec.speculative_step_secs + spec.serial_step_secs)}; serial "
+                   f"past {spec.max_miss:.0%} binding")
+    else:
+      lines += fit(f"clipped/guarded: serial, {_ms(spec.serial_step_secs)} ({spec.why})")
   if plan.predicted_peak_hbm_bytes is not None or plan.compiler_peak_hbm_bytes is not None:
     memory = "HBM" if plan.platform == "gpu" else "device memory"
     peak = []
