@@ -10,11 +10,11 @@ Commands:
           role, the predicted step time and peak, the verdict; `--details`: every leaf, its
           placement and why, and every note) (`--config`, `--batch_size`, `--seq_len`,
           `--device_budget`, `--host_budget`, `--offload` (the policy), `--remat_policy`,
-          `--clip`, `--[no]overlap_update`, `--tokenizer`, `--vocab_size`, `--json`, `--platform`,
-          `--device_kind` (H100, H200 or A100: the GPU planned for where none is here),
-          `--plot=plan.png`, `--nostream`; the vocabulary flags set the model's vocab_size,
-          no tokenizer is trained). Exit status 1 when the plan is refused or over a budget (with
-          `--json` too: its fields `fits` and `refused` say which).
+          `--clip`, `--clip_norm`, `--[no]overlap_update`, `--tokenizer`, `--vocab_size`,
+          `--json`, `--platform`, `--device_kind` (H100, H200 or A100: the GPU planned for
+          where none is here), `--plot=plan.png`, `--nostream`; the vocabulary flags set the
+          model's vocab_size, no tokenizer is trained). Exit status 1 when the plan is refused
+          or over a budget (with `--json` too: its fields `fits` and `refused` say which).
   calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
           the profile as JSON in the user's cache directory (`--json` prints it).
@@ -83,8 +83,9 @@ def plan_main() -> None:
   batch = flags.FLAGS.batch_size or (defaults.batch_size if defaults else 8)
   seq_len = flags.FLAGS.seq_len or config.max_seq_len
   train_lib.check_seq_len(config, flags.FLAGS.config, seq_len)
-  optimizer = train_lib.OptimizerConfig(learning_rate=1e-3,
-                                        clip_norm=1.0 if flags.FLAGS.clip else None)
+  optimizer = train_lib.OptimizerConfig(
+      learning_rate=1e-3, clip_norm=train_lib.clip_norm_of(flags.FLAGS.clip,
+                                                           flags.FLAGS.clip_norm))
   _, state, step = train_lib.make_train_state(config, optimizer, abstract=True)
   tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
   platform = _PLATFORM.value or jax.default_backend()

@@ -576,7 +576,8 @@ def test_plan_names_the_pinned_limit_in_force_over_a_larger_host_budget(tmp_path
 def test_help_exits_0_and_lists_the_trainers_flags(tmp_path):
   out = _cli(tmp_path, "--help")
   assert out.returncode == 0, out.stderr[-2000:]
-  for flag in ("--[no]overlap_update", "--[no]clip", "--[no]verbose", "--[no]stream", "--config"):
+  for flag in ("--[no]overlap_update", "--[no]clip", "--clip_norm", "--[no]verbose", "--[no]stream",
+               "--config"):
     assert flag in out.stdout, flag
 
 
@@ -774,6 +775,26 @@ def test_plan_details_lists_every_leaf_within_the_width(tmp_path, monkeypatch):
   assert any(l.startswith("    parameter: ") for l in plan.stdout.splitlines())
   assert max(len(l) for l in plan.stdout.splitlines()) <= 80
   assert "note: transient device bytes" in plan.stdout
+
+
+@pytest.mark.slow
+def test_train_clip_norm_clips_and_reports_the_steps_it_clipped(tmp_path):
+  # A max norm under every step's gradient norm: each timed step clips. The summary says so in
+  # one line (wrapped at the terminal's width), each step's line gives its norm, and
+  # --json_out has the figures.
+  out = _train(tmp_path, "--clip_norm=1e-6", "--steps=3", "--log_every=1", "--offload=none",
+               f"--json_out={tmp_path / 'r.json'}")
+  assert out.returncode == 0, out.stderr[-2000:]
+  said = json.loads((tmp_path / "r.json").read_text())
+  assert said["clip_norm"] == 1e-6 and said["clipped_fraction"] == 1.0
+  assert len(said["grad_norms"]) == 3 and said["grad_norm"]["steps"] == 2
+  assert re.fullmatch(r"clip: max norm 1e-06, over it \(clipped\) on 2 of 2 timed steps; "
+                      r"gradient norm min [\d.]+, median [\d.]+, max [\d.]+",
+                      _said(out.stdout, "clip: ")), out.stdout
+  steps = [l for l in out.stdout.splitlines() if l.startswith("step ")]
+  assert len(steps) == 2 and all(re.search(r"ms/step  gnorm [\d.e+-]+$", l) for l in steps), steps
+  bad = _train(tmp_path, "--clip_norm=0")
+  assert bad.returncode != 0 and "--clip_norm must be a finite number > 0" in bad.stderr
 
 
 @pytest.mark.slow

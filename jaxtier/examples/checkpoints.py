@@ -33,7 +33,7 @@ _NAME = re.compile(r"step_(\d{8})")
 # The settings a resumed run must share with its checkpoint's run: they fix the state's
 # structure, the data and the batch order (`--steps` may differ: the schedule then follows it).
 SHARED_SETTINGS = ("config", "batch_size", "seq_len", "seed", "data", "tokenizer", "vocab_size",
-                   "learning_rate", "warmup_steps", "clip", "offload")
+                   "learning_rate", "warmup_steps", "clip", "clip_norm", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +77,11 @@ def complete(directory: str) -> list[Checkpoint]:
 def check_resumable(checkpoint: Checkpoint, settings: dict[str, Any]) -> None:
   """Raises ValueError where `settings` (this run's) differ from `checkpoint`'s run in one of
   `SHARED_SETTINGS`, naming each, or where the checkpoint is at or past this run's last step."""
-  differ = [f"--{k}={settings[k]!r} (the checkpoint's run: {checkpoint.settings.get(k)!r})"
-            for k in SHARED_SETTINGS if checkpoint.settings.get(k) != settings[k]]
+  saved = dict(checkpoint.settings)
+  if "clip_norm" not in saved:  # saved before --clip_norm: --clip clipped to 1.0
+    saved["clip_norm"] = 1.0 if saved.get("clip") else None
+  differ = [f"--{k}={settings[k]!r} (the checkpoint's run: {saved.get(k)!r})"
+            for k in SHARED_SETTINGS if saved.get(k) != settings[k]]
   if differ:
     raise ValueError(
         f"checkpoint {checkpoint.path} is of another run: {', '.join(differ)}; resume it with "

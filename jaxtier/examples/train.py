@@ -180,6 +180,34 @@ def check_seq_len(config: llama.LlamaConfig, config_name: str, seq_len: int) -> 
         "with a longer max_seq_len).")
 
 
+def clip_norm_of(clip: bool, clip_norm: "float | None") -> "float | None":
+  """The global norm the gradients are clipped to: `clip_norm` where given (it implies
+  clipping), else 1.0 with `clip`, else None (no clipping).
+
+  Raises:
+    ValueError: `clip_norm` is not a finite number > 0.
+  """
+  if clip_norm is None:
+    return 1.0 if clip else None
+  if isinstance(clip_norm, bool) or not (math.isfinite(clip_norm) and clip_norm > 0):
+    raise ValueError(f"run: expected clip_norm > 0 (finite) or None, got {clip_norm!r}.")
+  return float(clip_norm)
+
+
+def _clip_figures(grad_norms: list[float], clip_norm: "float | None") -> dict[str, Any]:
+  """`run`'s clip figures: ``clip_norm``, ``grad_norms`` (each step's), ``grad_norm`` (min,
+  median and max over the timed steps: all but the first, unless it is the only one) and
+  ``clipped_fraction`` (the share of those whose norm is over ``clip_norm``)."""
+  timed = grad_norms[1:] or grad_norms
+  if clip_norm is None or not timed:
+    return {"clip_norm": clip_norm, "grad_norms": list(grad_norms), "grad_norm": None,
+            "clipped_fraction": None}
+  return {"clip_norm": clip_norm, "grad_norms": list(grad_norms),
+          "grad_norm": {"min": float(np.min(timed)), "median": float(np.median(timed)),
+                        "max": float(np.max(timed)), "steps": len(timed)},
+          "clipped_fraction": sum(g > clip_norm for g in timed) / len(timed)}
+
+
 def _offload_step(train_step, *, device_budget, host_budget, policy="auto",
                   overlap_update=True, allow_over_budget=False):
   import jaxtier  # pylint: disable=g-import-not-at-top
@@ -214,6 +242,7 @@ def run(
     learning_rate: float | None = None,
     warmup_steps: int | None = None,
     clip: bool = False,
+    clip_norm: float | None = None,
     log_every: int | None = None,
     device_budget: str | int | None = None,
     host_budget: str | int | None = None,
@@ -252,6 +281,8 @@ def run(
     learning_rate: peak learning rate; ``None``: the config's default.
     warmup_steps: warmup of the schedule; ``None``: 5% of ``steps``.
     clip: clip gradients to global norm 1.0 before AdamW.
+    clip_norm: clip gradients to this global norm before AdamW (> 0; implies ``clip``, whose
+      norm it replaces); ``None``: 1.0 with ``clip``, else no clipping.
     log_every: print the loss and sync every this many steps; ``None``: the
       config's default.
     device_budget: device bytes jaxtier may use per device, e.g. ``"80GB"``;
@@ -295,6 +326,12 @@ def run(
     included: ``{"device": ..., "pinned_host": ...}``) and ``memory`` (bytes: the peak device
     memory JAX's allocator saw, where the backend reports it, and the pinned_host bytes live
     after the run, beside the plan's predicted and compiled figures; None where unknown).
+    With clipping it also has ``clip_norm``, ``grad_norms`` (each step's gradient global norm
+    before the clip, this run's steps), ``grad_norm`` (their ``min``, ``median`` and ``max``
+    over the timed steps: all but this run's first, as ``tokens_per_sec``) and
+    ``clipped_fraction`` (the fraction of those steps whose norm is over ``clip_norm``: the
+    steps the clip scaled); without, ``clip_norm`` and those are ``None`` (``grad_norms``
+    empty).
 
   Raises:
     ValueError: for an unknown config or offload mode, bad sizes, bad data, or a vocabulary
@@ -329,14 +366,15 @@ def run(
         f"run: expected steps, batch_size, seq_len and log_every >= 1, got "
         f"{steps}, {batch_size}, {seq_len}, {log_every}.")
   check_seq_len(config, config_name, seq_len)
+  clip_norm = clip_norm_of(clip, clip_norm)
   if checkpoint_every is not None and checkpoint_every < 1 or keep_checkpoints < 1:
     raise ValueError(f"run: expected checkpoint_every >= 1 (or None) and keep_checkpoints >= 1, "
                      f"got {checkpoint_every} and {keep_checkpoints}.")
   settings = dict(config=config_name, batch_size=batch_size, seq_len=seq_len, seed=seed,
                   data=(f"<{data.size} token ids>" if isinstance(data, np.ndarray)
                         else data or ""), tokenizer=tokenizer, vocab_size=config.vocab_size,
-                  learning_rate=learning_rate, warmup_steps=warmup_steps, clip=clip,
-                  offload=offload, steps=steps)
+                  learning_rate=learning_rate, warmup_steps=warmup_steps,
+                  clip=clip_norm is not None, clip_norm=clip_norm, offload=offload, steps=steps)
   resumed = None
   if checkpoint_dir:
     kept = checkpoints_lib.complete(checkpoint_dir)
@@ -366,7 +404,7 @@ def run(
           f"rate never reaches its peak of {learning_rate:g}")
   optimizer_config = OptimizerConfig(
       learning_rate=learning_rate, total_steps=steps, warmup_steps=warmup_steps,
-      clip_norm=1.0 if clip else None)
+      clip_norm=clip_norm)
   _check_host_memory(config, config_name, optimizer_config, seed)
   t_start = time.perf_counter()
   # The state is built by a jitted initialiser: under jaxtier each leaf is born where the plan
@@ -452,7 +490,8 @@ def run(
   tokens_per_step = batch_size * seq_len
   losses: list[float] = list(resumed.losses) if resumed else []
   step_times: list[float] = []
-  unread: list[jax.Array] = []  # the losses of the steps run, not read yet
+  grad_norms: list[float] = []  # with clipping: each step's gradient norm before the clip
+  unread: list[dict[str, jax.Array]] = []  # the metrics of the steps run, not read yet
   # disable=None: a bar on a terminal, none in a log file.
   bar = tqdm.tqdm(total=steps, initial=start, disable=None if progress else True, unit="step",
                   dynamic_ncols=True)
@@ -480,17 +519,21 @@ def run(
         "memory": None,
         "resumed_from": start,
         "checkpoint": saved,
-    } | figures
+    } | _clip_figures(grad_norms, clip_norm) | figures
 
   def read(keep: int) -> None:
     """Reads the losses of all but the newest `keep` steps run; raises at a non-finite one."""
     while len(unread) > keep:
-      losses.append(float(unread.pop(0)))
+      metrics = unread.pop(0)
+      losses.append(float(metrics["loss"]))
+      if "grad_norm" in metrics:
+        grad_norms.append(float(metrics["grad_norm"]))
       if not math.isfinite(losses[-1]):
         raise NonFiniteLossError(
             f"the loss at step {len(losses)} is {losses[-1]}: training stopped there (the "
             f"first non-finite loss); lower --learning_rate (it is {learning_rate:g})"
-            + ("" if clip else ", or pass --clip (gradients clipped to norm 1.0)"),
+            + ("" if clip_norm is not None else
+               ", or pass --clip (gradients clipped to norm 1.0)"),
             step=len(losses), loss=losses[-1], result=result())
 
   def save(done: int) -> str:
@@ -507,7 +550,7 @@ def run(
         if i > start:
           batch = jnp.asarray(next(batch_iter))
         state, metrics = step(state, batch)
-        unread.append(metrics["loss"])
+        unread.append({k: metrics[k] for k in ("loss", "grad_norm") if k in metrics})
         window_steps += 1
         bar.update(1)
         done = i + 1
@@ -525,8 +568,9 @@ def run(
           tok_s = tokens_per_step / secs
           bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tok_s:,.0f}")
           if i > start or steps - start == 1:
+            gnorm = f"  gnorm {grad_norms[-1]:.3g}" if grad_norms else ""
             tqdm.tqdm.write(f"step {done:>6}/{steps}  loss {losses[-1]:.4f}  "
-                            f"{tok_s:,.0f} tokens/s  {secs * 1e3:.1f} ms/step")
+                            f"{tok_s:,.0f} tokens/s  {secs * 1e3:.1f} ms/step{gnorm}")
         if checkpoint_dir and (done == steps or sigint.asked or (
             checkpoint_every and done % checkpoint_every == 0)):
           saved = save(done)
@@ -546,6 +590,12 @@ def run(
   _say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
        f"{tokens_per_sec:,.0f} tokens/s (mean, first step excluded), "
        f"first step {compile_secs:.2f} s, total {total_secs:.1f} s")
+  clipped = _clip_figures(grad_norms, clip_norm)
+  if clipped["grad_norm"]:
+    g = clipped["grad_norm"]
+    _say(f"clip: max norm {clip_norm:g}, over it (clipped) on "
+         f"{round(clipped['clipped_fraction'] * g['steps'])} of {g['steps']} timed steps; "
+         f"gradient norm min {g['min']:.4g}, median {g['median']:.4g}, max {g['max']:.4g}")
   memory = _memory_figures(step.plan if offload != "none" else None)
   partial = offload != "none" and _no_activations(step.plan)
   _say("memory: " + ", ".join(
@@ -660,6 +710,12 @@ _LEARNING_RATE = flags.DEFINE_float("learning_rate", None,
 _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", None,
                                      "Warmup steps; default 5% of --steps.", lower_bound=0)
 _CLIP = flags.DEFINE_bool("clip", False, "Clip gradients to global norm 1.0.")
+_CLIP_NORM = flags.DEFINE_float(
+    "clip_norm", None, "Clip gradients to this global norm (> 0; implies --clip, whose 1.0 it "
+    "replaces). With clipping, each step's gradient norm is printed and --json_out has "
+    "clip_norm, grad_norms and clipped_fraction (the timed steps the clip scaled).")
+flags.register_validator("clip_norm", lambda v: v is None or (math.isfinite(v) and v > 0),
+                         "--clip_norm must be a finite number > 0")
 _LOG_EVERY = flags.DEFINE_integer("log_every", None,
                                   "Log (and sync) every N steps; default per config.",
                                   lower_bound=1)
@@ -749,7 +805,8 @@ def main(argv: Sequence[str]) -> None:
     result = run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
         seq_len=_SEQ_LEN.value, offload=_OFFLOAD.value, data=_DATA.value,
         seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
-        warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, log_every=_LOG_EVERY.value,
+        warmup_steps=_WARMUP_STEPS.value, clip=_CLIP.value, clip_norm=_CLIP_NORM.value,
+        log_every=_LOG_EVERY.value,
         device_budget=_DEVICE_BUDGET.value, host_budget=_HOST_BUDGET.value,
         remat_policy=_REMAT_POLICY.value, allow_over_budget=_ALLOW_OVER_BUDGET.value,
         overlap_update=_OVERLAP_UPDATE.value, tokenizer=_TOKENIZER.value,

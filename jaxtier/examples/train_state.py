@@ -61,6 +61,11 @@ class OptimizerConfig:
     return self.warmup_steps
 
 
+# optax.global_norm, by its newer name where optax has it (the old one warns that it is
+# deprecated): the L2 norm of all the leaves together, as optax.clip_by_global_norm computes it.
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
+
 def _decay_mask(params):
   """True for the leaves that get weight decay: all but the RMSNorm scales."""
   return jax.tree_util.tree_map_with_path(
@@ -109,8 +114,10 @@ def make_train_state(
     ``(model, optimizer)`` (index ``0``: the parameters; index ``1``: the
     optimizer's ``opt_state`` and ``step``), allocated on the default device.
     ``train_step(state, batch)`` takes int ``[batch, seq_len + 1]`` tokens and
-    returns ``(new_state, {"loss": float32 scalar})``; ``new_state`` has the same
-    pytree structure, shapes and dtypes as ``state``.
+    returns ``(new_state, {"loss": float32 scalar})``, with ``"grad_norm"`` too where the
+    gradients are clipped (``optimizer_config.clip_norm``): their global L2 norm before the
+    clip (``optax.global_norm``; the step clips where it is over ``clip_norm``);
+    ``new_state`` has the same pytree structure, shapes and dtypes as ``state``.
   """
   if isinstance(config, str):
     config = lookup_config(config)
@@ -134,7 +141,11 @@ def make_train_state(
     loss, grads = jax.value_and_grad(
         lambda p: llama.loss_fn(nnx.merge(model_def, p, rest), batch))(params)
     optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), {"loss": loss}
+    metrics = {"loss": loss}
+    if optimizer_config.clip_norm is not None:
+      # The norm that clip_by_global_norm compares with clip_norm.
+      metrics["grad_norm"] = _global_norm(grads)
+    return nnx.state((model, optimizer)), metrics
 
   return graphdef, state, train_step
 

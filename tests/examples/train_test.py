@@ -373,3 +373,74 @@ def test_the_measured_pinned_host_bytes_count_each_buffer_once():
   gc.collect()
   freed = train._memory_figures(None)["pinned_host live (measured)"]  # pylint: disable=protected-access
   assert held - freed == 4000
+
+
+def test_clip_norm_implies_clipping_and_replaces_clips_norm():
+  assert train.clip_norm_of(False, None) is None
+  assert train.clip_norm_of(True, None) == 1.0
+  assert train.clip_norm_of(False, 0.25) == 0.25 and train.clip_norm_of(True, 4) == 4.0
+  for bad in (0.0, -1.0, math.inf, math.nan, True):
+    with pytest.raises(ValueError, match=r"run: expected clip_norm > 0 \(finite\) or None"):
+      train.clip_norm_of(False, bad)
+
+
+def test_clip_figures_count_the_timed_steps_over_the_norm():
+  # The first step (compiled, not timed) is left out, as from tokens_per_sec; a step clips
+  # where its norm is over clip_norm (optax scales the gradients by clip_norm / norm there).
+  clip_figures = train._clip_figures  # pylint: disable=protected-access
+  figures = clip_figures([9.0, 1.0, 2.0, 3.0, 2.0], 2.0)
+  assert figures["clipped_fraction"] == 0.25
+  assert figures["grad_norm"] == {"min": 1.0, "median": 2.0, "max": 3.0, "steps": 4}
+  assert figures["grad_norms"] == [9.0, 1.0, 2.0, 3.0, 2.0] and figures["clip_norm"] == 2.0
+  assert clip_figures([5.0], 2.0)["clipped_fraction"] == 1.0  # one step: it is the timed one
+  for norms, clip_norm in (([1.0, 2.0], None), ([], 1.0)):
+    figures = clip_figures(norms, clip_norm)
+    assert figures["grad_norm"] is None and figures["clipped_fraction"] is None
+
+
+def test_a_checkpoint_saved_before_clip_norm_resumes_with_its_norm():
+  from jaxtier.examples import checkpoints  # pylint: disable=g-import-not-at-top
+  settings = {k: None for k in checkpoints.SHARED_SETTINGS} | {"steps": 9}
+  old = checkpoints.Checkpoint("ckpt", 3, (1.0,) * 3, {k: v for k, v in settings.items()
+                                                       if k != "clip_norm"} | {"clip": True})
+  checkpoints.check_resumable(old, settings | {"clip": True, "clip_norm": 1.0})
+  with pytest.raises(ValueError, match=r"--clip_norm=0\.5 \(the checkpoint's run: 1\.0\)"):
+    checkpoints.check_resumable(old, settings | {"clip": True, "clip_norm": 0.5})
+
+
+@pytest.mark.slow
+def test_the_clipped_step_returns_the_gradients_norm_before_the_clip():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 9)), jnp.int32)
+  _, _, plain = train.make_train_state(MICRO, 1e-3, seed=0)
+  assert set(jax.eval_shape(plain, train.make_train_state(MICRO, 1e-3)[1], batch)[1]) == {"loss"}
+  graphdef, state, step = train.make_train_state(
+      MICRO, train.OptimizerConfig(learning_rate=1e-3, clip_norm=1e-3), seed=0)
+  model, _ = nnx.merge(graphdef, state)
+  model_def, params, rest = nnx.split(model, nnx.Param, ...)
+  from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  grads = jax.grad(lambda p: llama.loss_fn(nnx.merge(model_def, p, rest), batch))(params)
+  _, metrics = jax.jit(step)(state, batch)
+  assert metrics["grad_norm"].shape == () and metrics["grad_norm"].dtype == jnp.float32
+  norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
+  np.testing.assert_allclose(metrics["grad_norm"], norm, rtol=1e-5)
+  assert float(metrics["grad_norm"]) > 1e-3  # over clip_norm: this step clips
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", ["none", "optimizer_state_on_host"])
+def test_run_clip_norm_clips_the_steps_over_it(corpus, device_run, offload):
+  # A clip_norm under every step's norm clips them all (and changes the losses); one over
+  # them all clips none, and the run is the unclipped one, step for step.
+  tight = _run(corpus, offload=offload, clip_norm=1e-6)
+  loose = _run(corpus, offload=offload, clip_norm=1e6)
+  for got, norm, fraction in ((tight, 1e-6, 1.0), (loose, 1e6, 0.0)):
+    assert got["clip_norm"] == norm and got["clipped_fraction"] == fraction
+    assert len(got["grad_norms"]) == 20 and all(0 < g < 1e6 for g in got["grad_norms"])
+    g = got["grad_norm"]
+    assert g["steps"] == 19 and g["min"] <= g["median"] <= g["max"]
+  np.testing.assert_allclose(loose["losses"], device_run["losses"], rtol=1e-5)
+  np.testing.assert_allclose(loose["grad_norms"][:1], tight["grad_norms"][:1], rtol=1e-5)
+  assert tight["losses"][-1] != pytest.approx(device_run["losses"][-1], rel=1e-3)
+  assert device_run["clip_norm"] is None and device_run["clipped_fraction"] is None
+  assert device_run["grad_norms"] == []
