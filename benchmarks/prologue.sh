@@ -6,7 +6,8 @@
 # fails), OUT (where results go: the device tool's $OUT, else /tmp/out), ROOT (the checkout),
 # t0, CALL_SECS (the call's budget, 570 s: the tool stops a command at 600 s), BENCH_LAUNCHED_BY
 # (the command line that launched the run, recorded in each result), BENCH_CARD (the GPU's short
-# name, e.g. h200: result files are named by it), BENCH_COMMIT and the helpers `stamp` and `step`
+# name, e.g. h200: result files are named by it), BENCH_COMMIT (the checkout's HEAD, unless set
+# before the run) and the helpers `stamp` and `step`
 # (below). Then it installs
 # the wheels carried in .whl/, if any, to /tmp/site (the device image has no registry), builds
 # and installs jaxtier, and stamps "built". On exit it names the steps that failed, timed out or
@@ -27,8 +28,12 @@ export BENCH_LAUNCHED_BY=${BENCH_LAUNCHED_BY:-"bash $0 $*"}
 BENCH_CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 \
     | grep -oE '\b[A-Z]{1,2}[0-9]{2,4}[A-Z]?\b' | head -1 | tr '[:upper:]' '[:lower:]')
 export BENCH_CARD=${BENCH_CARD:-cpu}
-BENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-[[ -n "$(git status --porcelain 2>/dev/null)" ]] && BENCH_COMMIT+=" (tree uncommitted)"
+# A BENCH_COMMIT set before the run is kept: the checkout's HEAD here may not be the commit the
+# tree holds (a copy of a worktree has no git history of its own).
+if [[ -z "${BENCH_COMMIT:-}" ]]; then
+  BENCH_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  [[ -n "$(git status --porcelain 2>/dev/null)" ]] && BENCH_COMMIT+=" (tree uncommitted)"
+fi
 export BENCH_COMMIT
 FAILED=()
 
