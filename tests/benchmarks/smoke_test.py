@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -176,3 +177,137 @@ def test_layer_call_order_reads_the_schedule():
       '  ROOT %j = f32[4] custom-call(%f3, %l), custom_call_target="jaxtier_host_update_join_ffi"',
       "}"])
   assert layer_call_order.order(hlo) == "m(2)SwL.J"
+
+
+# DeepSpeed's run.sh as w7_clipped calls it: CONFIG BATCH SEQ STEPS WARMUP, MODES, EXTRA_ARGS, OUT;
+# it writes the JSON its bench writes ($OUT/<mode>_<config>.json).
+_W7_FAKE_DEEPSPEED = r"""#!/usr/bin/env bash
+mkdir -p "$OUT"
+echo "modes $MODES, extra $EXTRA_ARGS"
+printf '{"mode": "%s", "config": "%s", "median_step_s": 0.5, "tokens_per_s": 512.0, %s}' \
+    "$MODES" "$1" '"error": null' > "$OUT/zero2_offload_$1.json"
+"""
+
+
+def test_w7_clipped_chooses_its_norms_from_the_probe_and_records_each_run(tmp_path):
+  # tiny on the CPU, 12 steps (11 timed): the probe's norms choose a max norm over which 1 of
+  # the 11 timed steps is (under 10%) and one under them all; each clipped run's own share.
+  fake = tmp_path / "run.sh"
+  fake.write_text(_W7_FAKE_DEEPSPEED)
+  fake.chmod(0o755)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", BENCH_COMMIT="abc1234 (given)")
+  env.pop("XLA_FLAGS", None)
+  p = subprocess.run(
+      [sys.executable, os.path.join(BENCH, "w7_clipped.py"), f"--out={tmp_path}",
+       "--groups=tiny_b4_s64:unclipped+probe+clip_rare+clip_always+deepspeed_clipped+"
+       "clip_rare_retry",
+       "--steps=tiny=12", f"--work_dir={tmp_path / 'runs'}", "--deepspeed_groups=tiny_b4_s64",
+       f"--deepspeed_script={fake}", "--budget_secs=600"],
+      capture_output=True, text=True, env=env, timeout=700, cwd=str(tmp_path))
+  assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
+  data = json.loads((tmp_path / "w7" / "w7_clipped_tiny_b4_s64_part_cpu.json").read_text())
+  assert data["card"] == "cpu" and data["commit"] == "abc1234 (given)" and data["date"]
+  assert "--groups=tiny_b4_s64:" in data["command"]
+  runs, norms = data["runs"]["tiny_b4_s64"], data["norms"]["tiny_b4_s64"]
+  # Run again only where clip_rare clipped none of its timed steps (or 10% or more), at a norm
+  # chosen from its own.
+  retry = runs.pop("clip_rare_retry")
+  if 0 < runs["clip_rare"]["clipped_fraction"] < 0.1:
+    assert retry["skipped"].startswith("clip_rare clipped 0.0909 of its timed steps"), retry
+  else:
+    assert retry["clip_norm"] == pytest.approx(norms["retry"]["clip_rare"], rel=1e-8), retry
+    assert norms["retry"]["timed_norms"] == runs["clip_rare"]["grad_norms"][1:]
+  for name, run in runs.items():
+    assert "error" not in run and "skipped" not in run, (name, run)
+    assert run["tokens_per_sec"] > 0 and run["step_secs_median"] > 0, name
+  probe, un = runs["probe"], runs["unclipped"]
+  assert un["clip_norm"] is None and un["clipped_fraction"] is None and un["grad_norms"] == []
+  assert probe["clipped_fraction"] == 0.0 and len(probe["grad_norms"]) == 12
+  # The probe's clip never scales: its steps are the unclipped run's.
+  assert probe["losses"] == pytest.approx(un["losses"], rel=1e-6)
+  timed = probe["grad_norms"][1:]
+  assert norms["timed_norms"] == timed and norms["steps_over_rare"] == 1
+  assert sorted(timed)[-2] < norms["clip_rare"] < max(timed)
+  assert norms["clip_always"] == pytest.approx(0.5 * min(timed))
+  for v in ("clip_rare", "clip_always"):
+    run = runs[v]
+    assert run["clip_norm"] == pytest.approx(norms[v], rel=1e-8)
+    over = sum(g > run["clip_norm"] for g in run["grad_norms"][1:])
+    assert run["clipped_fraction"] == over / 11, v
+  assert runs["clip_always"]["clipped_fraction"] == 1.0
+  assert un["schedule"] in ("layered", "serial") and "schedule" in data["figures"][
+      "tiny_b4_s64 clip_rare"]
+  ds = runs["deepspeed_clipped"]
+  assert ds["tokens_per_sec"] == 4 * 64 / 0.5 and "EXTRA_ARGS='--clip 1.0'" in ds["command"]
+  assert ds["command"].endswith("tiny 4 64 8 2")
+  ratio = data["ratio"]
+  for key in ("clip_rare tokens/s over unclipped", "clip_always tokens/s over unclipped",
+              "clip_rare tokens/s over deepspeed_clipped", "clip_always step over clip_rare step"):
+    assert ratio[f"tiny_b4_s64 {key}"] > 0, key
+  assert data["mfu"]["peak_flops"] is None and un["mfu"] is None  # no rate kept for a CPU
+  with tarfile.open(tmp_path / "w7" / "w7_logs_cpu.tar.gz") as tar:
+    assert {f"tiny_b4_s64_{v}.log" for v in runs} <= set(tar.getnames())
+  assert "tiny_b4_s64 clip_always" in p.stdout
+
+
+def test_w7_clipped_skips_with_the_reason_what_its_budget_cannot_run(tmp_path):
+  # No seconds to spend and no DeepSpeed: every run is skipped, each with why, and the JSON is
+  # written all the same; --norms stands in for the probe.
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("BENCH_COMMIT", None)
+  p = subprocess.run(
+      [sys.executable, os.path.join(BENCH, "w7_clipped.py"), f"--out={tmp_path}",
+       "--groups=tiny_b4_s64,1b_b8:unclipped+deepspeed_clipped", "--norms=tiny_b4_s64=2:0.5",
+       f"--work_dir={tmp_path / 'runs'}", f"--deepspeed_script={tmp_path / 'none.sh'}",
+       "--budget_secs=0"],
+      capture_output=True, text=True, env=env, timeout=300, cwd=str(tmp_path))
+  assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-5000:])
+  data = json.loads((tmp_path / "w7" / "w7_clipped_tiny_b4_s64_1b_b8_part_cpu.json").read_text())
+  tiny, big = data["runs"]["tiny_b4_s64"], data["runs"]["1b_b8"]
+  assert tiny["probe"]["skipped"] == "the max norms were given (--norms)"
+  assert "s left of --budget_secs=0" in tiny["clip_rare"]["skipped"]
+  assert "DeepSpeed runs only for --deepspeed_groups=1b_b8" in tiny["deepspeed_clipped"]["skipped"]
+  assert "DeepSpeed is not carried" in big["deepspeed_clipped"]["skipped"]
+  assert data["norms"]["tiny_b4_s64"] == {"clip_rare": 2.0, "clip_always": 0.5,
+                                          "how": "given (--norms)"}
+  assert data["ratio"] == {} and data["commit"] and data["commit_source"] == "git"
+
+
+_W7_UNITS = r"""
+import w7_clipped as w
+n = w.choose_norms([9.0] + [1.0] * 18 + [2.0, 4.0], 0.5)  # 20 timed: between 2 and 4
+assert n["clip_rare"] == 8 ** 0.5 and n["steps_over_rare"] == 1 and n["clip_always"] == 0.5, n
+assert n["first_step_norm"] == 9.0 and n["timed_steps"] == 20
+# 30 timed steps: up to 2 over it (under 10%), where the gap is widest: under the two largest.
+n = w.choose_norms([9.0] + [1.0] * 28 + [3.0, 3.2], 0.5)
+assert n["steps_over_rare"] == 2 and abs(n["clip_rare"] - 3 ** 0.5) < 1e-12, n
+for bad in ([1.0], [1.0, float("nan"), 2.0], [1.0, 0.0, 2.0]):
+  try:
+    w.choose_norms(bad, 0.5)
+  except ValueError:
+    pass
+  else:
+    raise AssertionError(bad)
+g = w.parse_group
+assert g("1b_b8") == dict(name="1b_b8", config="1b", batch_size=8, seq_len=1024)
+assert g("8b_b16")["seq_len"] == 2048 and g("tiny_b4_s64")["seq_len"] == 64
+sel = w.parse_selection(["1b_b8:clip_always+unclipped", "8b_b16"])
+assert sel[0][1] == ["unclipped", "clip_always"] and sel[1][1] == list(w.VARIANTS)
+assert w.parse_norms(["1b_b8=2.5:0.25"]) == {"1b_b8": (2.5, 0.25)}
+for call, arg in ((g, "huge_b8"), (g, "1b"), (w.parse_selection, ["1b_b8:fast"]),
+                  (w.parse_norms, ["1b_b8=2"]), (w.parse_norms, ["1b_b8=0:1"])):
+  try:
+    call(arg)
+  except ValueError:
+    pass
+  else:
+    raise AssertionError(arg)
+assert w.model_flops_per_token("1b", 1024) == 6 * 1_028_737_024 + 12 * 20 * 2048 * 1024
+print("OK")
+"""
+
+
+def test_w7_clipped_chooses_norms_and_reads_its_selection():
+  p = _run_bench(["-c", _W7_UNITS], None, cwd=BENCH)
+  assert p.returncode == 0 and p.stdout.strip().endswith("OK"), (p.stdout[-3000:],
+                                                                  p.stderr[-5000:])
