@@ -318,7 +318,13 @@ class Runner:
         "compiled_peak_hbm_bytes": mem.get("peak device (compiled)"),
         "pinned_live_bytes": mem.get("pinned_host live (measured)"),
         "pinned_planned_bytes": mem.get("pinned_host (planned)"),
-        "plan_bytes": res.get("plan_bytes"), "compile_secs": res.get("compile_secs")}
+        "plan_bytes": res.get("plan_bytes"), "compile_secs": res.get("compile_secs"),
+        # The guessed updates (a clipped step's): steps held and missed, and the planner's mean
+        # step at that share of misses against the measured mean of the timed steps.
+        "guessed": res.get("guessed"), "step_secs_mean": float(np.mean(timed)),
+        "predicted_mean_over_measured": (
+            res["guessed"]["predicted_mean_step_secs"] / float(np.mean(timed))
+            if (res.get("guessed") or {}).get("predicted_mean_step_secs") else None)}
 
   def deepspeed(self, group: dict) -> dict:
     script = _DEEPSPEED_SCRIPT.value

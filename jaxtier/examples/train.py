@@ -331,7 +331,9 @@ def run(
     over the timed steps: all but this run's first, as ``tokens_per_sec``) and
     ``clipped_fraction`` (the fraction of those steps whose norm is over ``clip_norm``: the
     steps the clip scaled); without, ``clip_norm`` and those are ``None`` (``grad_norms``
-    empty).
+    empty). Where the plan runs a clipped step's updates on a guess (`Plan.speculation`),
+    ``guessed`` gives the steps whose guess ``held`` and ``missed`` and the planner's
+    ``predicted_mean_step_secs`` at that share of misses (seconds); else None.
 
   Raises:
     ValueError: for an unknown config or offload mode, bad sizes, bad data, or a vocabulary
@@ -602,6 +604,18 @@ def run(
       f"{k} {jaxtier.format_bytes(v)}"
       f"{' (state and gradients only: no activations)' if partial and 'predicted' in k else ''}"
       for k, v in memory.items() if v is not None))
+  held, missed = step.guesses if offload != "none" else (0, 0)
+  speculation = getattr(getattr(step, "plan", None), "speculation", None)
+  guessed = None
+  if held + missed:
+    miss = missed / (held + missed)
+    predicted = speculation.step_secs(miss)
+    guessed = {"held": held, "missed": missed,
+               "predicted_mean_step_secs": predicted,
+               "speculative_step_secs": speculation.speculative_step_secs,
+               "serial_step_secs": speculation.serial_step_secs}
+    _say(f"guessed updates: {held} steps held, {missed} missed (ran the serial schedule "
+         f"too); planner: mean step {predicted * 1e3:.4g} ms at that share")
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
     # (Whether the rates are this machine's the plan's summary said.)
@@ -609,7 +623,8 @@ def run(
          f"{measured * 1e3:.3g} ms (calls 2-4)")
   if saved:
     _say(f"checkpoint: {saved}")
-  return result(tokens_per_sec=tokens_per_sec, total_secs=total_secs, memory=memory)
+  return result(tokens_per_sec=tokens_per_sec, total_secs=total_secs, memory=memory,
+                guessed=guessed)
 
 
 def _save_jitted(path: str, state: Any) -> None:
@@ -671,6 +686,10 @@ def _memory_figures(plan) -> dict[str, "int | None"]:
       "pinned_host (planned)": getattr(plan, "pinned_bytes", None),
       "pinned_host beyond the state (compiled)": getattr(plan, "compiler_host_extra_bytes",
                                                          None),
+      "pinned_host spares (planned)": (
+          plan.speculation.spare_pinned_bytes
+          if getattr(plan, "speculation", None) is not None and plan.speculation.enabled
+          else None),
   }
 
 

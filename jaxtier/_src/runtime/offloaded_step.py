@@ -47,6 +47,16 @@ class OffloadedStep:
       `place`, `init` or `restore` starts a run from another state).
   """
 
+  @property
+  def guesses(self) -> tuple[int, int]:
+    """(guessed steps whose guess held, those whose guess missed) of the plan's guarded
+    updates (`Plan.speculation`: a clipped step's, run on a guess that the clip does not
+    bind); (0, 0) where it has none. A missed step ran the serial schedule too."""
+    guesser = self._runner.guesser if self._runner is not None else None
+    if guesser is None:
+      return (0, 0)
+    return (guesser.tried - guesser.missed, guesser.missed)
+
   def __init__(self, fn: Callable[..., Any], options: OffloadOptions):
     self._fn = fn
     self._options = options
