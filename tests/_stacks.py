@@ -49,3 +49,33 @@ class Stack(nnx.Module):
       return self.body(h, block)
     h = run(x, getattr(self, self.name))
     return self.head(h) if hasattr(self, "head") else h
+
+
+def failing_stack(fail_at, *, layers: int, width: int, head: int = 2):
+  """A `Stack` whose backward pass raises once `fail_at()` says so: each layer's input goes
+  through an identity whose gradient is a host callback calling `fail_at()` (it raises
+  RuntimeError when that returns True). Counts the calls in `fail_at` itself."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  def check(x):
+    if fail_at():
+      raise RuntimeError("injected failure in the backward pass")
+    return x
+
+  @jax.custom_vjp
+  def probe(h):
+    return h
+
+  def probe_fwd(h):
+    return h, None
+
+  def probe_bwd(_, g):
+    return (jax.pure_callback(check, jax.ShapeDtypeStruct(g.shape, g.dtype), g),)
+  probe.defvjp(probe_fwd, probe_bwd)
+
+  class Probed(Stack):
+
+    def body(self, h, block):
+      return block(probe(h))
+
+  return Probed(nnx.Rngs(0), layers=layers, width=width, head=head)

@@ -37,13 +37,9 @@ def _losses(step_fn, state, batch, steps):
   return out
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=4, help="steps per run")
-  parser.add_argument("--rtol", type=float, default=1e-5,
-                      help="relative difference a loss may have from jit's")
-  parser.add_argument("--out", help="folder for executor_parity.json (default: print only)")
-  args = parser.parse_args()
+def tiny_setup():
+  """(the 4-layer tiny config, one batch of its tokens, `fresh()` -> (state, step_fn)): the
+  model these diagnostics train, matmuls in full fp32."""
   jax.config.update("jax_default_matmul_precision", "highest")
   config = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=4)
   batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, config.max_seq_len + 1)),
@@ -52,7 +48,17 @@ def main():
   def fresh():
     _, state, step_fn = train.make_train_state(config, 1e-3)
     return state, step_fn
+  return config, batch, fresh
 
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=4, help="steps per run")
+  parser.add_argument("--rtol", type=float, default=1e-5,
+                      help="relative difference a loss may have from jit's")
+  parser.add_argument("--out", help="folder for executor_parity.json (default: print only)")
+  args = parser.parse_args()
+  config, batch, fresh = tiny_setup()
   state, step_fn = fresh()
   ref = _losses(jax.jit(step_fn), state, batch, args.steps)
   print(f"jax.jit: {ref}")

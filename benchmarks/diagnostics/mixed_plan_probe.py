@@ -31,7 +31,6 @@ Losses are compared with jax.jit's at `--rtol`; a probe prints OK or BAD and its
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -46,7 +45,9 @@ import jaxtier
 from jaxtier._src.lowering import hlo as hlo_lib
 from jaxtier._src.primitives import host_update as hu
 from jaxtier._src.primitives import stream
-from jaxtier.examples import llama, train
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import executor_parity  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _host(x):
@@ -96,15 +97,7 @@ def main():
   parser.add_argument("--rtol", type=float, default=1e-5)
   parser.add_argument("--out", help="folder for mixed_plan_probe.json (default: print only)")
   args = parser.parse_args()
-  jax.config.update("jax_default_matmul_precision", "highest")
-  config = dataclasses.replace(llama.CONFIGS["tiny"], num_layers=4)
-  batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, config.max_seq_len + 1)),
-                      jnp.int32)
-
-  def fresh():
-    _, state, step_fn = train.make_train_state(config, 1e-3)
-    return state, step_fn
-
+  config, batch, fresh = executor_parity.tiny_setup()
   state, step_fn = fresh()
   _, ref = _losses(jax.jit(step_fn), state, batch, args.steps)
   full = jaxtier.plan(step_fn, state, batch, policy="none")

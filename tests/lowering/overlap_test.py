@@ -252,29 +252,11 @@ def test_a_failed_layered_step_names_the_leaves_it_left():
   graphdef, params = _model()
   calls = {"n": 0}
 
-  def fail_in_backward(x):
+  def fail_at():  # the third layer differentiated: two layers' updates have run
     calls["n"] += 1
-    if calls["n"] >= 3:  # the third layer differentiated: two layers' updates have run
-      raise RuntimeError("injected failure in the backward pass")
-    return x
+    return calls["n"] >= 3
 
-  @jax.custom_vjp
-  def probe(h):
-    return h
-
-  def probe_fwd(h):
-    return h, None
-
-  def probe_bwd(_, g):
-    return (jax.pure_callback(fail_in_backward, jax.ShapeDtypeStruct(g.shape, g.dtype), g),)
-  probe.defvjp(probe_fwd, probe_bwd)
-
-  class Probed(_stacks.Stack):
-
-    def body(self, h, block):
-      return block(probe(h))
-
-  graphdef = nnx.split(Probed(nnx.Rngs(0), layers=LAYERS, width=WIDTH, head=2))[0]
+  graphdef = nnx.split(_stacks.failing_stack(fail_at, layers=LAYERS, width=WIDTH))[0]
   step = jaxtier.offload(_step(graphdef, tx), policy=ON_HOST)
   state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
   assert step._programs.split.overlap.updates

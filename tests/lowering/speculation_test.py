@@ -210,29 +210,11 @@ def test_a_failed_guessed_step_leaves_every_leaf_intact():
   graphdef, params = ot._model()
   calls = {"n": 0, "fail": False}
 
-  def fail_in_backward(x):
+  def fail_at():  # once armed, at the third layer differentiated
     calls["n"] += 1
-    if calls["fail"] and calls["n"] >= 3:
-      raise RuntimeError("injected failure in the backward pass")
-    return x
+    return calls["fail"] and calls["n"] >= 3
 
-  @jax.custom_vjp
-  def probe(h):
-    return h
-
-  def probe_fwd(h):
-    return h, None
-
-  def probe_bwd(_, g):
-    return (jax.pure_callback(fail_in_backward, jax.ShapeDtypeStruct(g.shape, g.dtype), g),)
-  probe.defvjp(probe_fwd, probe_bwd)
-
-  class Probed(ot._stacks.Stack):
-
-    def body(self, h, block):
-      return block(probe(h))
-
-  graphdef = nnx.split(Probed(nnx.Rngs(0), layers=ot.LAYERS, width=ot.WIDTH, head=2))[0]
+  graphdef = nnx.split(ot._stacks.failing_stack(fail_at, layers=ot.LAYERS, width=ot.WIDTH))[0]
   step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST)
   state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
   state, _ = step(state, _batch(0))  # a guessed step that held
