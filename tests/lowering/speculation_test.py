@@ -265,3 +265,32 @@ def test_apply_if_finite_guesses_finite_and_skips_a_non_finite_step_exactly():
   assert int(l_state["opt"].total_notfinite) == 2
   if not ON_GPU:
     _same(s_state, l_state)
+
+
+def test_a_guessed_step_out_of_memory_runs_the_serial_schedule(caplog):
+  # The spares and the undonated device leaves are memory the admitted plan did not count on:
+  # a guessed compute that runs out of it leaves the state intact, the serial schedule runs
+  # that step, and no step guesses again.
+  tx = _clipped(lambda: optax.adam(1e-2))
+  _, s_state, s_losses = _train(tx, overlap=False, steps=3)
+  tx = _clipped(lambda: optax.adam(1e-2))
+  graphdef, params = ot._model()
+  step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  spec = step._programs.speculative
+
+  class Exhausted:
+    def __call__(self, inputs):
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1 byte")
+
+  spec.compute = Exhausted()
+  losses = []
+  with caplog.at_level("WARNING", logger="jaxtier"):
+    for i in range(3):
+      state, m = step(state, _batch(i))
+      losses.append(float(m["loss"]))
+  assert "ran out of memory" in caplog.text
+  assert step._runner.guesser is None and step.guesses == (0, 0)
+  if not ON_GPU:
+    assert losses == s_losses
+    _same(s_state, state)

@@ -220,6 +220,14 @@ class StepRunner:
       jax.block_until_ready(computed)
     except Exception as e:
       self.scratch, self._spares = [], {}  # donated to the failed program
+      if _out_of_memory(e):
+        # The spares and the undonated device leaves are the guessed step's own memory: the
+        # serial schedule (what the plan admitted) runs instead, from now on.
+        log.warning("jaxtier: the guessed updates ran out of memory (%s); the clipped steps "
+                    "run the serial schedule", str(e).splitlines()[0][:300])
+        self.guesser = None
+        self.ensure_scratch()
+        return None
       if hasattr(e, "add_note"):
         e.add_note("jaxtier: the step failed in its speculative compute program, which only "
                    "reads the state: every leaf of the state given is intact and usable.")
@@ -312,6 +320,12 @@ class StepRunner:
       log.info("jaxtier: step time measured %.4g ms (median of %d)%s", measured * 1e3,
                MEASURED_STEPS, "" if not predicted else
                f", predicted {predicted * 1e3:.4g} ms ({predicted / measured:.3g} of measured)")
+
+
+def _out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is an allocator's out-of-memory error (XLA's RESOURCE_EXHAUSTED)."""
+  text = str(error)
+  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
 
 
 class HeldInterrupt:
