@@ -332,8 +332,8 @@ def run(
     ``clipped_fraction`` (the fraction of those steps whose norm is over ``clip_norm``: the
     steps the clip scaled); without, ``clip_norm`` and those are ``None`` (``grad_norms``
     empty). Where the plan runs a clipped step's updates on a guess (`Plan.speculation`),
-    ``guessed`` gives the steps whose guess ``held`` and ``missed`` and the planner's
-    ``predicted_mean_step_secs`` at that share of misses (seconds); else None.
+    ``guessed`` gives the steps whose guess ``held``, ``missed``, and ran ``serial`` with no
+    guess, and the planner's ``predicted_mean_step_secs`` over them (seconds); else None.
 
   Raises:
     ValueError: for an unknown config or offload mode, bad sizes, bad data, or a vocabulary
@@ -604,18 +604,23 @@ def run(
       f"{k} {jaxtier.format_bytes(v)}"
       f"{' (state and gradients only: no activations)' if partial and 'predicted' in k else ''}"
       for k, v in memory.items() if v is not None))
-  held, missed = step.guesses if offload != "none" else (0, 0)
+  held, missed, serial = step.guesses if offload != "none" else (0, 0, 0)
   speculation = getattr(getattr(step, "plan", None), "speculation", None)
   guessed = None
-  if held + missed:
-    miss = missed / (held + missed)
-    predicted = speculation.step_secs(miss)
-    guessed = {"held": held, "missed": missed,
+  if held + missed + serial:
+    # The planner's mean step over these steps: a held guess costs the guessed step, a miss
+    # that and a serial step, a step with no guess a serial step.
+    predicted = (held * speculation.speculative_step_secs
+                 + missed * (speculation.speculative_step_secs + speculation.serial_step_secs)
+                 + serial * speculation.serial_step_secs) / (held + missed + serial)
+    guessed = {"held": held, "missed": missed, "serial": serial,
                "predicted_mean_step_secs": predicted,
                "speculative_step_secs": speculation.speculative_step_secs,
                "serial_step_secs": speculation.serial_step_secs}
-    _say(f"guessed updates: {held} steps held, {missed} missed (ran the serial schedule "
-         f"too); planner: mean step {predicted * 1e3:.4g} ms at that share")
+    _say(f"updates run on a guess that the clip does not bind: it held on {held} steps and "
+         f"missed on {missed} (each then ran the serial schedule too); {serial} ran serially "
+         f"with no guess (recent steps clipped); planner: mean step {predicted * 1e3:.4g} ms "
+         "over these steps")
   measured = getattr(getattr(step, "plan", None), "measured_step_secs", None)
   if measured is not None and step.plan.predicted_step_secs is not None:
     # (Whether the rates are this machine's the plan's summary said.)

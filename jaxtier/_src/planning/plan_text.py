@@ -186,12 +186,14 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
   spec = plan.speculation
   if spec is not None and spec.serial_step_secs is not None:
     if spec.enabled:
-      lines += fit(f"clipped/guarded: updates run on a guess (spares "
-                   f"{format_bytes(spec.spare_pinned_bytes)} pinned); a step whose clip binds "
-                   f"{_ms(spec.speculative_step_secs + spec.serial_step_secs)}; serial "
-                   f"past {spec.max_miss:.0%} binding")
+      lines += fit(f"clip/finite check: updates run on a guess that it passes (spares "
+                   f"{format_bytes(spec.spare_pinned_bytes)} pinned); a missed guess "
+                   f"{_ms(spec.speculative_step_secs + spec.serial_step_secs)}; no guess "
+                   f"({_ms(spec.serial_step_secs)}) while over {spec.max_miss:.0%} of recent "
+                   "steps miss")
     else:
-      lines += fit(f"clipped/guarded: serial, {_ms(spec.serial_step_secs)} ({spec.why})")
+      lines += fit(f"clip/finite check: updates run after the backward pass, "
+                   f"{_ms(spec.serial_step_secs)} ({spec.why})")
   if plan.predicted_peak_hbm_bytes is not None or plan.compiler_peak_hbm_bytes is not None:
     memory = "HBM" if plan.platform == "gpu" else "device memory"
     peak = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,14 @@ from jaxtier._src.runtime.masters import MasterCopies
 from jaxtier._src.runtime.plan_cache import PlanCache
 from jaxtier._src.runtime.runner import StepRunner
 from jaxtier._src.vocab import MemoryKind
+
+
+class Guesses(NamedTuple):
+  """`OffloadedStep.guesses`: steps whose guess held, missed, and steps run with none."""
+
+  held: int
+  missed: int
+  serial: int
 
 
 class OffloadedStep:
@@ -48,14 +56,16 @@ class OffloadedStep:
   """
 
   @property
-  def guesses(self) -> tuple[int, int]:
-    """(guessed steps whose guess held, those whose guess missed) of the plan's guarded
-    updates (`Plan.speculation`: a clipped step's, run on a guess that the clip does not
-    bind); (0, 0) where it has none. A missed step ran the serial schedule too."""
+  def guesses(self) -> Guesses:
+    """How the steps of the plan's guarded updates ran (`Plan.speculation`: a clipped or
+    finite-checked step's updates, run on a guess that the clip does not bind): `held`, the
+    steps whose guess held; `missed`, those whose guess missed (they ran the serial schedule
+    too); `serial`, those run with no guess (recent steps clipped too often). All 0 where the
+    plan has none."""
     guesser = self._runner.guesser if self._runner is not None else None
     if guesser is None:
-      return (0, 0)
-    return (guesser.tried - guesser.missed, guesser.missed)
+      return Guesses(0, 0, 0)
+    return Guesses(guesser.tried - guesser.missed, guesser.missed, guesser.unguessed)
 
   def __init__(self, fn: Callable[..., Any], options: OffloadOptions):
     self._fn = fn

@@ -29,42 +29,52 @@ INTERRUPTED_NOTE = (
     "from it: `state = step.last_state`")
 
 
-# The recent steps whose late predicates (a clip that binds, a non-finite gradient) the guess
-# is taken from.
-GUESS_WINDOW = 16
+# The steps whose late predicates (a clip that binds, a non-finite gradient) the guess is
+# taken from, and those whose misses decide whether to guess at all.
+GUESS_FROM = 4
+MISS_WINDOW = 8
 
 
 class Guesser:
-  """Guesses the late predicates of the next step from the recent ones (`GUESS_WINDOW`).
+  """Guesses the late predicates of the next step from the recent ones.
 
-  The guess is the assignment the most recent steps took most often (the latest among equal
-  counts), where the speculative calls may run on it (`guesses`); before any step, the first
-  of `guesses` (all true: the clip does not bind, the gradients are finite). No guess (the
-  serial schedule) where that assignment is not one of `guesses`, or where it was wrong on
-  more than `max_miss` of the recent steps: a wrong guess costs its speculative step and
-  the serial one.
+  The guess is the assignment the last `GUESS_FROM` steps took most often (the latest among
+  equal counts): a run whose clip stops binding guesses again two steps later. Before any step
+  it is the first of `guesses` (all true: the clip does not bind, the gradients are finite).
+  No guess (the step runs the serial schedule) where that assignment is not one of `guesses`,
+  or where more than `max_miss` of the last `MISS_WINDOW` steps took another: a wrong guess
+  costs its speculative step and the serial one.
+
+  Attributes:
+    history: the recent steps' predicates, oldest first.
+    tried, missed: the steps guessed, and those whose guess missed.
+    unguessed: the steps run with no guess (the serial schedule).
   """
 
   def __init__(self, guesses: Sequence[tuple[float, ...]], max_miss: float):
     self.guesses = tuple(tuple(g) for g in guesses)
     self.max_miss = max_miss
-    self.history: collections.deque = collections.deque(maxlen=GUESS_WINDOW)
-    self.tried = self.missed = 0
+    self.history: collections.deque = collections.deque(maxlen=MISS_WINDOW)
+    self.tried = self.missed = self.unguessed = 0
 
   def guess(self) -> "tuple[float, ...] | None":
     if not self.history:
       return self.guesses[0] if self.guesses else None
-    counts = collections.Counter(self.history)
+    recent = list(self.history)[-GUESS_FROM:]
+    counts = collections.Counter(recent)
     best = max(counts.values())
-    pick = next(g for g in reversed(self.history) if counts[g] == best)
-    if pick not in self.guesses or 1.0 - best / len(self.history) > self.max_miss:
+    pick = next(g for g in reversed(recent) if counts[g] == best)
+    miss = sum(g != pick for g in self.history) / len(self.history)
+    if pick not in self.guesses or miss > self.max_miss:
       return None
     return pick
 
   def saw(self, actual: tuple[float, ...], guessed: "tuple[float, ...] | None") -> None:
     """Records a step's predicates, and whether a guess made for it held."""
     self.history.append(actual)
-    if guessed is not None:
+    if guessed is None:
+      self.unguessed += 1
+    else:
       self.tried += 1
       self.missed += actual != guessed
 
