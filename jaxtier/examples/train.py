@@ -740,6 +740,11 @@ _CLIP_NORM = flags.DEFINE_float(
     "clip_norm, grad_norms and clipped_fraction (the timed steps the clip scaled).")
 flags.register_validator("clip_norm", lambda v: v is None or (math.isfinite(v) and v > 0),
                          "--clip_norm must be a finite number > 0")
+flags.register_multi_flags_validator(
+    ["clip", "clip_norm"],
+    lambda f: not (f["clip_norm"] is not None and flags.FLAGS["clip"].present
+                   and not f["clip"]),
+    "--clip_norm clips: drop --noclip (or --clip_norm, to train unclipped)")
 _LOG_EVERY = flags.DEFINE_integer("log_every", None,
                                   "Log (and sync) every N steps; default per config.",
                                   lower_bound=1)

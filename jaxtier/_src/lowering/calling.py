@@ -109,9 +109,9 @@ class ComputeOut:
     layered_masters: the new values of `ComputeIn.layered_masters` (the same buffers).
     guards: the value each late predicate took (`SplitStep.guards`, as float32 []).
 
-  The speculative `compute` (`SpeculativeIn`) returns the same fields, `layered_host` and
-  `layered_masters` in the spare buffers, and the new values of the device leaves it wrote in
-  `SpeculativeIn.spare_device` first in `first`.
+  The speculative `compute` (`SpeculativeIn`) returns the same fields as a `SpeculativeOut`,
+  `layered_host` and `layered_masters` in the spare buffers, and the new values of the device
+  leaves it wrote in `SpeculativeIn.spare_device` first in `first`.
   """
 
   first: Sequence[Any] = ()
@@ -120,6 +120,23 @@ class ComputeOut:
   scratch: Sequence[Any] = ()
   layered_host: Sequence[Any] = ()
   layered_masters: Sequence[Any] = ()
+  guards: Sequence[Any] = ()
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOut:
+  """The speculative `compute`'s outputs: `ComputeOut`'s fields, the pinned_host ones before
+  `feeds` and `rest`. JAX pairs each donated input, in order, with the first remaining output
+  of its shape (jax 0.10: whatever its memory kind): a spare host buffer must meet its own new
+  value before a device output of the same shape (a moment kept on the device)."""
+
+  first: Sequence[Any] = ()
+  scratch: Sequence[Any] = ()
+  layered_host: Sequence[Any] = ()
+  layered_masters: Sequence[Any] = ()
+  feeds: Sequence[Any] = ()
+  rest: Sequence[Any] = ()
   guards: Sequence[Any] = ()
 
 

@@ -176,7 +176,8 @@ def _programs(split: rewrite_lib.SplitStep, plan: Plan, state: Any, args: Sequen
   else:
     compute_in_sh = split.compute_inputs(state_sh, arg_sh, scratch_sh, master_sh_of)
     layered_master_sh = list(compute_in_sh.layered_masters)
-  compute = calling.Program(split.compute, compute_in_sh, calling.ComputeOut(
+  out_class = calling.SpeculativeOut if split.speculative else calling.ComputeOut
+  compute = calling.Program(split.compute, compute_in_sh, out_class(
       first=out_sh(split.compute_outs[:split.num_first]), feeds=[None] * split.num_feeds,
       rest=out_sh(split.compute_outs[split.num_first:]), scratch=scratch_sh,
       layered_host=out_sh(split.layered_host), layered_masters=layered_master_sh,

@@ -247,7 +247,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # Gradient buffers kept zero between steps: their tables' updates zero the rows they read.
   kept_zero = {u.rows.scratch for u in ov.tables}
 
-  def compute(inputs: "calling.ComputeIn | calling.SpeculativeIn") -> calling.ComputeOut:
+  def compute(inputs: "calling.ComputeIn | calling.SpeculativeIn"
+              ) -> "calling.ComputeOut | calling.SpeculativeOut":
     state = [None] * n_state
     for i, x in zip(device, inputs.device_leaves):
       state[i] = x
@@ -310,7 +311,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     new_masters = layers.join(env, scratch)
     feeds = [read(v) for v in feed_vars]
     outs = [read(jaxpr.outvars[j]) for j in compute_outs]
-    return calling.ComputeOut(
+    return (calling.SpeculativeOut if speculate else calling.ComputeOut)(
         first=outs[:num_first], feeds=feeds, rest=outs[num_first:], scratch=scratch,
         layered_host=[read(jaxpr.outvars[j]) for j in layered_host],
         layered_masters=[new_masters[i] for i in layered_masters],
