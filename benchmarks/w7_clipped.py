@@ -520,8 +520,9 @@ def schedule_of(notes: list[str], offload: str) -> str:
 
 def summarize(runs: dict) -> tuple[dict, dict, dict]:
   """(figures, baseline, ratio) from the runs so far."""
-  keys = ("step_secs_median", "tokens_per_sec", "mfu", "clipped_fraction", "clip_norm",
-          "peak_hbm_bytes", "pinned_live_bytes", "pinned_planned_bytes", "schedule")
+  keys = ("step_secs_median", "step_secs_mean", "tokens_per_sec", "mfu", "clipped_fraction",
+          "clip_norm", "peak_hbm_bytes", "pinned_live_bytes", "pinned_planned_bytes",
+          "schedule", "guessed", "predicted_mean_over_measured")
   figures, baseline, ratio = {}, {}, {}
   for g, by_variant in runs.items():
     for v, r in by_variant.items():
