@@ -292,3 +292,35 @@ def test_a_guessed_step_out_of_memory_runs_the_serial_schedule(caplog):
   if not ON_GPU:
     assert losses == s_losses
     _same(s_state, state)
+
+
+def test_guessed_calls_run_the_op_program_specialized_to_the_guess():
+  # The clip's program computes `g / norm * max` and selects; specialized to `norm < max`
+  # true it reads neither the norm nor the predicate and computes the same bits with fewer
+  # instructions.
+  step, _, _ = _train(_clipped(lambda: optax.adamw(1e-2)), overlap=True, steps=1)
+  s = next(s for s in step.plan.schedule if s.guarded)
+  cc = step.plan.components[s.component]
+  fixed = {p: 1.0 for p in s.guards}
+  special = update_schedule.specialize(cc.program, fixed)
+  assert len(special.code) < len(cc.program.code)
+  loads = {int(a) for op, _, a, _, _ in special.code.tolist() if op == hu.Op.LOAD}
+  assert not loads & (set(s.guards) | set(s.unread))
+  rng = np.random.default_rng(0)
+  n = 4096
+  ops = []
+  for p, spec in enumerate(cc.operands):
+    size = n if spec.kind != "value" or np.prod(spec.var.aval.shape) > 1 else 1
+    value = rng.standard_normal(size).astype(np.float32)
+    if p in s.guards:
+      value = np.ones(size, np.float32)
+    elif spec.kind == "host" or p in s.unread:
+      value = np.abs(value) + 0.5
+    ops.append(jnp.asarray(value))
+  res = [jax.ShapeDtypeStruct((n,), jnp.float32) for _ in cc.results]
+  run = lambda program: hu.host_update(program, ops, res, [-1] * len(res), executor="host_cpu")
+  for a, b in zip(run(cc.program), run(special)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Specialized to the clip binding, the program still reads the norm.
+  binds = update_schedule.specialize(cc.program, {p: 0.0 for p in s.guards})
+  assert s.unread[0] in {int(a) for op, _, a, _, _ in binds.code.tolist() if op == hu.Op.LOAD}

@@ -311,6 +311,63 @@ _ARITH = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.MAX: np.m
           Op.MIN: np.minimum}
 
 
+def specialize(program: Any, fixed: dict[int, float]) -> Any:
+  """Op `program` with the operands of `fixed` holding the values given: each select whose
+  condition those values decide copies the case it picks, and every instruction no result
+  needs is dropped (the unchosen case: a clip's `g / norm * max`). Each result is the same
+  value, bit for bit, as `program` computes with those operand values; the program reads
+  fewer operands and runs fewer passes. (Whether it still reads some late operand `reads`
+  says.)
+  """
+  code = [list(row) for row in np.asarray(program.code).tolist()]
+  consts = list(np.asarray(program.consts, np.float32))
+  known: dict[int, float] = {}
+  out = []
+  for op, dst, a, b, c in code:
+    if op == Op.LOAD and a in fixed:
+      consts.append(np.float32(fixed[a]))
+      out.append([Op.CONST, dst, len(consts) - 1, 0, 0])
+      known[dst] = np.float32(fixed[a])
+      continue
+    if op == Op.CONST:
+      known[dst] = np.float32(consts[a])
+    elif op == Op.SELECT and a in known:
+      pick = c if known[a] != 0 else b
+      if pick in known:
+        known[dst] = known[pick]
+      else:
+        known.pop(dst, None)
+      if pick != dst:
+        out.append([Op.COPY, dst, pick, 0, 0])
+      continue
+    elif op != Op.STORE:
+      known.pop(dst, None)
+    out.append([op, dst, a, b, c])
+  # Liveness, backwards: an instruction stays where a result (STORE) needs its register.
+  live: set[int] = set()
+  kept = []
+  for op, dst, a, b, c in reversed(out):
+    if op == Op.STORE:
+      live.add(a)
+      kept.append([op, dst, a, b, c])
+      continue
+    if dst not in live:
+      continue
+    live.discard(dst)
+    if op in (Op.LOAD, Op.CONST):
+      pass
+    elif op == Op.SELECT or op == Op.CLAMP:
+      live.update((a, b, c))
+    elif op in (Op.COPY, Op.NOT) or 10 <= op < 40:
+      live.add(a)
+    else:
+      live.update((a, b))
+    kept.append([op, dst, a, b, c])
+  kept.reverse()
+  return dataclasses.replace(program, code=np.asarray(kept, np.int32),
+                             consts=np.asarray(consts, np.float32))
+
+
 def reads(program: Any, fixed: dict[int, float], watched: "set[int]") -> bool:
   """Whether a result of op `program` depends on an operand of `watched` when the operands of
   `fixed` hold the values given (a select whose condition those values decide depends only on

@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import op_program_compiler
+from jaxtier._src.analysis import update_schedule
 from jaxtier._src.analysis.op_program_compiler import CompiledComponent
 from jaxtier._src.lowering import calling
 from jaxtier._src.lowering import dha_tables
@@ -193,6 +194,11 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
       g for g in itertools.product((1.0, 0.0), repeat=len(guard_vars))
       if all(tuple(g[guard_vars.index(every[rec.component].operands[p].var)]
                    for p in rec.guards) in rec.guesses for rec in guarded)) if guarded else ()
+  # The speculative programs run on the first of them (all true where it is one: the clip does
+  # not bind, the gradients are finite), their op programs specialized to it.
+  if speculate:
+    guesses = guesses[:1]
+  static_guess = dict(zip(guard_vars, guesses[0])) if speculate and guesses else {}
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}
@@ -267,7 +273,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
     env: dict[Any, Any] = dict(zip(jaxpr.invars, state + list(inputs.args)))
     env.update(zip(jaxpr.constvars, consts))
     scratch = list(inputs.scratch)
-    layers = _LayerCalls(every, ov, jaxpr, state, masters, spares, guess)
+    layers = _LayerCalls(every, ov, jaxpr, state, masters, spares, guess, static_guess)
 
     def read(v):
       if isinstance(v, jc.Literal):
@@ -354,13 +360,17 @@ class _LayerCalls:
   def __init__(self, compiled: Sequence[CompiledComponent], ov: overlap_lib.OverlapSchedule,
                jaxpr: Any, state: list[Any], masters: dict[int, Any],
                spares: "Mapping[tuple[str, int], Any] | None" = None,
-               guess: "Mapping[Any, Any] | None" = None):
+               guess: "Mapping[Any, Any] | None" = None,
+               static_guess: "Mapping[Any, float] | None" = None):
     """`spares`: where the calls write each buffer's new value ({('leaf', i) or ('master',
     i): array}; empty: in place). `guess`: the guessed value of each late predicate var that
-    guarded calls read (`LayeredUpdate.guards`)."""
+    guarded calls read (`LayeredUpdate.guards`), as the program's input; `static_guess` the
+    same values, which the guarded calls' op programs are specialized to
+    (`update_schedule.specialize`: the unchosen case of each select dropped)."""
     self.compiled, self.ov, self.jaxpr = compiled, ov, jaxpr
     self.state, self.masters = state, masters
     self.spares, self.guess = dict(spares or {}), dict(guess or {})
+    self.static_guess = dict(static_guess or {})
     self.tokens: list[Any] = []
     self.read_values: list[Any] = []  # device values the calls read, alive until the join
     self.ids: dict[int, Any] = {}  # component -> the ids of its table's gather
@@ -462,7 +472,11 @@ class _LayerCalls:
         if t < len(cc.operands) and key in self.spares:
           out_targets[r] = len(operands)
           operands.append(self.spares[key])
-    return (dataclasses.replace(cc.program, num_operands=len(operands)), operands,
+    program = cc.program
+    if u.guards and self.static_guess:
+      program = update_schedule.specialize(
+          program, {p: self.static_guess[cc.operands[p].var] for p in u.guards})
+    return (dataclasses.replace(program, num_operands=len(operands)), operands,
             tuple(out_targets))
 
   def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
