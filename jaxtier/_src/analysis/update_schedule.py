@@ -221,6 +221,13 @@ def serial(component: int, reason: Refusal) -> UpdateSchedule:
   return UpdateSchedule(component, Mode.SERIAL, reason)
 
 
+def unguessed(schedule: Sequence[UpdateSchedule]) -> tuple[UpdateSchedule, ...]:
+  """`schedule` as a step with no guess runs it: each guarded update serial (it waits for
+  every gradient), the others as they are."""
+  return tuple(serial(s.component, Refusal(Why.WAITS_FOR_EVERY_GRADIENT)) if s.guarded else s
+               for s in schedule)
+
+
 def layer_loop(loops: layer_stacks.LayerLoops, cc: Any
                ) -> "tuple[int, dict[int, int]] | Refusal":
   """(the layer loop's equation index, {operand position: its gradient's outvar position in

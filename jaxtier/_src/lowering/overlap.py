@@ -238,7 +238,7 @@ def schedule(jaxpr: Any, plan: Any, stream: streaming.StreamSchedule,
   compiled = plan.components
   if not compiled:
     return EMPTY
-  records = plan.schedule
+  records = plan.schedule if speculate else update_schedule.unguessed(plan.schedule)
   if [s.component for s in records] != list(range(len(compiled))):
     raise ScheduleError(f"the plan records the schedule of {len(records)} host updates, not of "
                         f"its {len(compiled)} (a plan made by `jaxtier.plan` records it)")
@@ -247,10 +247,6 @@ def schedule(jaxpr: Any, plan: Any, stream: streaming.StreamSchedule,
   for rec in records:
     if rec.mode == update_schedule.Mode.SERIAL:
       serial[rec.component] = rec.reason
-      continue
-    if rec.guarded and not speculate:
-      serial[rec.component] = update_schedule.Refusal(
-          update_schedule.Why.WAITS_FOR_EVERY_GRADIENT)
       continue
     cc = compiled[rec.component]
     what = (f"the plan runs the host update of {plan.leaves[cc.component.seeds[0]].path} "

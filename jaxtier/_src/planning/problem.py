@@ -354,9 +354,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                             if l.is_float and _shard_fraction_of(l) < 1.0},
       overlap_update=overlap_update)
   if not speculate:
-    decided = tuple(update_schedule.serial(
-        d.component, update_schedule.Refusal(update_schedule.Why.WAITS_FOR_EVERY_GRADIENT))
-        if d.guarded else d for d in decided)
+    decided = update_schedule.unguessed(decided)
   # A table the solver may still place `host_dha` is costed row by row where it does
   # (`UpdateItem.by_rows`); under a schedule that runs nothing during the step, never.
   runs_during = not any(s.reason is not None and s.reason.kind in (
