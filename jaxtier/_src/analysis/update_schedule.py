@@ -312,63 +312,48 @@ def guard_of(loops: layer_stacks.LayerLoops, cc: Any, k: int) -> "GuardOf | None
   return GuardOf(guards, tuple(guesses), unread) if guesses else None
 
 
-_COMPARE = {Op.GT: np.greater, Op.GE: np.greater_equal, Op.LT: np.less, Op.LE: np.less_equal,
-            Op.EQ: np.equal, Op.NE: np.not_equal}
-_ARITH = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.MAX: np.maximum,
-          Op.MIN: np.minimum}
-
-
 def specialize(program: Any, fixed: dict[int, float]) -> Any:
-  """Op `program` with the operands of `fixed` holding the values given: each select whose
-  condition those values decide copies the case it picks, and every instruction no result
-  needs is dropped (the unchosen case: a clip's `g / norm * max`). Each result is the same
-  value, bit for bit, as `program` computes with those operand values; the program reads
-  fewer operands and runs fewer passes. (Whether it still reads some late operand `reads`
-  says.)
+  """Op `program` with the operands of `fixed` holding the values given: the values those
+  decide are followed through the program (loads, constants, copies, logic, comparisons and
+  arithmetic, in float32 as the executors compute them), each select whose condition they
+  decide copies the case it picks, and every instruction no result needs is dropped (the
+  unchosen case: a clip's `g / norm * max`). Each result is the same value, bit for bit, as
+  `program` computes with those operand values; the program reads fewer operands and runs
+  fewer passes (`reads` says which it still reads).
   """
-  code = [list(row) for row in np.asarray(program.code).tolist()]
   consts = list(np.asarray(program.consts, np.float32))
-  known: dict[int, float] = {}
+  known: dict[int, np.float32] = {}  # register -> its value, where `fixed` decides it
   out = []
-  for op, dst, a, b, c in code:
+  for op, dst, a, b, c in np.asarray(program.code).tolist():
+    if op == Op.STORE:
+      out.append([op, dst, a, b, c])
+      continue
     if op == Op.LOAD and a in fixed:
       consts.append(np.float32(fixed[a]))
       out.append([Op.CONST, dst, len(consts) - 1, 0, 0])
-      known[dst] = np.float32(fixed[a])
+      known[dst] = consts[-1]
       continue
-    if op == Op.CONST:
-      known[dst] = np.float32(consts[a])
-    elif op == Op.SELECT and a in known:
+    if op == Op.SELECT and a in known:
       pick = c if known[a] != 0 else b
-      if pick in known:
-        known[dst] = known[pick]
-      else:
-        known.pop(dst, None)
+      value = known.get(pick)
       if pick != dst:
         out.append([Op.COPY, dst, pick, 0, 0])
-      continue
-    elif op != Op.STORE:
+    else:
+      value = _value(op, a, b, c, known, consts)
+      out.append([op, dst, a, b, c])
+    if value is None:
       known.pop(dst, None)
-    out.append([op, dst, a, b, c])
+    else:
+      known[dst] = value
   # Liveness, backwards: an instruction stays where a result (STORE) needs its register.
   live: set[int] = set()
   kept = []
   for op, dst, a, b, c in reversed(out):
-    if op == Op.STORE:
-      live.add(a)
-      kept.append([op, dst, a, b, c])
-      continue
-    if dst not in live:
-      continue
-    live.discard(dst)
-    if op in (Op.LOAD, Op.CONST):
-      pass
-    elif op == Op.SELECT or op == Op.CLAMP:
-      live.update((a, b, c))
-    elif op in (Op.COPY, Op.NOT) or 10 <= op < 40:
-      live.add(a)
-    else:
-      live.update((a, b))
+    if op != Op.STORE:
+      if dst not in live:
+        continue
+      live.discard(dst)
+    live.update(_inputs(op, a, b, c) if op != Op.STORE else (a,))
     kept.append([op, dst, a, b, c])
   kept.reverse()
   return dataclasses.replace(program, code=np.asarray(kept, np.int32),
@@ -377,62 +362,53 @@ def specialize(program: Any, fixed: dict[int, float]) -> Any:
 
 def reads(program: Any, fixed: dict[int, float], watched: "set[int]") -> bool:
   """Whether a result of op `program` depends on an operand of `watched` when the operands of
-  `fixed` hold the values given (a select whose condition those values decide depends only on
-  the case it picks). Conservative: a value it cannot decide depends on all it reads."""
-  known: dict[int, float] = {}    # register -> its value, where `fixed` decides it
-  depends: dict[int, bool] = {}   # register -> whether it depends on `watched`
-  for op, dst, a, b, c in np.asarray(program.code).tolist():
-    if op == Op.STORE:
-      if depends.get(a, False):
-        return True
-      continue
-    if op == Op.LOAD:
-      known.pop(dst, None)
-      if a in fixed:
-        known[dst] = np.float32(fixed[a])
-      depends[dst] = a in watched
-      continue
-    if op == Op.CONST:
-      known[dst] = np.float32(program.consts[a])
-      depends[dst] = False
-      continue
-    if op == Op.SELECT:
-      if a in known:
-        pick = c if known[a] != 0 else b
-        depends[dst] = depends.get(pick, False)
-        if pick in known:
-          known[dst] = known[pick]
-        else:
-          known.pop(dst, None)
-        continue
-      ins = (a, b, c)
-    elif op == Op.CLAMP:
-      ins = (a, b, c)
-    elif op in (Op.COPY, Op.NOT) or 10 <= op < 40:
-      ins = (a,)
-    else:
-      ins = (a, b)
-    value = None
-    if all(r in known for r in ins):
-      x = [known[r] for r in ins]
-      if op == Op.COPY:
-        value = x[0]
-      elif op == Op.NOT:
-        value = np.float32(x[0] == 0)
-      elif op == Op.AND:
-        value = np.float32(x[0] != 0 and x[1] != 0)
-      elif op == Op.OR:
-        value = np.float32(x[0] != 0 or x[1] != 0)
-      elif op in _COMPARE:
-        value = np.float32(_COMPARE[op](x[0], x[1]))
-      elif op in _ARITH:
-        value = np.float32(_ARITH[op](x[0], x[1]))
-    depends[dst] = any(depends.get(r, False) for r in ins)
-    if value is None:
-      known.pop(dst, None)
-    else:
-      known[dst] = value
-  return False
+  `fixed` hold the values given: whether `specialize(program, fixed)` still loads one (a
+  select whose condition those values decide depends only on the case it picks; a value they
+  do not decide depends on all it reads)."""
+  return any(op == Op.LOAD and a in watched
+             for op, _, a, _, _ in specialize(program, fixed).code.tolist())
+
+
+def _inputs(op: int, a: int, b: int, c: int) -> tuple[int, ...]:
+  """The registers op-program instruction (op, dst, a, b, c) reads (STORE aside)."""
+  if op in (Op.LOAD, Op.CONST):
+    return ()
+  if op in (Op.SELECT, Op.CLAMP):
+    return (a, b, c)
+  if op in (Op.COPY, Op.NOT) or 10 <= op < 40:
+    return (a,)
+  return (a, b)
+
+
+_COMPARE = {Op.GT: np.greater, Op.GE: np.greater_equal, Op.LT: np.less, Op.LE: np.less_equal,
+            Op.EQ: np.equal, Op.NE: np.not_equal}
+_ARITH = {Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.MAX: np.maximum,
+          Op.MIN: np.minimum}
+
+
+def _value(op: int, a: int, b: int, c: int, known: dict[int, np.float32],
+           consts: list) -> "np.float32 | None":
+  """The value instruction (op, _, a, b, c) computes where `known` decides its inputs (None
+  where it does not, or for an op not followed)."""
+  if op == Op.CONST:
+    return np.float32(consts[a])
+  ins = _inputs(op, a, b, c)
+  if op == Op.LOAD or not all(r in known for r in ins):
+    return None
+  x = [known[r] for r in ins]
+  if op == Op.COPY:
+    return x[0]
+  if op == Op.NOT:
+    return np.float32(x[0] == 0)
+  if op == Op.AND:
+    return np.float32(x[0] != 0 and x[1] != 0)
+  if op == Op.OR:
+    return np.float32(x[0] != 0 or x[1] != 0)
+  if op in _COMPARE:
+    return np.float32(_COMPARE[op](x[0], x[1]))
+  if op in _ARITH:
+    return np.float32(_ARITH[op](x[0], x[1]))
+  return None
 
 
 def in_place_gradients(jaxpr: Any, tables: Collection[int], host_eqns: Collection[int]
