@@ -191,7 +191,7 @@ def test_speculative_compute_reads_the_state_in_place():
   leaves = jax.tree.leaves(step.last_state)
   masters = step._masters.by_index()
   inputs = split.speculative_inputs(leaves, jax.tree.leaves(_batch(1)), runner.scratch, masters,
-                                    runner._spare_buffers(spec, leaves, masters), [np.float32(1)])
+                                    runner._spare_buffers(spec, leaves, masters))
   hlo = spec.compute.lower(inputs).compile().as_text()
   # Neither the layer calls nor the joins get a host leaf (read or spare) through a copy or a
   # slice; one call per layer per stacked leaf, one join per spare written.

@@ -77,8 +77,9 @@ class SpeculativeIn:
     masters: the fp32 masters of the layered params, as `SplitStep.layered_masters` (read).
     spare_host: likewise per `SplitStep.layered_host` leaf (donated).
     spare_masters: likewise per layered master (donated).
-    guess: the guessed value of each late predicate (`SplitStep.guards`), float32 [] (1.0 true,
-      0.0 false; read).
+
+  The guess is the lowering's (`SplitStep.guesses`): the guarded calls' op programs are
+  specialized to it.
   """
 
   device_leaves: Sequence[Any] = read()
@@ -91,7 +92,6 @@ class SpeculativeIn:
   masters: Sequence[Any] = read()
   spare_host: Sequence[Any] = donated()
   spare_masters: Sequence[Any] = donated()
-  guess: Sequence[Any] = read()
 
 
 @_pytree

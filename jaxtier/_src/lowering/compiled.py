@@ -170,8 +170,7 @@ def _programs(split: rewrite_lib.SplitStep, plan: Plan, state: Any, args: Sequen
     compute_in_sh = split.speculative_inputs(
         state_sh, arg_sh, scratch_sh, master_sh_of,
         {("leaf", i): state_sh[i] for i in split.layered_host + split.spare_device}
-        | {("master", i): master_sh_of[i] for i in split.layered_masters},
-        [metric_sh] * split.guards)
+        | {("master", i): master_sh_of[i] for i in split.layered_masters})
     layered_master_sh = list(compute_in_sh.spare_masters)
   else:
     compute_in_sh = split.compute_inputs(state_sh, arg_sh, scratch_sh, master_sh_of)

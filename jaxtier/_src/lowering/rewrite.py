@@ -87,17 +87,16 @@ class SplitStep:
 
   def speculative_inputs(self, leaves: Sequence[Any], args: Sequence[Any],
                          scratch: Sequence[Any], masters: Mapping[int, Any],
-                         spares: Mapping[tuple[str, int], Any], guess: Sequence[Any]
-                         ) -> calling.SpeculativeIn:
+                         spares: Mapping[tuple[str, int], Any]) -> calling.SpeculativeIn:
     """The speculative `compute`'s inputs: as `compute_inputs`, the layered buffers' spares
-    from `spares` ({('leaf', i) or ('master', i): array}) and the guessed predicates."""
+    from `spares` ({('leaf', i) or ('master', i): array})."""
     return calling.SpeculativeIn(
         device_leaves=[leaves[i] for i in self.device_leaves],
         host_leaves=[leaves[i] for i in self.host_leaves], args=list(args),
         scratch=list(scratch), masters=[masters[i] for i in self.layered_masters],
         spare_host=[spares["leaf", i] for i in self.layered_host],
         spare_masters=[spares["master", i] for i in self.layered_masters],
-        spare_device=[spares["leaf", i] for i in self.spare_device], guess=list(guess))
+        spare_device=[spares["leaf", i] for i in self.spare_device])
 
   @property
   def has_update(self) -> bool:
@@ -173,7 +172,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   `master_indices(serial components)`, scratch buffers like `SplitStep.stream.scratch`.
 
   `speculate`: the speculative lowering: the guarded components (`Plan.schedule`'s `guards`)
-  run layered on guessed late predicates, and `compute` takes a `calling.SpeculativeIn`: it
+  run layered on the guessed late predicates (`SplitStep.guesses[0]`), their op programs
+  specialized to it, and `compute` takes a `calling.SpeculativeIn`: it
   reads the state and writes every layered update's results to spare buffers (module doc of
   `analysis/update_schedule.py`). Otherwise they are serial.
   """
@@ -198,7 +198,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # not bind, the gradients are finite), their op programs specialized to it.
   if speculate:
     guesses = guesses[:1]
-  static_guess = dict(zip(guard_vars, guesses[0])) if speculate and guesses else {}
+  guess = dict(zip(guard_vars, guesses[0])) if speculate and guesses else {}
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}
@@ -265,15 +265,14 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
       spares = ({("leaf", i): x for i, x in zip(layered_host, inputs.spare_host)}
                 | {("master", i): x for i, x in zip(layered_masters, inputs.spare_masters)}
                 | {("leaf", i): x for i, x in zip(spare_device, inputs.spare_device)})
-      guess = dict(zip(guard_vars, inputs.guess))
     else:
       for i, x in zip(layered_host, inputs.layered_host):
         state[i] = x
-      masters, spares, guess = dict(zip(layered_masters, inputs.layered_masters)), {}, {}
+      masters, spares = dict(zip(layered_masters, inputs.layered_masters)), {}
     env: dict[Any, Any] = dict(zip(jaxpr.invars, state + list(inputs.args)))
     env.update(zip(jaxpr.constvars, consts))
     scratch = list(inputs.scratch)
-    layers = _LayerCalls(every, ov, jaxpr, state, masters, spares, guess, static_guess)
+    layers = _LayerCalls(every, ov, jaxpr, state, masters, spares, guess)
 
     def read(v):
       if isinstance(v, jc.Literal):
@@ -360,17 +359,14 @@ class _LayerCalls:
   def __init__(self, compiled: Sequence[CompiledComponent], ov: overlap_lib.OverlapSchedule,
                jaxpr: Any, state: list[Any], masters: dict[int, Any],
                spares: "Mapping[tuple[str, int], Any] | None" = None,
-               guess: "Mapping[Any, Any] | None" = None,
-               static_guess: "Mapping[Any, float] | None" = None):
+               guess: "Mapping[Any, float] | None" = None):
     """`spares`: where the calls write each buffer's new value ({('leaf', i) or ('master',
     i): array}; empty: in place). `guess`: the guessed value of each late predicate var that
-    guarded calls read (`LayeredUpdate.guards`), as the program's input; `static_guess` the
-    same values, which the guarded calls' op programs are specialized to
+    guarded calls read (`LayeredUpdate.guards`): their op programs are specialized to it
     (`update_schedule.specialize`: the unchosen case of each select dropped)."""
     self.compiled, self.ov, self.jaxpr = compiled, ov, jaxpr
     self.state, self.masters = state, masters
     self.spares, self.guess = dict(spares or {}), dict(guess or {})
-    self.static_guess = dict(static_guess or {})
     self.tokens: list[Any] = []
     self.read_values: list[Any] = []  # device values the calls read, alive until the join
     self.ids: dict[int, Any] = {}  # component -> the ids of its table's gather
@@ -444,9 +440,9 @@ class _LayerCalls:
     guarded = {cc.operands[p].var for p in u.guards}
     unread = {cc.operands[p].var for p in u.unread}
 
-    def late(v):
+    def late(v):  # what the specialized program no longer reads: its guess, or 1.0
       if v in guarded:
-        return self.guess[v]
+        return jnp.full(v.aval.shape, self.guess[v], jnp.float32)
       if v in unread:
         return jnp.ones(v.aval.shape, v.aval.dtype)
       return value(v)
@@ -473,9 +469,9 @@ class _LayerCalls:
           out_targets[r] = len(operands)
           operands.append(self.spares[key])
     program = cc.program
-    if u.guards and self.static_guess:
+    if u.guards:
       program = update_schedule.specialize(
-          program, {p: self.static_guess[cc.operands[p].var] for p in u.guards})
+          program, {p: self.guess[cc.operands[p].var] for p in u.guards})
     return (dataclasses.replace(program, num_operands=len(operands)), operands,
             tuple(out_targets))
 

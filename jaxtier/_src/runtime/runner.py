@@ -222,8 +222,7 @@ class StepRunner:
                   "clipped steps run the serial schedule", str(e).splitlines()[0][:300])
       self.guesser, self._spares = None, {}
       return None
-    inputs = split.speculative_inputs(moved, arg_leaves, self.scratch, masters, spares,
-                                      [np.float32(g) for g in guess])
+    inputs = split.speculative_inputs(moved, arg_leaves, self.scratch, masters, spares)
     try:
       computed = spec.compute(inputs)
       self.scratch = list(computed.scratch)
