@@ -167,10 +167,8 @@ def _programs(split: rewrite_lib.SplitStep, plan: Plan, state: Any, args: Sequen
   metric_sh = (None if metric_mesh is None
                else NamedSharding(metric_mesh, PartitionSpec(), memory_kind=MemoryKind.DEVICE))
   if split.speculative:
-    compute_in_sh = split.speculative_inputs(
-        state_sh, arg_sh, scratch_sh, master_sh_of,
-        {("leaf", i): state_sh[i] for i in split.layered_host + split.spare_device}
-        | {("master", i): master_sh_of[i] for i in split.layered_masters})
+    compute_in_sh = split.speculative_inputs(state_sh, arg_sh, scratch_sh, master_sh_of,
+                                             split.by_spare_key(state_sh, master_sh_of))
     layered_master_sh = list(compute_in_sh.spare_masters)
   else:
     compute_in_sh = split.compute_inputs(state_sh, arg_sh, scratch_sh, master_sh_of)

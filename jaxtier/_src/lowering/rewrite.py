@@ -85,6 +85,13 @@ class SplitStep:
   speculative: bool = False  # `compute` takes a `SpeculativeIn` (writes spare buffers)
   spare_device: list[int] = dataclasses.field(default_factory=list)  # device leaves written
 
+  def by_spare_key(self, leaves: Sequence[Any], masters: Mapping[int, Any]
+                   ) -> dict[tuple[str, int], Any]:
+    """{('leaf', i): leaves[i], ('master', i): masters[i]} over the buffers the speculative
+    `compute` writes to spares: `layered_host`, `spare_device` and `layered_masters`."""
+    return ({("leaf", i): leaves[i] for i in self.layered_host + self.spare_device}
+            | {("master", i): masters[i] for i in self.layered_masters})
+
   def speculative_inputs(self, leaves: Sequence[Any], args: Sequence[Any],
                          scratch: Sequence[Any], masters: Mapping[int, Any],
                          spares: Mapping[tuple[str, int], Any]) -> calling.SpeculativeIn:

@@ -162,9 +162,8 @@ class StepRunner:
       result = self._speculate(moved, arg_leaves, guess)  # records the predicates
       if result is not None:
         if timing:
-          self._record_step_time(jax.tree_util.tree_leaves(result),
-                                 time.perf_counter() - t0)
-        return result
+          self._record_step_time(result[0], time.perf_counter() - t0)
+        return result[1]
     split = self._programs.split
     # 1. Forward, backward, streaming, and the updates of leaves stacked over layers, layer by
     #    layer (`split.overlap`): those host leaves and masters are donated to it; the other
@@ -191,19 +190,29 @@ class StepRunner:
       raise
     if self.guesser is not None and guess is None:
       self.guesser.saw(tuple(float(x) for x in computed.guards), None)
+    outs, result = self._finish(self._programs, moved, masters, computed)
+    if timing:
+      self._record_step_time(outs, time.perf_counter() - t0)
+    return result
+
+  def _finish(self, programs: Any, moved: Sequence[Any], masters: dict[int, Any],
+              computed: Any) -> tuple[list[Any], tuple[Any, Any]]:
+    """Once `programs.compute` has made `computed`: runs their update program (where they have
+    one), takes the masters the two made, and returns the step's flat outputs and (new state,
+    metrics)."""
+    split = programs.split
     updated = None
     if split.has_update:
-      update = self._programs.update([x.sharding for x in computed.feeds])
+      update = programs.update([x.sharding for x in computed.feeds])
       updated = update(split.update_inputs(moved, masters, computed.feeds, self.scratch))
     outs = split.assemble(moved, computed, updated, self._out_treedef.num_leaves)
     self._masters.update(split.new_masters(computed, updated), outs)
-    if timing:
-      self._record_step_time(outs, time.perf_counter() - t0)
     out = jax.tree_util.tree_unflatten(self._out_treedef, outs)
-    return out[0], out[1]
+    return outs, (out[0], out[1])
 
   def _speculate(self, moved: Sequence[Any], arg_leaves: Sequence[Any],
-                 guess: tuple[float, ...]) -> "tuple[Any, Any] | None":
+                 guess: tuple[float, ...]
+                 ) -> "tuple[list[Any], tuple[Any, Any]] | None":
     """The step run speculatively (`StepPrograms.speculative`): its guarded updates layered on
     the guessed late predicates, written to spare buffers while the state is only read. Once
     its compute program has run, the predicates it made are compared with the guess: equal,
@@ -211,7 +220,7 @@ class StepRunner:
     values and the old buffers become the next step's spares; different, the spares are
     dropped back and None is returned: the caller runs the serial schedule over the intact
     state. A compute program that fails also leaves the state intact (its error is raised,
-    noted so)."""
+    noted so). Returns what `_finish` does."""
     spec = self._programs.speculative
     split = spec.split
     masters = self._masters.by_index()
@@ -249,27 +258,17 @@ class StepRunner:
       log.debug("jaxtier: late predicates %s, guessed %s: the serial schedule runs", actual,
                 guess)
       return None
-    updated = None
-    if split.has_update:
-      update = spec.update([x.sharding for x in computed.feeds])
-      updated = update(split.update_inputs(moved, masters, computed.feeds, self.scratch))
-    outs = split.assemble(moved, computed, updated, self._out_treedef.num_leaves)
     # The buffers the state held become the next step's spares (the caller gave them:
     # donated, as the serial schedule's programs take them).
-    self._spares = ({("leaf", i): moved[i] for i in split.layered_host + split.spare_device}
-                    | {("master", i): masters[i] for i in split.layered_masters})
-    self._masters.update(split.new_masters(computed, updated), outs)
-    out = jax.tree_util.tree_unflatten(self._out_treedef, outs)
-    return out[0], out[1]
+    self._spares = split.by_spare_key(moved, masters)
+    return self._finish(spec, moved, masters, computed)
 
   @staticmethod
   def _written(split: Any, computed: Any) -> dict[tuple[str, int], jax.Array]:
     """The spare buffers a speculative compute program handed back, by key."""
-    return ({("leaf", i): x for i, x in zip(split.layered_host, computed.layered_host)}
-            | {("master", i): x for i, x in zip(split.layered_masters,
-                                                computed.layered_masters)}
-            | {("leaf", i): x for i, x in zip(split.spare_device,
-                                              computed.first[:len(split.spare_device)])})
+    leaves = (dict(zip(split.layered_host, computed.layered_host))
+              | dict(zip(split.spare_device, computed.first[:len(split.spare_device)])))
+    return split.by_spare_key(leaves, dict(zip(split.layered_masters, computed.layered_masters)))
 
   def _spare_buffers(self, spec: Any, moved: Sequence[Any], masters: dict[int, Any]
                      ) -> dict[tuple[str, int], jax.Array]:
@@ -277,14 +276,14 @@ class StepRunner:
     step, else new ones (zeros, made where they live). A kept one that is the storage of a
     leaf of this step's state (the caller passed an old state again) is replaced."""
     split = spec.split
-    want = ({("leaf", i): (moved[i], spec.state_shardings[i])
-             for i in split.layered_host + split.spare_device}
-            | {("master", i): (masters[i], masters[i].sharding)
-               for i in split.layered_masters})
+    likes = split.by_spare_key(moved, masters)
+    shardings = split.by_spare_key(spec.state_shardings,
+                                   {i: m.sharding for i, m in masters.items()})
     taken = {placing.buffer_key(x) for x in list(moved) + list(masters.values())
              if isinstance(x, jax.Array)}
     out = {}
-    for key, (like, sh) in want.items():
+    for key, like in likes.items():
+      sh = shardings[key]
       x = self._spares.get(key)
       if (x is None or x.is_deleted() or x.shape != like.shape or x.dtype != like.dtype
           or placing.buffer_key(x) in taken):
