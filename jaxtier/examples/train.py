@@ -608,11 +608,7 @@ def run(
   speculation = getattr(getattr(step, "plan", None), "speculation", None)
   guessed = None
   if held + missed + serial:
-    # The planner's mean step over these steps: a held guess costs the guessed step, a miss
-    # that and a serial step, a step with no guess a serial step.
-    predicted = (held * speculation.speculative_step_secs
-                 + missed * (speculation.speculative_step_secs + speculation.serial_step_secs)
-                 + serial * speculation.serial_step_secs) / (held + missed + serial)
+    predicted = speculation.mean_step_secs(held, missed, serial)
     guessed = {"held": held, "missed": missed, "serial": serial,
                "predicted_mean_step_secs": predicted,
                "speculative_step_secs": speculation.speculative_step_secs,

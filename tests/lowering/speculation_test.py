@@ -73,6 +73,12 @@ def test_the_clip_s_updates_are_guarded_by_its_predicate():
   # The serial schedule (its rerun) keeps them after the backward pass, and costs more.
   assert plan.speculation.serial_step_secs > plan.speculation.speculative_step_secs
   assert 0 < plan.speculation.max_miss < 1
+  spec_secs, serial_secs = (plan.speculation.speculative_step_secs,
+                            plan.speculation.serial_step_secs)
+  # A held guess costs the guessed step, a miss that and a serial one, no guess a serial one.
+  assert plan.speculation.mean_step_secs(2, 1, 1) == pytest.approx(
+      (3 * spec_secs + 2 * serial_secs) / 4)
+  assert plan.speculation.mean_step_secs(0, 0, 0) is None
   serial = step._programs.split.overlap
   assert not serial.updates
   assert {w.kind for w in serial.serial.values()} >= {Why.WAITS_FOR_EVERY_GRADIENT}

@@ -173,13 +173,14 @@ class Speculation:
   enabled: bool = True
   why: str = ""
 
-  def step_secs(self, miss: float) -> "float | None":
-    """The predicted mean step when a share `miss` of the guesses fail (seconds)."""
-    if self.speculative_step_secs is None or self.serial_step_secs is None:
+  def mean_step_secs(self, held: int, missed: int, serial: int) -> "float | None":
+    """The predicted mean step (seconds) over `held` steps whose guess held, `missed` whose
+    guess missed and `serial` run with no guess (`OffloadedStep.guesses`); None where a
+    prediction is missing or there are no steps."""
+    spec, ser = self.speculative_step_secs, self.serial_step_secs
+    if spec is None or ser is None or not held + missed + serial:
       return None
-    if not self.enabled or miss > self.max_miss:
-      return self.serial_step_secs
-    return self.speculative_step_secs + miss * self.serial_step_secs
+    return (held * spec + missed * (spec + ser) + serial * ser) / (held + missed + serial)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,12 +272,6 @@ class Plan:
     spares = (self.speculation.spare_pinned_bytes
               if self.speculation is not None and self.speculation.enabled else 0)
     return self.pinned_bytes + (self.compiler_host_extra_bytes or 0) + spares
-
-  @property
-  def speculation_max_miss(self) -> float:
-    """The share of recent steps a guess may miss before the serial schedule runs instead
-    (`Speculation.max_miss`; 0 where nothing speculates)."""
-    return self.speculation.max_miss if self.speculation is not None else 0.0
 
   @property
   def fits(self) -> bool:
