@@ -53,8 +53,8 @@ class StepPrograms:
       donated fields: the updated host leaves, their masters and `split.donated_feeds`.
     master_indices: the param leaves that carry an fp32 master copy, in a fixed order.
     speculative: the programs of the speculative lowering (`rewrite(..., speculate=True)`:
-      `compute` takes a `calling.SpeculativeIn`), where the plan has guarded updates; else
-      None.
+      `compute` takes a `calling.SpeculativeIn`), where the plan speculates
+      (`Plan.speculation.enabled`); else None.
   """
 
   split: rewrite_lib.SplitStep
@@ -129,7 +129,7 @@ def build(inventory: inv_lib.Inventory, plan: Plan, state: Any, args: Sequence[A
   state_sh = state_shardings(state, plan)
   programs = _programs(rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh,
                                            overlap_update), plan, state, args, state_sh)
-  if overlap_update and any(s.guarded for s in plan.schedule):
+  if overlap_update and plan.speculation is not None and plan.speculation.enabled:
     spec = rewrite_lib.rewrite(inventory.closed_jaxpr, plan, state_sh, overlap_update,
                                speculate=True)
     if spec.guesses:

@@ -81,7 +81,7 @@ class SplitStep:
   update_masters: list[int] = dataclasses.field(default_factory=list)  # `update`'s masters
   lookup: dha_tables.LookupSchedule = dha_tables.EMPTY  # tables read in place (host_dha)
   guards: int = 0  # late predicates the guarded updates read (`ComputeOut.guards`)
-  guesses: tuple[tuple[float, ...], ...] = ()  # assignments of them the guessed calls may run on
+  guesses: tuple[tuple[float, ...], ...] = ()  # speculative: the assignment its calls run on
   speculative: bool = False  # `compute` takes a `SpeculativeIn` (writes spare buffers)
   spare_device: list[int] = dataclasses.field(default_factory=list)  # device leaves written
 
@@ -189,23 +189,22 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # Tables read in place: their gradients go to scratch buffers after the streamed ones'.
   stream, ov, lookup = overlap_lib.schedules(jaxpr, plan, shardings, overlap_update,
                                              speculate)
-  # The late predicates of the guarded components, and the assignments of them every
-  # guarded component may run on.
+  # The late predicates of the guarded components (their values are `ComputeOut.guards`),
+  # and, speculating, the assignment of them the guarded calls run on.
   guarded = [s for s in plan.schedule if s.guarded]
   guard_vars: list[Any] = []
   for rec in guarded:
     for p in rec.guards:
       if every[rec.component].operands[p].var not in guard_vars:
         guard_vars.append(every[rec.component].operands[p].var)
+  # The first assignment every guarded component may run on (all true where it is one: the
+  # clip does not bind, the gradients are finite); their op programs are specialized to it.
   guesses = tuple(
       g for g in itertools.product((1.0, 0.0), repeat=len(guard_vars))
       if all(tuple(g[guard_vars.index(every[rec.component].operands[p].var)]
-                   for p in rec.guards) in rec.guesses for rec in guarded)) if guarded else ()
-  # The speculative programs run on the first of them (all true where it is one: the clip does
-  # not bind, the gradients are finite), their op programs specialized to it.
-  if speculate:
-    guesses = guesses[:1]
-  guess = dict(zip(guard_vars, guesses[0])) if speculate and guesses else {}
+                   for p in rec.guards) in rec.guesses for rec in guarded)
+  )[:1] if speculate else ()
+  guess = dict(zip(guard_vars, guesses[0])) if guesses else {}
   compiled = [cc for c, cc in enumerate(every) if c not in ov.components]
   n_state = len(plan.leaves)
   skip = {k for cc in every for k in cc.component.eqns}

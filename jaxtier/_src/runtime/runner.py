@@ -108,9 +108,9 @@ class StepRunner:
     self.scratch: list[jax.Array] = []
     self.calls = 0
     self.step_times: list[float] = []
-    spec, planned = self._programs.speculative, self._plan.speculation
-    self.guesser = (Guesser(spec.split.guesses, planned.max_miss)
-                    if spec is not None and planned is not None and planned.enabled else None)
+    spec = self._programs.speculative  # built where the plan speculates
+    self.guesser = (Guesser(spec.split.guesses, self._plan.speculation.max_miss)
+                    if spec is not None else None)
     self._spares: dict[tuple[str, int], jax.Array] = {}
 
   def ensure_scratch(self) -> None:
