@@ -7,7 +7,7 @@ module, not many.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 from jax import extend as jex
@@ -39,6 +39,30 @@ def bind_eqn(eqn: Any, invals: list[Any]) -> list[Any]:
   else:
     out = eqn.primitive.bind(*subfuns, *invals, **params)
   return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+               override: "Callable[[int, Any, list[Any], Callable[[Any], Any]], Any] | None"
+               = None) -> list[Any]:
+  """The outputs of open `jaxpr` on `args` (its consts `consts`), each equation bound in turn
+  (`bind_eqn`), as `jax.core.eval_jaxpr`. `override(k, eqn, invals, read)` may return the
+  outputs of equation k instead (None: it is bound); `read(var)` is a value computed so far.
+  """
+  env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  for k, eqn in enumerate(jaxpr.eqns):
+    invals = [read(v) for v in eqn.invars]
+    outs = override(k, eqn, invals, read) if override is not None else None
+    if outs is None:
+      outs = bind_eqn(eqn, invals)
+    for v, val in zip(eqn.outvars, outs):
+      if not isinstance(v, DropVar):
+        env[v] = val
+  return [read(v) for v in jaxpr.outvars]
 
 
 def scan_counts(eqn: Any) -> tuple[int, int]:
@@ -173,34 +197,24 @@ def inline_calls(closed: Any) -> Any:
   jaxpr, consts = closed.jaxpr, list(closed.consts)
 
   def eval_inlined(j, cs, args):
-    env: dict[Any, Any] = {}
-    env.update(zip(j.constvars, cs))
-    env.update(zip(j.invars, args))
+    return eval_jaxpr(j, cs, args, inline)
 
-    def read(v):
-      return v.val if isinstance(v, Literal) else env[v]
-
-    for eqn in j.eqns:
-      invals = [read(v) for v in eqn.invars]
-      inner = inner_jaxpr(eqn) if eqn.primitive.name in _INLINABLE else None
-      if eqn.primitive.name == "cond" and isinstance(eqn.invars[0], Literal):
-        # A branch index known at trace time (optax.MultiSteps' default predicate): only
-        # that branch runs, so it is the program (lax.cond clamps the index the same way).
-        branches = eqn.params["branches"]
-        k = min(max(int(eqn.invars[0].val), 0), len(branches) - 1)
-        outs = eval_inlined(branches[k].jaxpr, list(branches[k].consts), invals[1:])
-      elif inner is not None:
-        ij, ic = open_jaxpr(inner)
-        offset = len(invals) - len(ij.invars)
-        outs = eval_inlined(ij, ic, invals[offset:]) if offset >= 0 else bind_eqn(eqn, invals)
-      else:
-        outs = bind_eqn(eqn, invals)
-        if eqn.primitive.name == "scan":
-          outs = _forward_scan_passthrough(eqn, invals, outs)
-      for v, val in zip(eqn.outvars, outs):
-        if not isinstance(v, DropVar):
-          env[v] = val
-    return [read(v) for v in j.outvars]
+  def inline(k, eqn, invals, read):
+    del k, read
+    inner = inner_jaxpr(eqn) if eqn.primitive.name in _INLINABLE else None
+    if eqn.primitive.name == "cond" and isinstance(eqn.invars[0], Literal):
+      # A branch index known at trace time (optax.MultiSteps' default predicate): only
+      # that branch runs, so it is the program (lax.cond clamps the index the same way).
+      branches = eqn.params["branches"]
+      b = min(max(int(eqn.invars[0].val), 0), len(branches) - 1)
+      return eval_inlined(branches[b].jaxpr, list(branches[b].consts), invals[1:])
+    if inner is not None:
+      ij, ic = open_jaxpr(inner)
+      offset = len(invals) - len(ij.invars)
+      return eval_inlined(ij, ic, invals[offset:]) if offset >= 0 else None
+    if eqn.primitive.name == "scan":
+      return _forward_scan_passthrough(eqn, invals, bind_eqn(eqn, invals))
+    return None
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
   inlined = jax.make_jaxpr(lambda *args: eval_inlined(jaxpr, consts, list(args)))(*avals)

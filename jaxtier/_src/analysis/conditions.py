@@ -196,20 +196,13 @@ def _rewrite(closed: Any, rewrite: set[int]) -> Any:
   jaxpr, consts = closed.jaxpr, list(closed.consts)
   producer = {o: e for e in jaxpr.eqns for o in e.outvars}
 
+  def selected(k, eqn, invals, read):
+    if k not in rewrite:
+      return None
+    return _selected(eqn, invals, _bool_source(eqn.invars[0], producer, read))
+
   def run(*args):
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]
-    for k, eqn in enumerate(jaxpr.eqns):
-      invals = [read(v) for v in eqn.invars]
-      if k in rewrite:
-        outs = _selected(eqn, invals, _bool_source(eqn.invars[0], producer, read))
-      else:
-        outs = jc.bind_eqn(eqn, invals)
-      for v, val in zip(eqn.outvars, outs):
-        if not isinstance(v, jc.DropVar):
-          env[v] = val
-    return [read(v) for v in jaxpr.outvars]
+    return jc.eval_jaxpr(jaxpr, consts, args, selected)
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
   return jax.make_jaxpr(run)(*avals)
@@ -231,7 +224,7 @@ def _selected(eqn: Any, invals: list[Any], pred: Any) -> list[Any]:
   and each output selected from the branch the index names; `pred` is the bool the index was
   converted from (None when it was not one)."""
   branches = eqn.params["branches"]
-  results = [_evaluate(branch, invals[1:]) for branch in branches]
+  results = [jc.eval_jaxpr(*jc.open_jaxpr(branch), invals[1:]) for branch in branches]
   if len(branches) == 1:
     return results[0]
   if pred is not None and len(branches) == 2:
@@ -241,16 +234,3 @@ def _selected(eqn: Any, invals: list[Any], pred: Any) -> list[Any]:
     inside = lax.bitwise_and(lax.ge(index, np.int32(0)), lax.le(index, np.int32(last)))
     which = lax.select_n(inside, lax.full_like(index, last), index)
   return [lax.select_n(which, *cases) for cases in zip(*results)]
-
-
-def _evaluate(branch: Any, args: list[Any]) -> list[Any]:
-  """The outputs of `branch` (a ClosedJaxpr or Jaxpr) on `args`, equation by equation."""
-  body, consts = jc.open_jaxpr(branch)
-  env: dict[Any, Any] = dict(zip(body.constvars, consts))
-  env.update(zip(body.invars, args))
-  read = lambda v: v.val if isinstance(v, jc.Literal) else env[v]
-  for eqn in body.eqns:
-    for v, val in zip(eqn.outvars, jc.bind_eqn(eqn, [read(v) for v in eqn.invars])):
-      if not isinstance(v, jc.DropVar):
-        env[v] = val
-  return [read(v) for v in body.outvars]
