@@ -39,12 +39,14 @@ BYTES_PER_PARAM = 16
 PEAK_FLOPS = 790e12
 
 
-def model_flops_per_token(config) -> float:
+def model_flops_per_token(config, seq_len: "int | None" = None) -> float:
   """Training FLOPs per token: 6 N for the weights' matmuls plus 12 L d s for attention
-  (forward and backward, no recomputation counted: model FLOPs, not hardware FLOPs)."""
+  (forward and backward, no recomputation counted: model FLOPs, not hardware FLOPs), at
+  sequence length `seq_len` (None: the config's `max_seq_len`)."""
   from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
   n = llama.param_count(config)
-  return 6 * n + 12 * config.num_layers * config.d_model * config.max_seq_len
+  s = config.max_seq_len if seq_len is None else seq_len
+  return 6 * n + 12 * config.num_layers * config.d_model * s
 
 
 def run_one(config_name: str, offload: str, steps: int, out: str, timeout: int,

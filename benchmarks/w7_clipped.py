@@ -185,11 +185,10 @@ def choose_norms(grad_norms: list[float], factor: float, source: str = "probe") 
 
 
 def model_flops_per_token(config_name: str, seq_len: int) -> float:
-  """6 N + 12 L d s: the weights' matmuls and attention, forward and backward, no
-  recomputation (model FLOPs, as capacity_bench counts them, at this run's s)."""
+  """capacity_bench's model FLOPs per token (6 N + 12 L d s) of the config named, at this
+  run's sequence length."""
   from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
-  config = llama.CONFIGS[config_name]
-  return 6 * llama.param_count(config) + 12 * config.num_layers * config.d_model * seq_len
+  return capacity_bench.model_flops_per_token(llama.CONFIGS[config_name], seq_len)
 
 
 def peak_flops(card: str) -> "float | None":
