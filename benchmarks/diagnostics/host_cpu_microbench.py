@@ -13,6 +13,8 @@ Each thread count runs in its own subprocess (JAXTIER_CPU_THREADS is read once, 
 pool starts); each figure is the median of `--reps` timed steps after one warm-up step.
 `--param_dtype` adds the program's fourth result (the new param in that dtype, written to a
 fresh buffer) or drops it (`none`: what torch's fused AdamW writes, 28 bytes per param).
+`--out_of_place` (on by default) also times the executor writing master, mu and nu to spare
+buffers while reading the state, as a guessed (speculative) step does.
 
   python3 benchmarks/diagnostics/host_cpu_microbench.py --threads=1,2
   python3 benchmarks/diagnostics/host_cpu_microbench.py --smoke --out=/tmp   # toy sizes (CI)
@@ -44,6 +46,10 @@ _THREADS = flags.DEFINE_list("threads", ["1", "2"], "Thread counts (JAXTIER_CPU_
 _PARAM_DTYPE = flags.DEFINE_enum("param_dtype", "none", ["none", "bfloat16", "float32"],
                                  "The program's fourth result (new param) dtype; none drops it.")
 _REFERENCE = flags.DEFINE_bool("reference", True, "Also time the C++ fused-loop yardstick.")
+_OUT_OF_PLACE = flags.DEFINE_bool(
+    "out_of_place", True, "Also time the executor writing its results to other buffers than it "
+    "reads (spare buffers, as a guessed step's updates write them: docs/design.md) rather than in "
+    "place: each written line is then read for ownership first, unless the stores bypass it.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Toy sizes (logic check only; figures mean nothing).")
 _OUT = flags.DEFINE_string("out", os.environ.get("OUT", "/tmp"), "Where the JSON goes.")
 _CHILD = flags.DEFINE_integer("child", 0, "Internal: measure with this many threads, print JSON.")
@@ -167,6 +173,32 @@ def _measure(threads: int) -> dict:
   result = {"threads": threads, "params": n * leaves,
             "jaxtier_secs": secs, "jaxtier_times": times,
             "jaxtier_params_per_sec": n * leaves / secs}
+  if _OUT_OF_PLACE.value:
+    # The same program reading the state and writing three other buffers (the spares), which
+    # then swap roles with the state, as the runner's guessed steps do.
+    spare_prog = hu.Program(code=prog.code, consts=prog.consts, num_regs=prog.num_regs,
+                            num_operands=prog.num_operands + 3, num_results=len(shapes))
+    spare_aliases = [prog.num_operands + k for k in range(3)] + aliases[3:]
+
+    def spare_step(masters, mus, nus, grads, lr, bc1, bc2, s_masters, s_mus, s_nus):
+      outs = [hu.host_update(spare_prog, [masters[i], mus[i], nus[i], grads[i], lr, bc1, bc2,
+                                          s_masters[i], s_mus[i], s_nus[i]], shapes,
+                             spare_aliases, executor=Executor.HOST_CPU) for i in range(leaves)]
+      return tuple([o[k] for o in outs] for k in range(len(shapes)))
+
+    g = jax.jit(spare_step, donate_argnums=(7, 8, 9))
+    spares = [[jnp.zeros((n,), jnp.float32) for _ in range(leaves)] for _ in range(3)]
+
+    def run_spares():
+      out = g(state[0], state[1], state[2], state[3], lr, bc1, bc2, *spares)
+      jax.block_until_ready(out)
+      spares[:] = state[:3]
+      state[0], state[1], state[2] = out[0], out[1], out[2]
+
+    osecs, otimes = _median(run_spares, reps)
+    result.update(out_of_place_secs=osecs, out_of_place_times=otimes,
+                  out_of_place_params_per_sec=n * leaves / osecs,
+                  out_of_place_of_in_place=secs / osecs)
   del state[:]
 
   if _REFERENCE.value:
@@ -203,7 +235,7 @@ def main(argv):
     args = [sys.executable, os.path.abspath(__file__), f"--child={int(t)}",
             f"--leaf_elements={_LEAF.value}", f"--num_leaves={_LEAVES.value}",
             f"--reps={_REPS.value}", f"--param_dtype={_PARAM_DTYPE.value}",
-            f"--reference={_REFERENCE.value}"]
+            f"--reference={_REFERENCE.value}", f"--out_of_place={_OUT_OF_PLACE.value}"]
     _log(f"threads={t}: {' '.join(args[1:])}")
     p = subprocess.run(args, capture_output=True, text=True, env=env)
     if p.returncode != 0:
@@ -216,6 +248,9 @@ def main(argv):
       result["error"] = {"threads": t, "message": "the executor and the C++ loop differ in bits"}
     line = (f"threads={run['threads']:3d}  jaxtier {run['jaxtier_params_per_sec'] / 1e9:6.3f} "
             f"G params/s ({run['jaxtier_secs'] * 1e3:8.2f} ms)")
+    if "out_of_place_params_per_sec" in run:
+      line += (f"   out of place {run['out_of_place_params_per_sec'] / 1e9:6.3f} G params/s "
+               f"({run['out_of_place_of_in_place']:.2f} of in place)")
     if "reference_params_per_sec" in run:
       line += (f"   fused C++ loop {run['reference_params_per_sec'] / 1e9:6.3f} G params/s "
                f"({run['reference_secs'] * 1e3:8.2f} ms)   ratio "
