@@ -10,9 +10,13 @@ pinned_host bytes measured against the plan's predicted and compiled figures. Th
 and v). DeepSpeed's results (`.baselines/deepspeed/run.sh`, written as JSON to
 --baseline_dir) are read in as the baseline.
 
+`--runs=auto` (the default) picks the runs from this card's bound: `auto` on each example
+config of at least MIN_OF_BOUND of the bound and at most the bound, batch 1, smallest first
+(`capacity_runs`), so that one command measures capacity on an H100 or an H200.
+
 Usage (device tool, after benchmarks/prologue.sh built jaxtier):
-  python3 benchmarks/capacity_bench.py --runs=14b:auto,15b:auto --steps=10 --out=$OUT \
-      --workload=w4_capacity --baseline_dir=$OUT/deepspeed  # -> $OUT/w4/capacity_h200.json
+  python3 benchmarks/capacity_bench.py --steps=10 --out=$OUT \
+      --workload=w4_capacity --baseline_dir=$OUT/deepspeed  # -> $OUT/w4/capacity_<card>.json
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ XLA_SETTINGS = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PJRT_GPU_HOST_MEMORY_LIMI
 RAW_OOM = re.compile(r"RESOURCE_EXHAUSTED|Out of memory|out of memory while trying to allocate")
 # Bytes per param of fp32 params, gradients, m and v: what the bound counts.
 BYTES_PER_PARAM = 16
+# The configs `--runs=auto` tries: those between this share of the bound and the bound.
+MIN_OF_BOUND = 0.8
 # The H200's measured bf16 matmul rate on an 8192^3 GEMM (the 8b device-only MFU's base).
 PEAK_FLOPS = 790e12
 
@@ -126,10 +132,24 @@ def gpu_total_bytes() -> int:
     return 0
 
 
+def capacity_runs(bound_params: int) -> str:
+  """`--runs` for a card whose bound is `bound_params`: 'C:auto:1,...' over the example configs
+  (`llama.CONFIGS`) of MIN_OF_BOUND x bound to bound params, smallest first; the largest config
+  under MIN_OF_BOUND x bound where none is in that range."""
+  from jaxtier.examples import llama  # pylint: disable=g-import-not-at-top
+  sizes = sorted((llama.param_count(c), name) for name, c in llama.CONFIGS.items())
+  picked = [name for n, name in sizes if MIN_OF_BOUND * bound_params <= n <= bound_params]
+  if not picked:
+    below = [name for n, name in sizes if n < MIN_OF_BOUND * bound_params]
+    picked = below[-1:]
+  return ",".join(f"{name}:auto:1" for name in picked)
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--runs", default="14b:auto",
-                 help="config:offload[:batch_size],... in order")
+  p.add_argument("--runs", default="auto",
+                 help="config:offload[:batch_size],... in order; auto: by this card's bound "
+                      "(capacity_runs)")
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--batch_size", type=int, default=None)
   p.add_argument("--timeout", type=int, default=420, help="seconds per run")
@@ -142,6 +162,11 @@ def main() -> None:
   os.makedirs(args.out, exist_ok=True)
   import jaxtier  # pylint: disable=g-import-not-at-top  (imports jax; starts no backend)
   hbm, host = gpu_total_bytes(), jaxtier.available_host_bytes() or 0
+  bound = (hbm + host) // BYTES_PER_PARAM
+  if args.runs == "auto":
+    args.runs = capacity_runs(bound)
+    bench_util.log(f"bound {bound / 1e9:.2f}e9 params (GPU {hbm / 2**30:.1f} GiB + host "
+                   f"{host / 2**30:.1f} GiB, / {BYTES_PER_PARAM} B): runs {args.runs}")
   runs = []
   for spec in args.runs.split(","):
     config_name, offload, batch = (spec.split(":") + ["", ""])[:3]
@@ -160,7 +185,6 @@ def main() -> None:
                      if args.baseline_dir else []):
     with open(path) as f:
       baseline[os.path.basename(path).removesuffix(".json")] = json.load(f)
-  bound = (hbm + host) // BYTES_PER_PARAM
   import jax  # pylint: disable=g-import-not-at-top
   rec = bench_util.result_record(
       workload=args.workload, command=" ".join(sys.argv), device=bench_util.device_name(),

@@ -1,10 +1,11 @@
 # w4 capacity (benchmarks/capacity_bench.py): the largest example config that trains 10 steps
-# with fp32 AdamW on one H200 and its host, run as a user runs it (XLA's defaults: the CLI
+# with fp32 AdamW on one GPU and its host, run as a user runs it (XLA's defaults: the CLI
 # raises the pinned pool and the allocator's fraction itself where its plan needs them),
 # against (HBM + available host memory) / 16 B. First, where .baselines/deepspeed is carried
 # (its README), DeepSpeed ZeRO-Offload and ZeRO-3 CPU offload at the same shapes, with the
 # capacity configs added to its copy of the shapes. Result: $OUT/w4/capacity_<card>.json.
-# W4_RUNS: config:offload[:batch],... (default 14b:auto:1,15b:auto:1); W4_DS_CONFIG (default 14b); W4_DS=0
+# W4_RUNS: config:offload[:batch],... (default auto: the configs of 0.8 to 1 of this card's bound,
+# capacity_bench.capacity_runs); W4_DS_CONFIG (default 14b); W4_DS=0
 # leaves DeepSpeed out.
 # Usage: bash benchmarks/run_gpu.sh w4
 source "$(dirname "${BASH_SOURCE[0]}")/../prologue.sh"
@@ -25,5 +26,5 @@ PY
       step w4_deepspeed 170 bash .baselines/deepspeed/run.sh "${W4_DS_CONFIG:-14b}" 4 2048 4 2
 fi
 STEP_TAIL=12 step w4_capacity 480 python3 benchmarks/capacity_bench.py \
-    --runs="${W4_RUNS:-14b:auto:1,15b:auto:1}" --steps=10 --timeout=400 --out="$OUT" \
+    --runs="${W4_RUNS:-auto}" --steps=10 --timeout=400 --out="$OUT" \
     --workload=w4_capacity --baseline_dir="$OUT/deepspeed"

@@ -31,7 +31,8 @@ def test_param_count_of_named_configs(name):
   count = llama.param_count(llama.CONFIGS[name])
   expected = {"tiny": (3e5, 1e6), "small": (1.5e7, 2.5e7), "1b": (0.95e9, 1.1e9),
               "8b": (7e9, 9e9), "13b": (12e9, 14e9), "14b": (14e9, 14.5e9),
-              "15b": (15e9, 15.5e9), "16b": (16e9, 17e9)}[name]
+              "15b": (15e9, 15.5e9), "16b": (16e9, 17e9), "12b": (11.5e9, 12e9),
+              "17b": (17e9, 17.5e9)}[name]
   assert expected[0] <= count <= expected[1]
 
 
