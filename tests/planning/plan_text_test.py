@@ -149,3 +149,15 @@ def test_fit_lines_wraps_at_words_and_marks_what_it_leaves_out():
   assert len(lines) == 3 and lines[-1].endswith("…") and max(map(len, lines)) <= 30
   assert all(l.strip().startswith("alpha") for l in lines)
   assert plan_text.fit_lines("short", 30) == ["short"]
+
+
+def test_one_line_says_the_verdict_bytes_peak_and_step():
+  plan = _plan()
+  assert plan.one_line() == (
+      "DOES NOT FIT; state: device 18.00 GiB, pinned_host 36.19 GiB (param, optimizer_state); "
+      "peak HBM 70.00 GiB compiled, budget 40.00 GiB; step 2234 ms predicted")
+  assert "\n" not in plan.one_line()
+  fits = _plan(verdict=Verdict(), compiler_peak_hbm_bytes=None, predicted_step_secs=None,
+               platform="cpu")
+  assert fits.one_line().endswith("; peak device memory 72.00 GiB predicted, budget 40.00 GiB")
+  assert fits.one_line().startswith("fits; ")

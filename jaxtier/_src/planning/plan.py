@@ -337,6 +337,13 @@ class Plan:
     from jaxtier._src.planning import plan_text  # pylint: disable=g-import-not-at-top
     return plan_text.summary(self, width, more)
 
+  def one_line(self) -> str:
+    """The plan in one line (for a log): fits or not, the state's bytes per memory kind and
+    the roles in pinned_host, the peak device memory (compiled, else predicted) against the
+    budget planned for, and the predicted step time."""
+    from jaxtier._src.planning import plan_text  # pylint: disable=g-import-not-at-top
+    return plan_text.one_line(self)
+
   def table(self, width: "int | None" = None, reasons: bool = True) -> str:
     """Every leaf, one line each (path, `dtype[shape]`, bytes, role, placement; with `reasons`
     why, indented under it), then the predictions and every note.

@@ -278,6 +278,37 @@ def table_lines(plan, width: int, reasons: bool = True) -> list[str]:
   return lines
 
 
+def one_line(plan) -> str:
+  """The plan in one line, for a log: whether it fits, the state's bytes per memory kind (the
+  roles in pinned_host), the peak device memory against the budget and the predicted step.
+
+  Example: `fits; state: device 4.01 MiB, pinned_host 8.02 MiB (optimizer_state); peak device
+  memory 6.3 MiB compiled, budget 9 MiB; step 1.2 ms predicted`.
+  """
+  roles = sorted({str(l.role) for l in plan.leaves if l.memory_kind == "pinned_host"},
+                 key=lambda r: (_ROLE_ORDER.index(r) if r in _ROLE_ORDER else len(_ROLE_ORDER),
+                                r))
+  host = f" ({', '.join(roles)})" if roles else ""
+  parts = [f"{'fits' if plan.fits else 'DOES NOT FIT'}; state: device "
+           f"{format_bytes(plan.device_bytes)}, pinned_host {format_bytes(plan.pinned_bytes)}"
+           f"{host}"]
+  peak = plan.compiler_peak_hbm_bytes
+  which = "compiled"
+  if peak is None:
+    peak, which = plan.predicted_peak_hbm_bytes, "predicted"
+  if peak is not None:
+    memory = "HBM" if plan.platform == "gpu" else "device memory"
+    budget = plan.device_budget.usable
+    parts.append(f"peak {memory} {format_bytes(peak)} {which}"
+                 + ("" if budget is None else f", budget {format_bytes(budget)}"))
+  if plan.predicted_step_secs is not None:
+    parts.append(f"step {_ms(plan.predicted_step_secs)} predicted")
+  return "; ".join(parts)
+
+
+_ROLE_ORDER = (Role.PARAM, Role.OPTIMIZER_STATE, Role.OTHER)
+
+
 def summary(plan, width: "int | None" = None, more: str = "plan.table()") -> str:
   """`summary_lines` at `width` (None: the terminal's), as one string."""
   return "\n".join(summary_lines(plan, terminal_width(width), more))
