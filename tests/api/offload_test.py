@@ -115,6 +115,22 @@ def test_plan_places_optimizer_state_in_pinned_host():
   assert step.plan.compiler_peak_hbm_bytes and "; compiler: " in details
 
 
+def test_lower_plans_from_the_states_shapes_before_it_exists():
+  # As `jax.jit(step).lower(shapes, batch)`: the compute program of the plan, and the first
+  # call with the real state uses that plan.
+  step = jaxtier.offload(_step_fn(TX), policy=ON_HOST)
+  state = _mlp_state(TX)
+  shapes = jax.eval_shape(lambda: state)
+  assert step.lower(shapes, _batch()).compile().memory_analysis() is not None
+  plan = step.plan
+  assert plan.pinned_bytes == 2 * (16 * 32 + 32 * 4 + 4) * 4
+  ref, _ = jax.jit(_step_fn(TX))(_copy(state), _batch())
+  new, _ = step(state, _batch())
+  assert step.plan.leaves == plan.leaves and step.plan.notes == plan.notes  # not re-planned
+  assert new["opt"][0].mu["w1"].sharding.memory_kind == "pinned_host"
+  np.testing.assert_allclose(new["params"]["w1"], ref["params"]["w1"], rtol=1e-6, atol=1e-7)
+
+
 def test_bf16_params_get_fp32_masters():
   tx = optax.adamw(1e-2, weight_decay=0.1, mu_dtype=jnp.float32)
   step_fn = _step_fn(tx)

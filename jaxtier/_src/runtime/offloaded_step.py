@@ -305,9 +305,11 @@ class OffloadedStep:
 
     This is the program that holds the device memory: `.compile().memory_analysis()` gives
     its peak. The fused host updates run in a second program (`lower_update`). The state need
-    not be placed yet: its leaves are lowered with the plan's shardings.
+    not be placed yet, nor exist: its leaves may be `jax.ShapeDtypeStruct`s (as
+    `jax.jit(step).lower(shapes, batch)` takes them), lowered with the plan's shardings.
     """
-    self._ensure_plan(state, args)
+    self._ensure_plan(state, args, abstract=any(
+        isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state)))
     specs = self._programs.state_specs(state)
     return self._programs.compute.lower(self._programs.split.compute_inputs(
         specs, jax.tree_util.tree_leaves(args), self._runner.scratch_avals(),
