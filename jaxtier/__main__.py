@@ -18,6 +18,11 @@ Commands:
   calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
           the profile as JSON in the user's cache directory (`--json` prints it).
+  run     `python -m jaxtier run [--policy] [--device_budget] [--host_budget]
+          [--step=module:function ...] [--strict] -- (script.py | -m module) [args]`: runs
+          an unmodified script, its train step (a `jax.jit`, `nnx.jit` or `eqx.filter_jit`
+          function that donates a state and returns it) offloaded by `jaxtier.offload`; one
+          line on stderr says which function and its plan (`python -m jaxtier run --help`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ import jaxtier  # (imports jax first)
 # `train` runs itself again with the XLA settings that fit its plan (at most MAX_RERUNS times).
 from jaxtier._src.rerun import MAX_RERUNS, rerun_with as _rerun_with
 
+if __name__ == "__main__" and sys.argv[1:2] == ["run"]:
+  # `run` hands this process to a script whose absl flags are its own: the trainer's flags
+  # (defined below) must not be, as the example trainer run as a script defines them again.
+  from jaxtier._src import launcher as _launcher  # pylint: disable=g-import-not-at-top
+  sys.exit(_launcher.main(sys.argv[2:]))
+
 try:  # the example trainer defines the flags of train and plan (its model's configs)
   from jaxtier.examples import train as train_lib
 except ImportError:  # flax / optax / tqdm: the `examples` extra; calibrate runs without it
@@ -39,7 +50,7 @@ except ImportError:  # flax / optax / tqdm: the `examples` extra; calibrate runs
 else:  # --help lists the trainer's flags (train and plan both read them), not --helpfull only
   flags.adopt_module_key_flags(train_lib)
 
-COMMANDS = ("train", "plan", "calibrate")
+COMMANDS = ("train", "plan", "calibrate", "run")  # (run is dispatched above, before absl)
 _JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
                           "adds 'fits' (within its budgets) and 'refused' (null, or why the "
                           "plan was refused); it exits 1 when the plan does not fit, as the "

@@ -582,7 +582,7 @@ def test_help_exits_0_and_lists_the_trainers_flags(tmp_path):
 
 
 def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
-  commands = "; expected one of train, plan, calibrate"
+  commands = "; expected one of train, plan, calibrate, run"
   # After a command, the list of commands would read as if the command were wrong.
   for args, got in ((["bogus"], "unknown command 'bogus'" + commands),
                     ([], "no command given" + commands),
@@ -591,7 +591,7 @@ def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
     out = _cli(tmp_path, *args)
     assert out.returncode == 2
     assert out.stderr.startswith(f"python -m jaxtier: {got}.\nusage: python -m jaxtier "
-                                 "{train|plan|calibrate}"), out.stderr
+                                 "{train|plan|calibrate|run}"), out.stderr
     assert len(out.stderr.splitlines()) == 2, out.stderr
 
 

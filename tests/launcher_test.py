@@ -1,0 +1,306 @@
+"""`python -m jaxtier run`: unmodified scripts (tests/scripts/, none imports jaxtier) trained
+with their step offloaded, against the same scripts run alone.
+
+The scripts run as a user runs them, each in a process of its own: alone (`python script.py`)
+and under `python -m jaxtier run` with a device budget that puts part of the state in
+pinned_host; their printed losses must agree. The launcher's choices (which function, the
+fallback, --strict, --step) are also checked in this process, on a small script.
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxtier._src import launcher as launcher_lib
+
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
+WRAPPED = re.compile(r"^jaxtier run: wrapped (\S+): (.*)$", re.M)
+
+
+def _python(tmp_path, *args, env=None, timeout=600):
+  """`python *args` in a process of its own, on the CPU, with an empty profile cache."""
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+             **(env or {}))
+  out = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=timeout, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+def _losses(stdout: str) -> list[float]:
+  return [float(x) for x in re.findall(r"loss (\S+)", stdout)]
+
+
+def _wrapped(stderr: str) -> dict[str, str]:
+  """{function: its plan's one line} of the launcher's 'wrapped' lines."""
+  return dict(WRAPPED.findall(stderr))
+
+
+def _pinned_bytes(line: str) -> str:
+  return re.search(r"pinned_host (\S+ \S+?)[;, (]", line).group(1)
+
+
+@pytest.mark.slow
+def test_an_nnx_script_trains_as_alone_with_its_optimizer_state_on_the_host(tmp_path):
+  script = SCRIPTS / "nnx_mlp.py"
+  alone = _python(tmp_path, script)
+  run = _python(tmp_path, "-m", "jaxtier", "run", "--device_budget=4MB", "--", script)
+  (line,) = _wrapped(run.stderr).values()
+  assert list(_wrapped(run.stderr)) == ["nnx_mlp:train_step"], run.stderr
+  assert line.startswith("fits;") and "(optimizer_state)" in line, line
+  assert _pinned_bytes(line) != "0 B", line
+  assert len(_losses(alone.stdout)) == 8
+  np.testing.assert_allclose(_losses(run.stdout), _losses(alone.stdout), rtol=1e-5)
+  assert "warning" not in run.stderr, run.stderr
+
+
+@pytest.mark.slow
+def test_an_equinox_script_trains_as_alone_with_its_optimizer_state_on_the_host(tmp_path):
+  pytest.importorskip("equinox")
+  script = SCRIPTS / "eqx_mlp.py"
+  alone = _python(tmp_path, script)
+  run = _python(tmp_path, "-m", "jaxtier", "run", "--device_budget=4MB", "--", script)
+  wrapped = _wrapped(run.stderr)
+  assert list(wrapped) == ["eqx_mlp:main.<locals>.train_step"], run.stderr
+  line = wrapped["eqx_mlp:main.<locals>.train_step"]
+  assert "(optimizer_state)" in line and _pinned_bytes(line) != "0 B", line
+  assert len(_losses(alone.stdout)) == 8
+  np.testing.assert_allclose(_losses(run.stdout), _losses(alone.stdout), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_example_trainer_without_offload_trains_as_alone_its_state_built_on_the_host(
+    tmp_path):
+  # `--offload=none` is plain jax.jit with donation; the trainer lowers the step on shapes
+  # (jaxtier.admit) before it builds the state with jax.jit(init)(): the launcher plans at that
+  # lowering, and the state is built where the plan puts it.
+  flags = ["--offload=none", "--steps=4", "--batch_size=2", "--seq_len=32", "--log_every=1"]
+  _python(tmp_path, "-m", "jaxtier.examples.train", *flags, "--json_out=alone.json")
+  run = _python(tmp_path, "-m", "jaxtier", "run", "--device_budget=8MB", "--", "-m",
+                "jaxtier.examples.train", *flags, "--json_out=run.json")
+  name = "jaxtier.examples.train_state:make_train_state.<locals>.train_step"
+  assert list(_wrapped(run.stderr)) == [name], run.stderr
+  assert _pinned_bytes(_wrapped(run.stderr)[name]) != "0 B", run.stderr
+  assert (f"jaxtier run: built the state of {name} where its plan puts it "
+          "(jaxtier.examples.train_state:state_initializer.<locals>.init)") in run.stderr
+  alone = json.loads((tmp_path / "alone.json").read_text())
+  offloaded = json.loads((tmp_path / "run.json").read_text())
+  assert alone["ended"] == offloaded["ended"] == "completed"
+  assert len(alone["losses"]) == 4
+  np.testing.assert_allclose(offloaded["losses"], alone["losses"], rtol=1e-5)
+  # The trainer measures the pinned_host arrays live after its run: the state's host leaves.
+  assert alone["memory"]["pinned_host live (measured)"] == 0
+  assert offloaded["memory"]["pinned_host live (measured)"] > 0
+
+
+@pytest.mark.slow
+def test_the_shardings_a_script_gives_are_kept(tmp_path):
+  # Two CPU devices; the script's in_shardings split the params and moments by rows.
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  script = SCRIPTS / "sharded_step.py"
+  alone = _python(tmp_path, script, env=env)
+  run = _python(tmp_path, "-m", "jaxtier", "run", "--device_budget=1.5MB", "--", script,
+                env=env)
+  assert list(_wrapped(run.stderr)) == ["sharded_step:train_step"], run.stderr
+  alone_out = json.loads(alone.stdout.splitlines()[-1])
+  run_out = json.loads(run.stdout.splitlines()[-1])
+  assert "'d'" in alone_out["state"]["['params']['w1']"][0], alone_out
+  specs = lambda out: {path: spec for path, (spec, _) in out["state"].items()}
+  assert specs(run_out) == specs(alone_out)
+  assert run_out["loss"] == alone_out["loss"]  # out_shardings of the metrics
+  kinds = {path: kind for path, (_, kind) in run_out["state"].items()}
+  assert "pinned_host" in kinds.values(), kinds
+  assert {kind for _, kind in alone_out["state"].values()} == {"device"}
+  np.testing.assert_allclose(_losses(run.stdout), _losses(alone.stdout), rtol=1e-5)
+
+
+# -- the launcher's choices, in this process ----------------------------------------------------
+
+TWO_STEPS = SCRIPTS / "two_steps.py"
+
+
+def _run_here(capsys, *flags, script=TWO_STEPS, argv=("3",)):
+  """`python -m jaxtier run *flags -- script *argv` in this process: (exit status, stdout,
+  stderr)."""
+  code = launcher_lib.main([*flags, "--", str(script), *argv])
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def two_steps_alone():
+  """two_steps.py's losses, run alone in a process of its own."""
+  out = subprocess.run([sys.executable, str(TWO_STEPS), "3"], capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), check=True)
+  return out.stdout
+
+
+def _numbers(stdout: str) -> np.ndarray:
+  return np.array([[float(x) for x in re.findall(r" (?:a|b|eval) (\S+)", line)]
+                   for line in stdout.splitlines() if line.startswith("step ")])
+
+
+def test_the_first_step_called_is_wrapped_and_said(capsys, two_steps_alone):
+  jit = jax.jit
+  code, out, err = _run_here(capsys, "--device_budget=3MB")
+  assert code == 0, err
+  assert jax.jit is jit  # the patches are undone
+  assert list(_wrapped(err)) == ["two_steps:step_a"], err
+  assert err.count("jaxtier run: left two_steps:step_b to jax.jit: only the first train step "
+                   "is wrapped (two_steps:step_a)") == 1, err
+  np.testing.assert_allclose(_numbers(out), _numbers(two_steps_alone), rtol=1e-5)
+
+
+def test_step_names_the_function_wrapped(capsys, two_steps_alone):
+  # step_b donates two arguments (params, opt) and returns them with its loss.
+  code, out, err = _run_here(capsys, "--device_budget=1MB", "--step=two_steps:step_b")
+  assert code == 0, err
+  wrapped = _wrapped(err)
+  assert list(wrapped) == ["two_steps:step_b"], err
+  assert "(optimizer_state)" in wrapped["two_steps:step_b"], err
+  assert "left " not in err, err
+  np.testing.assert_allclose(_numbers(out), _numbers(two_steps_alone), rtol=1e-5)
+
+
+def test_a_step_that_cannot_be_offloaded_runs_unwrapped_after_one_warning(capsys,
+                                                                          two_steps_alone):
+  # policy none keeps all 1.52 MiB of step_a's state on the device: over a 1 MB budget.
+  code, out, err = _run_here(capsys, "--policy=none", "--device_budget=1MB")
+  assert code == 0, err
+  warnings = [l for l in err.splitlines() if "warning" in l]
+  assert warnings == [l for l in err.splitlines() if l.startswith(
+      "jaxtier run: warning: two_steps:step_a runs unwrapped: PlanError: the state needs "
+      "1.52 MiB")], err
+  assert len(warnings) == 1, err
+  assert _wrapped(err) == {}, err  # nor step_b: the first step was step_a
+  np.testing.assert_array_equal(_numbers(out), _numbers(two_steps_alone))
+
+
+def test_strict_stops_where_the_step_cannot_be_offloaded(capsys):
+  code, out, err = _run_here(capsys, "--policy=none", "--device_budget=1MB", "--strict")
+  assert code == 1
+  assert err.strip().splitlines()[-1].startswith(
+      "jaxtier run: error: two_steps:step_a cannot be offloaded: PlanError: the state needs "
+      "1.52 MiB (1597444 bytes) of device memory after offloading, over the device budget of "
+      "976.56 KiB (1000000 bytes)"), err
+  assert "step 0" not in out  # it stopped at the first step
+
+
+def test_strict_stops_where_a_named_step_is_never_wrapped(capsys):
+  code, _, err = _run_here(capsys, "--step=evaluate", "--strict")
+  assert code == 1
+  assert err.strip().splitlines()[-1] == (
+      "jaxtier run: error: --step=evaluate named no function that the script jitted as a train "
+      "step (one that donates a state and returns it) and called"), err
+
+
+LOWERED_FIRST = textwrap.dedent("""
+    # As the example trainer: the step lowered on shapes, then the state built by a jit.
+    import jax, jax.numpy as jnp, optax
+    tx = optax.adam(1e-2)
+    def init():
+      params = {"w": jnp.full((256, 256), 0.01), "b": jnp.zeros((256,))}
+      return {"params": params, "opt": tx.init(params)}
+    def step(state, x):
+      loss, g = jax.value_and_grad(
+          lambda p: jnp.mean((jnp.tanh(x @ p["w"] + p["b"]) - jnp.cos(x)) ** 2))(state["params"])
+      u, opt = tx.update(g, state["opt"])
+      return {"params": optax.apply_updates(state["params"], u), "opt": opt}, loss
+    train = jax.jit(step, donate_argnums=0)
+    x = jnp.linspace(-1, 1, 16 * 256).reshape(16, 256)
+    lowered = train.lower(jax.eval_shape(init), x)
+    print("lowered", type(lowered).__name__)
+    state = jax.jit(init)()
+    print("kinds", sorted({a.sharding.memory_kind for a in jax.tree.leaves(state)}))
+    for i in range(3):
+      state, loss = train(state, x)
+      print(f"step {i} loss {float(loss)!r}")
+""")
+
+
+def test_a_step_lowered_before_its_state_exists_has_its_state_built_where_planned(
+    capsys, tmp_path):
+  script = tmp_path / "lowered_first.py"
+  script.write_text(LOWERED_FIRST)
+  alone = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), check=True).stdout
+  code, out, err = _run_here(capsys, "--policy=optimizer_state_on_host", script=script,
+                             argv=())
+  assert code == 0, err
+  assert "jaxtier run: built the state of lowered_first:step where its plan puts it " \
+         "(lowered_first:init)" in err, err
+  assert "kinds ['device', 'pinned_host']" in out, out
+  assert "kinds ['device']" in alone
+  np.testing.assert_allclose(_losses(out), _losses(alone), rtol=1e-5)
+  assert len(_losses(out)) == 3
+
+
+# -- pieces ------------------------------------------------------------------------------------
+
+
+def test_parse_splits_jaxtiers_flags_from_the_scripts():
+  options, target = launcher_lib.parse(
+      ["--device_budget=8GB", "--step=a:f", "--step=g", "--strict", "--", "-m", "pkg.mod",
+       "--device_budget=1", "x"])
+  assert options == launcher_lib.RunOptions(device_budget="8GB", steps=("a:f", "g"),
+                                            strict=True)
+  assert target == launcher_lib.Target(path=None, module="pkg.mod",
+                                       argv=("--device_budget=1", "x"))
+  # Without `--` the script starts at the first argument that is no flag.
+  _, target = launcher_lib.parse(["--policy=none", str(TWO_STEPS), "--flag"])
+  assert target.path == str(TWO_STEPS) and target.argv == ("--flag",)
+  assert target.name == "two_steps"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--device_budget=lots", "--", str(TWO_STEPS)], "device_budget"),
+    (["--policy=fast", "--", str(TWO_STEPS)], "policy"),
+    (["--nope", "--", str(TWO_STEPS)], "nope"),
+    (["--strict", "--"], "no script given"),
+    (["--", "missing.py"], "no such script: missing.py"),
+    (["--step=a:b:c", "--", str(TWO_STEPS)], "--step=module:function"),
+])
+def test_a_bad_command_line_exits_2_naming_what(capsys, argv, says):
+  assert launcher_lib.main(argv) == 2
+  err = capsys.readouterr().err
+  assert says in err and launcher_lib.USAGE in err, err
+
+
+@pytest.mark.parametrize("spec, name, target, named", [
+    ("train_step", "__main__:train_step", "script", True),
+    ("script:train_step", "script:train_step", "script", True),
+    ("__main__:train_step", "script:train_step", "script", True),
+    ("other:train_step", "script:train_step", "script", False),
+    ("train_step", "pkg.mod:make.<locals>.train_step", "script", True),
+    ("pkg.mod:make.<locals>.train_step", "pkg.mod:make.<locals>.train_step", "x", True),
+    ("eval_step", "script:train_step", "script", False),
+])
+def test_step_names_a_function_by_module_and_name(spec, name, target, named):
+  assert launcher_lib._named(spec, name, target) is named
+
+
+def test_a_donated_argument_is_found_in_the_output():
+  state = {"w": jnp.zeros((3, 2)), "n": jnp.zeros((), jnp.int32)}
+  other = jnp.zeros((3, 2))
+  as_out = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  loss = jax.ShapeDtypeStruct((), jnp.float32)
+  match = launcher_lib._match
+  assert match([0], (state, other), (as_out, loss)) == ((0,), (0,))
+  assert match([0], (state, other), as_out) == ((0,), None)  # the whole output
+  assert match([0], (state, other), {"loss": loss, "state": as_out}) == ((0,), (1,))
+  # (params, opt) both donated, returned with the loss first.
+  assert match([0, 1], (other, state), (loss, as_out, jax.ShapeDtypeStruct((3, 2), jnp.float32))
+               ) == ((0, 1), (2, 1))
+  assert match([0], (state, other), loss) == ((), ())
+  # Another dtype is another state.
+  assert match([0], ({"w": jnp.zeros((3, 2), jnp.bfloat16)},), ({"w": as_out["w"]}, loss)) == (
+      (), ())
