@@ -55,3 +55,49 @@ def test_a_callable_policy_placing_a_counter_on_the_host_is_still_refused_naming
   with pytest.raises(jaxtier.PlanError, match=r"\['rng'\]\['layers'\]\['count'\] \(int32\[3\]\)"
                      r" would be placed host_xla, but only floating-point leaves"):
     jaxtier.offload(_step, policy=policy).place(_state(), x)
+
+
+def _axis1_step(tx):
+  # A stack scanned along axis 1, as flax's `nn.scan` with variable_axes={'params': 1} (MaxText's
+  # default param_scan_axis) leaves it: the layer loop reads a transpose of it.
+  def step(state, x):
+    def loss_fn(p):
+      def body(h, w):
+        return jnp.tanh(h @ w), None
+      h, _ = jax.lax.scan(body, x, jnp.moveaxis(p["layers"]["w"], 1, 0))
+      return jnp.mean(h ** 2)
+    loss, g = jax.value_and_grad(loss_fn)(state["params"])
+    u, o = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
+  return step
+
+
+def _axis1_state(tx):
+  params = {"layers": {"w": jnp.linspace(-0.5, 0.5, 16 * 3 * 16).reshape(16, 3, 16)}}
+  return {"params": params, "opt": tx.init(params)}
+
+
+def test_a_stack_on_axis_1_is_not_streamed_and_the_refusal_names_the_axis():
+  tx = optax.adamw(1e-2)
+  x = jnp.linspace(0.0, 1.0, 8 * 16).reshape(8, 16)
+  with pytest.raises(jaxtier.PlanError, match=r"\['params'\]\['layers'\]\['w'\] \(float32\[16, "
+                     r"3, 16\]\) cannot be placed 'host_stream': it is a stack of layers along "
+                     r"axis 1 .* param_scan_axis=0"):
+    jaxtier.plan(_axis1_step(tx), _axis1_state(tx), x,
+                 policy={r"\['params'\]\['layers'\]": "host_stream"})
+
+
+def test_a_stack_on_axis_1_trains_with_its_optimizer_state_on_the_host_as_jit():
+  tx = optax.adamw(1e-2)
+  x = jnp.linspace(0.0, 1.0, 8 * 16).reshape(8, 16)
+  step = jaxtier.offload(_axis1_step(tx), policy="optimizer_state_on_host")
+  state = step.place(_axis1_state(tx), x)
+  assert step.plan.bytes_by_memory_kind()["pinned_host"] > 0
+  want = _axis1_state(tx)
+  jitted = jax.jit(_axis1_step(tx))
+  for _ in range(3):
+    state, metrics = step(state, x)
+    want, want_metrics = jitted(want, x)
+    np.testing.assert_allclose(float(metrics["loss"]), float(want_metrics["loss"]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -59,8 +59,30 @@ def stream_reason(jaxpr: Any, index: int) -> str:
       continue
     if jaxpr_graph.elementwise_over(eqn, n):
       continue
+    axis = _layer_axis(jaxpr, eqn)
+    if axis:
+      return (f"it is a stack of layers along axis {axis} (a `transpose` brings that axis first "
+              "for the layer loop, reading the stack whole): streaming fetches layers along "
+              "axis 0 only; store the stack with its layers first (MaxText: "
+              "param_scan_axis=0; flax `nn.scan`: variable_axes={'params': 0})")
     return f"`{name}` reads it whole outside a layer loop"
   return "" if scans else "no `scan` reads it layer by layer"
+
+
+def _layer_axis(jaxpr: Any, eqn: Any) -> int:
+  """The axis a `transpose` equation brings first where its result is read only as a top-level
+  scan's `xs` (a stack scanned along that axis: flax's `nn.scan` with `variable_axes` other
+  than 0), else 0."""
+  if eqn.primitive.name != "transpose" or eqn.params["permutation"][0] == 0:
+    return 0
+  out = eqn.outvars[0]
+  readers = [(e, [p for p, x in enumerate(e.invars) if x is out]) for e in jaxpr.eqns]
+  readers = [(e, pos) for e, pos in readers if pos]
+  if not readers or any(e.primitive.name != "scan"
+                        or any(p not in jaxpr_graph.scan_xs_positions(e) for p in pos)
+                        for e, pos in readers):
+    return 0
+  return int(eqn.params["permutation"][0])
 
 
 class LayerLoops:
