@@ -605,11 +605,12 @@ def _resident_bytes(state: Any) -> int:
 
 
 def _time_scans(platform: str) -> bool:
-  """Whether the planner times the step's scan bodies on this machine's device
-  (`step_costs.time_scan_bodies`): JAXTIER_TIME_SCANS=1/0 forces it; by default where the plan
-  is for this machine's own backend and its rates are this machine's: on a GPU, and on the CPU
-  backend once calibrated (with the default profile a CPU plan's other rates are an H200's,
-  and timing CPU bodies would make plans in tests depend on machine load)."""
+  """Whether the planner times the step's compute on this machine's device (`step_costs.
+  measure_step`: on a GPU its scan bodies, on the CPU backend the whole device-only step):
+  JAXTIER_TIME_SCANS=1/0 forces it; by default where the plan is for this machine's own backend
+  and its rates are this machine's: on a GPU, and on the CPU backend once calibrated (with the
+  default profile a CPU plan's other rates are an H200's, and timing on the CPU would make
+  plans in tests depend on machine load)."""
   forced = os.environ.get("JAXTIER_TIME_SCANS")
   if forced is not None:
     return forced not in ("", "0", "false", "False")

@@ -55,9 +55,44 @@ def test_scan_bodies_timed_replace_their_analytic_compute(monkeypatch):
   # No scan: nothing to time; the analytic formula stays.
   assert step_costs_lib.time_scan_bodies(jax.make_jaxpr(lambda a: a @ a)(jnp.ones((8, 8)))) is None
   # Through the planner (forced on the CPU backend): the plan's notes say how compute was found.
+  # On a GPU the scan bodies are timed; on the CPU backend the whole step is run.
   monkeypatch.setenv("JAXTIER_TIME_SCANS", "1")
   plan = jaxtier.plan(lambda w, x: (w - 0.1 * jax.grad(f)(w, x), None), w, x)
-  assert any("scan bodies timed" in n for n in plan.notes), plan.notes
+  said = ("scan bodies timed" if jax.default_backend() == "gpu"
+          else "the device-only step run on this device")
+  assert any(said in n for n in plan.notes), plan.notes
+
+
+def test_on_the_cpu_the_device_only_step_is_run_and_its_time_is_the_compute():
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend runs the whole step")
+  def f(w, x):
+    h, _ = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)
+    return jnp.sum(h)
+  w = jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)
+  x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+  step = lambda w, x: (w - 0.1 * jax.grad(f)(w, x), jnp.sum(w))
+  closed = jax.make_jaxpr(step)(w, x)
+  costs = step_costs_lib.measure_step(closed, [w], [x], platform="cpu",
+                                      state_device_bytes=4 * 64 * 64 * 4, time_scans=True)
+  prof = profile.DEFAULT_PROFILE
+  assert costs.step_secs > 0 and costs.timed is None  # (its scans not timed apart)
+  assert costs.compute_secs(prof) == costs.step_secs
+  analytic = step_costs_lib.compute_secs(costs.flops, costs.elementwise_bytes, prof)
+  assert f"the device-only step run on this device, {costs.step_secs * 1e3:.4g} ms" in (
+      costs.compute_source(prof))
+  assert f"{analytic * 1e3:.4g} ms)" in costs.compute_source(prof)
+  # Planning for a GPU here: its scans are timed on this CPU, not the step (no GPU to run it).
+  gpu = step_costs_lib.measure_step(closed, [w], [x], platform="gpu",
+                                    state_device_bytes=4 * 64 * 64 * 4, time_scans=True)
+  assert gpu.step_secs is None and gpu.timed.count == 2
+  # Not run: a step over the input limit, or with a `while` loop (zeros may not end it).
+  compiled = jax.jit(step, donate_argnums=0).lower(w, x).compile()
+  assert step_costs_lib.time_step(compiled, [w, x], closed, reps=1) > 0
+  assert step_costs_lib.time_step(compiled, [w, x], closed, max_input_bytes=1000) is None
+  loop = lambda w, x: (jax.lax.while_loop(lambda c: jnp.sum(c) < 1.0, lambda c: c + 1, w), x)
+  looped = jax.make_jaxpr(loop)(w, x)
+  assert step_costs_lib.time_step(jax.jit(loop).lower(w, x).compile(), [w, x], looped) is None
 
 
 def test_a_scan_body_too_large_to_time_leaves_the_others_timed():

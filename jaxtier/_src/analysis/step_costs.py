@@ -1,4 +1,5 @@
-"""What the device-only step costs: FLOPs, memory-bound and transient bytes, timed scan bodies."""
+"""What the device-only step costs: FLOPs, memory-bound and transient bytes, timed scan bodies
+or, on the CPU backend, the timed step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.units import format_rate
 
@@ -46,6 +48,8 @@ class StepCosts:
       update leaves the device (its update's temporaries: the device-only step holds them at
       its peak, a step whose update runs on the host does not). 0 until a compiled plan
       measures it (`OffloadedStep` refines its plan with it: docs/design.md).
+    step_secs: seconds of the device-only step as run and timed on this machine's CPU backend
+      (`time_step`), or None: then `timed` and the analytic `compute_secs` give the compute.
   """
 
   flops: float
@@ -55,10 +59,14 @@ class StepCosts:
   num_devices: int = 1
   timed: "TimedScans | None" = None
   update_credit: float = 0.0
+  step_secs: "float | None" = None
 
   def compute_secs(self, profile: HardwareProfile) -> float:
-    """Seconds of compute per step: timed scan bodies x their lengths, plus the analytic
-    `compute_secs` of everything else (the whole step when nothing was timed)."""
+    """Seconds of compute per step: the device-only step's as timed (`step_secs`), else timed
+    scan bodies x their lengths plus the analytic `compute_secs` of everything else (the whole
+    step when nothing was timed)."""
+    if self.step_secs is not None:
+      return self.step_secs
     if self.timed is None:
       return compute_secs(self.flops, self.elementwise_bytes, profile)
     return self.timed.secs + compute_secs(max(0.0, self.flops - self.timed.flops),
@@ -69,6 +77,10 @@ class StepCosts:
     """How `compute_secs` was found, for the plan's notes."""
     analytic = (f"matmul FLOPs at {format_rate(profile.matmul_tflops)} TFLOP/s plus "
                 f"elementwise bytes at {format_rate(profile.hbm_gbps)} GB/s HBM (profile)")
+    if self.step_secs is not None:
+      return (f"compute: the device-only step run on this device, {self.step_secs * 1e3:.4g} ms "
+              f"(analytic: {analytic}, "
+              f"{compute_secs(self.flops, self.elementwise_bytes, profile) * 1e3:.4g} ms)")
     if self.timed is None:
       return f"compute: {analytic}"
     t = self.timed
@@ -374,6 +386,92 @@ def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
     return None
 
 
+def _has_while(jaxpr: Any) -> bool:
+  """Whether `jaxpr` (open or closed) runs a `while` loop anywhere, nested jaxprs included."""
+  j, _ = jc.open_jaxpr(jaxpr)
+  for eqn in j.eqns:
+    if eqn.primitive.name == "while":
+      return True
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+          if _has_while(sub):
+            return True
+  return False
+
+
+# The device-only step's inputs (state and arguments) above which `time_step` does not run it,
+# bytes; the share of the host's available memory its peak may take; and the seconds of its
+# first run above which that run is the time taken (no more runs).
+TIME_STEP_MAX_INPUT_BYTES = 1 << 30
+TIME_STEP_MAX_MEMORY_SHARE = 0.5
+TIME_STEP_MAX_RUN_SECS = 2.0
+
+
+def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
+              peak_bytes: "int | None" = None, reps: int = 3,
+              max_input_bytes: int = TIME_STEP_MAX_INPUT_BYTES,
+              max_run_secs: float = TIME_STEP_MAX_RUN_SECS) -> "float | None":
+  """Runs the compiled device-only step on zero inputs and times it: median seconds of `reps`
+  runs after one warm-up.
+
+  On the CPU backend the step's compute is XLA's own on this CPU, which one GEMM rate and one
+  memory rate (`compute_secs`) miss by several times: a small model's matmuls run far below a
+  1024^3 GEMM's rate, and every op and loop iteration has its own overhead. The step is run as
+  compiled (its state donated: new zeros for each run, made outside the timing); its run time
+  does not depend on the values.
+
+  Args:
+    compiled: the device-only step, compiled (`jax.stages.Compiled`).
+    avals: its inputs (`jax.ShapeDtypeStruct`s, with their shardings where set).
+    closed_jaxpr: the traced step: a step that runs a `while` loop is not run (on zeros its
+      trip count may not be the real one's, or unbounded).
+    peak_bytes: the compiled step's peak (`MemoryFigures.peak_bytes`): not run where it is
+      over TIME_STEP_MAX_MEMORY_SHARE of the host's available memory.
+    reps: timed runs after the warm-up.
+    max_input_bytes: not run where the inputs take more (they are allocated for each run).
+    max_run_secs: where the warm-up took longer, it is the time returned (no more runs).
+
+  Returns:
+    Seconds per step, or None where it was not run (too large, a `while` loop) or running it
+    failed (an estimate never fails a plan).
+  """
+  import time  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  if sum(_nbytes(a) for a in avals) > max_input_bytes or _has_while(closed_jaxpr):
+    return None
+  available = host_lib.available_bytes()
+  if peak_bytes and available is not None and peak_bytes > TIME_STEP_MAX_MEMORY_SHARE * available:
+    return None
+
+  def zeros():
+    out = []
+    for a in avals:
+      z = jnp.zeros(a.shape, a.dtype)
+      out.append(jax.device_put(z, a.sharding) if getattr(a, "sharding", None) else z)
+    return jax.block_until_ready(out)
+
+  try:
+    times = []
+    for i in range(reps + 1):
+      inputs = zeros()
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled(*inputs))
+      times.append(time.perf_counter() - t0)
+      del inputs
+      if i == 0 and times[0] > max_run_secs:
+        return times[0]
+    return float(np.median(times[1:]))
+  except Exception:  # pylint: disable=broad-except  (an estimate: never fail the plan)
+    return None
+
+
+_TIMED_STEPS: dict[Any, "float | None"] = {}
+
+
 def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *,
                  platform: str, state_device_bytes: int, compile_step: bool = True,
                  time_scans: bool = False) -> StepCosts:
@@ -394,8 +492,10 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       backend the figures are this backend's, an approximation (said in `transient_source`).
     state_device_bytes: the state's bytes per device when all of it is on the device.
     compile_step: compile for the transient bytes (else report 0 and say so).
-    time_scans: time the step's scan bodies on this device (`time_scan_bodies`); only
-      meaningful when `platform` is this machine's backend.
+    time_scans: time the step's compute on this device; only meaningful when `platform` is
+      this machine's backend. On the CPU backend the compiled device-only step itself is run
+      (`time_step`: `step_secs`); where it is not (not compiled, too large, a `while` loop),
+      and on a GPU, the step's scan bodies are (`time_scan_bodies`).
   """
   import jax  # pylint: disable=g-import-not-at-top
   from jax import extend as jex  # pylint: disable=g-import-not-at-top
@@ -403,13 +503,19 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
   mesh = jc.common_mesh((list(state), list(args)))
   num_devices = mesh.size if mesh is not None else 1
   flops, ew = jaxpr_costs(closed_jaxpr)
-  timed = time_scan_bodies(closed_jaxpr) if time_scans and num_devices == 1 else None
-  base = dict(flops=flops / num_devices, elementwise_bytes=ew / num_devices,
-              num_devices=num_devices, timed=timed)
-  if not compile_step:
-    return StepCosts(transient_bytes=0, transient_source="estimate: the gradients only "
-                     "(device-only step not compiled)", **base)
   here = jax.default_backend()
+  time_whole = time_scans and num_devices == 1 and compile_step and platform == here == "cpu"
+  step_secs = None
+
+  def costs(**kwargs) -> StepCosts:
+    timed = (time_scan_bodies(closed_jaxpr) if time_scans and num_devices == 1
+             and step_secs is None else None)
+    return StepCosts(flops=flops / num_devices, elementwise_bytes=ew / num_devices,
+                     num_devices=num_devices, timed=timed, step_secs=step_secs, **kwargs)
+
+  if not compile_step:
+    return costs(transient_bytes=0, transient_source="estimate: the gradients only "
+                 "(device-only step not compiled)")
   key = None
   try:
     def spec(x, kind):
@@ -420,10 +526,10 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
     avals = [spec(x, "device") for x in state] + [
         spec(x, jc.memory_kind_of(x) or "device")
         for x in args]
-    # The same step planned again (jaxtier.plan, then offload) is compiled once.
+    # The same step planned again (jaxtier.plan, then offload) is compiled (and run) once.
     key = (str(closed_jaxpr), tuple(map(str, avals)), tuple(
         str(getattr(a, "sharding", None)) for a in avals))
-    if key in _COMPILED_FIGURES:
+    if key in _COMPILED_FIGURES and (not time_whole or key in _TIMED_STEPS):
       fig = _COMPILED_FIGURES[key]
     else:
       fn = jex.core.jaxpr_as_fun(closed_jaxpr)
@@ -431,15 +537,21 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       fig = memory_figures(compiled)
       if len(_COMPILED_FIGURES) > 16:
         _COMPILED_FIGURES.clear()
+        _TIMED_STEPS.clear()
       _COMPILED_FIGURES[key] = fig
+      if time_whole:
+        _TIMED_STEPS[key] = time_step(compiled, avals, closed_jaxpr,
+                                      peak_bytes=fig.peak_bytes if fig else None)
+        del compiled
+    if time_whole:
+      step_secs = _TIMED_STEPS[key]
   except Exception as e:  # pylint: disable=broad-except  (an estimate: never fail the plan)
-    return StepCosts(transient_bytes=0, transient_source=f"estimate: the gradients only "
-                     f"(compiling the device-only step failed: {type(e).__name__})", **base)
+    return costs(transient_bytes=0, transient_source=f"estimate: the gradients only "
+                 f"(compiling the device-only step failed: {type(e).__name__})")
   if fig is None:
-    return StepCosts(transient_bytes=0, transient_source="estimate: the gradients only (the "
-                     f"{here} backend reports no memory analysis)", **base)
+    return costs(transient_bytes=0, transient_source="estimate: the gradients only (the "
+                 f"{here} backend reports no memory analysis)")
   where = "" if platform == here else f"; compiled for {here}, planning for {platform}: approximate"
-  return StepCosts(transient_bytes=max(0, fig.peak_bytes - int(state_device_bytes)),
-                   transient_source=f"the compiled device-only step's memory_analysis (peak "
-                   f"{fig.peak_bytes} bytes less the state's {int(state_device_bytes)}){where}",
-                   **base)
+  return costs(transient_bytes=max(0, fig.peak_bytes - int(state_device_bytes)),
+               transient_source=f"the compiled device-only step's memory_analysis (peak "
+               f"{fig.peak_bytes} bytes less the state's {int(state_device_bytes)}){where}")
