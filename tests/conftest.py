@@ -3,8 +3,11 @@
 `JAXTIER_REQUIRE_GPU=1` (set by the H200 benchmark scripts) turns a GPU skip into a failure.
 The planner's hardware profile cache (`jaxtier calibrate` writes it under XDG_CACHE_HOME) is a
 fresh empty directory for the test session, so that a profile calibrated on this machine does
-not change what the tests plan: every test sees the defaults unless it writes its own. JAX's
-compilation cache is a fresh directory for the session too (below).
+not change what the tests plan: every test sees the defaults unless it writes its own. Nor does
+the planner measure this machine where it finds no profile (JAXTIER_AUTO_CALIBRATE=0, inherited
+by the CLI's subprocesses): its figures would vary by machine and load, and each test's fresh
+cache would measure again; the tests of that calibration turn it on. JAX's compilation cache is
+a fresh directory for the session too (below).
 """
 
 import atexit
@@ -15,6 +18,7 @@ import shutil
 import tempfile
 
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxtier-tests-cache-")
+os.environ["JAXTIER_AUTO_CALIBRATE"] = "0"
 # JAX's persistent compilation cache, fresh for the session as the profile cache is: a program
 # compiled once (the example decoder's step, built and planned by many tests and by the CLI's
 # and benchmarks' subprocesses, which inherit these variables) is loaded, not compiled again.

@@ -148,7 +148,7 @@ def test_a_plan_on_a_gpu_with_a_built_in_profile_names_its_card(monkeypatch):
   _gpu_here(monkeypatch, H100_KIND)
   rates = planner._rates_of(profile.BUILTIN_PROFILES["H100"], "gpu")
   assert rates == "the built-in H100 profile's rates, not this machine's"
-  assert plan_text._short_rates(rates) == "H100 built-in rates, not this machine's"
+  assert plan_text._short_rates(rates) == "uncalibrated H100 built-in rates"
   assert planner._rates_of(D, "gpu") == "the default profile's H200 rates, not this machine's"
   calibrated = dataclasses.replace(profile.BUILTIN_PROFILES["H100"], source="calibrated")
   assert planner._rates_of(calibrated, "gpu") == ""

@@ -60,3 +60,69 @@ def test_public_calibrate_stores_the_profile_where_the_planner_loads_it(tmp_path
   assert profile.load(elsewhere) == again
   assert jaxtier.calibrate(save=False, measure_cpu=False, measure_device=False) == (
       profile.DEFAULT_PROFILE)
+
+
+class _Clock:
+  """A clock that moves only when a fake measurement says it took time."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def _fake_sweep(field, clock):
+  """A sweep over sizes 1, 4, 16, 64, 256 whose run at size s takes s ms, and each measurement
+  50 ms more (compiling): 1 + QUICK_REPS runs, so 0.054, 0.066, 0.114, 0.306 and 1.074 s."""
+  def measure(s):
+    clock.now += 0.05 + (1 + calibration.QUICK_REPS) * s * 1e-3
+    return 1e3  # units per second: one run at s takes s / 1e3 s
+  return calibration.Sweep(field, (1, 4, 16, 64, 256), measure, lambda s, rate: s / rate, float)
+
+
+def test_sized_measure_stops_before_the_size_that_would_pass_the_deadline():
+  clock = _Clock()
+  # 0.054 + 0.066 + 0.114 = 0.234 s to 16; 64 would end at 0.54, 256 at 1.614.
+  assert calibration.sized_measure(_fake_sweep("x", clock), 0.6, clock=clock) == (64, 1e3)
+  assert clock.now == pytest.approx(0.54)
+  clock.now = 0.0
+  assert calibration.sized_measure(_fake_sweep("x", clock), 0.5, clock=clock) == (16, 1e3)
+  assert clock.now == pytest.approx(0.234)
+  # The smallest size is measured whatever the deadline; none past the largest.
+  clock.now = 0.0
+  assert calibration.sized_measure(_fake_sweep("x", clock), 0.0, clock=clock)[0] == 1
+  assert calibration.sized_measure(_fake_sweep("x", clock), 1e9, clock=clock)[0] == 256
+
+
+def test_quick_calibrate_shares_its_budget_and_stays_within_it(monkeypatch):
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend's sweeps")
+  clock = _Clock()
+  monkeypatch.setattr(calibration, "cpu_sweeps", lambda: tuple(
+      _fake_sweep(field, clock) for field in ("matmul_tflops", "hbm_gbps")))
+  # The first gets half of the 1 s and stops at 16 (0.234 s; 64 would end at 0.54); the second
+  # what is left, and stops at 64 (at 0.774; 256 would end at 1.848).
+  quick = calibration.quick_calibrate(1.0, clock=clock)
+  assert quick.sizes == {"matmul_tflops": 16, "hbm_gbps": 64}
+  assert quick.secs == pytest.approx(0.774) and clock.now <= 1.0
+  assert quick.profile.matmul_tflops == quick.profile.hbm_gbps == 1e3
+  with pytest.raises(ValueError, match=r"expected budget_secs > 0 \(seconds\), got 0"):
+    calibration.quick_calibrate(0)
+
+
+def test_quick_calibrate_measures_what_a_cpu_plan_reads_at_the_sizes_its_budget_allows():
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend's sweeps")
+  sweeps = calibration.cpu_sweeps()
+  # A budget below what the smallest sizes take: each figure at its smallest size.
+  quick = calibration.quick_calibrate(1e-3)
+  assert quick.sizes == {s.field: s.sizes[0] for s in sweeps}
+  p = quick.profile
+  assert p.source.startswith("calibrated on cpu (quick") and not p.is_default
+  assert p.device_kind == jax.devices()[0].device_kind and p.cpu_threads >= 1
+  for s in sweeps:  # measured here: this CPU's, not the H200 defaults
+    assert 0 < getattr(p, s.field) != getattr(profile.DEFAULT_PROFILE, s.field), s.field
+  # (A CPU's matmul rate is far below an H200's.)
+  assert p.matmul_tflops < profile.DEFAULT_PROFILE.matmul_tflops / 10
+  assert p.link_h2d_gbps == profile.DEFAULT_PROFILE.link_h2d_gbps  # no link here

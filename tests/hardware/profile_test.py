@@ -8,10 +8,13 @@ import os
 import subprocess
 import sys
 
+import types
+
 import jax
-from planning._toy import P
+from planning._toy import P, STEP, mlp_state, toy_batch
 import pytest
 
+import jaxtier
 from jaxtier._src.hardware import calibrate as calibration
 from jaxtier._src.hardware import profile
 
@@ -161,3 +164,120 @@ def test_the_mem_fraction_that_fits_is_named_only_where_the_fraction_binds_and_t
   assert host.mem_fraction_that_fits(70 * 2**30, margin=0.05) == "0.57"
   monkeypatch.setattr(host, "allocator_limit_bytes", lambda: None)  # no GPU here
   assert host.mem_fraction_that_fits(115 * 2**30, margin=0.05) is None
+
+
+@pytest.fixture
+def auto(tmp_path, monkeypatch):
+  """Auto-calibration on (the test session turns it off), an empty profile cache, and a fresh
+  process's memory of what it calibrated and warned about; the quick calibrations `load` runs
+  are counted, each at its smallest sizes (a fraction of a second). Returns the count."""
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+  monkeypatch.setenv(profile.AUTO_CALIBRATE_ENV, "1")
+  monkeypatch.setattr(profile, "_AUTO_CALIBRATED", {})
+  monkeypatch.setattr(profile, "_WARNED", set())
+  calls = []
+  quick = calibration.quick_calibrate
+
+  def counted(budget_secs=calibration.QUICK_BUDGET_SECS):
+    calls.append(budget_secs)
+    return quick(1e-3)
+  monkeypatch.setattr(calibration, "quick_calibrate", counted)
+  return calls
+
+
+def _labelled(plan) -> bool:
+  """Whether `plan` says its times are the H200 defaults', not this machine's."""
+  return (plan.rates_of == "the default profile's H200 rates, not this machine's"
+          and "times: uncalibrated H200 default rates: python -m jaxtier calibrate"
+          in plan.summary(120))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend calibrates itself")
+def test_load_without_a_profile_calibrates_once_and_stores_it(auto, monkeypatch, caplog):
+  path = profile.cache_path()
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    first = profile.load()
+    assert profile.load() == first  # this process: not measured again
+  assert auto == [calibration.QUICK_BUDGET_SECS]
+  assert first.source.startswith("calibrated on cpu (quick") and not first.is_default
+  said = [r.getMessage() for r in caplog.records]
+  assert len(said) == 1 and "no hardware profile for cpu: measured this machine in" in said[0]
+  assert f"stored at {path}" in said[0] and "JAXTIER_AUTO_CALIBRATE=0 turns this off" in said[0]
+  # The next process reads the file: no measurement, no warning.
+  monkeypatch.setattr(profile, "_AUTO_CALIBRATED", {})
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load() == first == profile.load(path)
+  assert auto == [calibration.QUICK_BUDGET_SECS] and not caplog.records
+  # A plan with it predicts with this machine's rates: no label.
+  plan = jaxtier.plan(STEP, mlp_state(), toy_batch())
+  assert not plan.rates_of and "uncalibrated" not in plan.summary(120)
+  assert f"hardware profile: {first.source}" in plan.notes
+  # Neither a GPU planned for here nor a path given is measured.
+  assert profile.load(platform="gpu") is profile.DEFAULT_PROFILE
+  folder = os.path.dirname(path)
+  assert profile.load(os.path.join(folder, "other.json")) is profile.DEFAULT_PROFILE
+  assert auto == [calibration.QUICK_BUDGET_SECS]
+  assert os.listdir(folder) == [os.path.basename(path)]  # (and no partial file left)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend calibrates itself")
+def test_a_stale_profile_is_measured_again(auto, caplog):
+  path = profile.cache_path()
+  os.makedirs(os.path.dirname(path))
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(profile.DEFAULT_PROFILE), f)  # no format_version
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    measured = profile.load()
+  assert len(auto) == 1 and measured.source.startswith("calibrated on cpu (quick")
+  assert profile.load(path) == measured  # stored over the stale one
+  assert "written by an older jaxtier" not in caplog.text
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend calibrates itself")
+def test_auto_calibration_turned_off_gives_the_labelled_defaults(auto, monkeypatch, caplog):
+  for off in ("0", "false", "OFF"):
+    monkeypatch.setenv(profile.AUTO_CALIBRATE_ENV, off)
+    with caplog.at_level(logging.WARNING, logger="jaxtier"):
+      assert profile.load() is profile.DEFAULT_PROFILE
+  assert not auto and not os.path.exists(profile.cache_path()) and not caplog.records
+  assert _labelled(jaxtier.plan(STEP, mlp_state(), toy_batch()))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend calibrates itself")
+def test_a_failing_measurement_falls_back_to_the_labelled_defaults(auto, monkeypatch, caplog):
+  failed = []
+
+  def fails(*args, **kwargs):
+    failed.append(args)
+    raise RuntimeError("no CPU handler")
+  monkeypatch.setattr(calibration, "measure_cpu_adamw", fails)
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    assert profile.load() is profile.DEFAULT_PROFILE
+    plan = jaxtier.plan(STEP, mlp_state(), toy_batch())
+  assert len(auto) == 1 and len(failed) == 1  # tried once in this process, not per load
+  assert not os.path.exists(profile.cache_path())
+  said = [r.getMessage() for r in caplog.records]
+  assert len(said) == 1, said
+  assert ("measuring this machine failed (RuntimeError: no CPU handler); planning with the "
+          "defaults, so the plan's times are not this machine's") in said[0]
+  assert _labelled(plan)
+
+
+def _gpu_here(monkeypatch, kind):
+  """This machine as JAX would see it on a GPU of `kind` (the cache path is keyed by it)."""
+  device = types.SimpleNamespace(device_kind=kind, platform="gpu")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda *a, **k: [device])
+
+
+def test_only_a_gpu_without_a_built_in_profile_calibrates_itself(auto, monkeypatch):
+  measured = dataclasses.replace(profile.DEFAULT_PROFILE, matmul_tflops=180.0,
+                                 device_kind="NVIDIA L40S", source="calibrated on NVIDIA L40S")
+  monkeypatch.setattr(calibration, "quick_calibrate", lambda: (
+      auto.append("gpu"), calibration.QuickCalibration(measured, {}, 2.0))[1])
+  _gpu_here(monkeypatch, "NVIDIA H100 80GB HBM3")
+  assert profile.load(warn=False) is profile.BUILTIN_PROFILES["H100"] and not auto
+  _gpu_here(monkeypatch, "NVIDIA L40S")
+  assert profile.load() == measured and auto == ["gpu"]
+  assert profile.load(profile.cache_path()) == measured  # stored

@@ -133,13 +133,13 @@ def test_the_calibrate_hint_is_said_once_and_only_where_rates_are_not_this_machi
   for width in (80, 120):
     text = uncalibrated.summary(width)
     assert text.count("python -m jaxtier calibrate") == 1
-    assert "H200 default rates, not this machine's" in text
+    assert "times: uncalibrated H200 default rates: python -m jaxtier calibrate" in text
   assert "calibrate" not in _plan(verdict=Verdict()).summary(80)
   # On a GPU with no stored profile, its card's built-in rates (`profile.builtin_profile`).
   h100 = _plan(rates_of="the built-in H100 profile's rates, not this machine's",
                verdict=Verdict())
   text = h100.summary(120)
-  assert "times: H100 built-in rates, not this machine's: python -m jaxtier calibrate" in text
+  assert "times: uncalibrated H100 built-in rates: python -m jaxtier calibrate" in text
   assert text.count("python -m jaxtier calibrate") == 1 and "H200" not in text
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -272,22 +272,38 @@ def measure_cpu_compute(*, n: int = 1024, nbytes: int = 1 << 27,
   """The compute figures of a machine whose compute device is its CPU (the CPU backend).
 
   `matmul_tflops`: an f32 n x n x n matmul (2 n^3 FLOP; the CPU backend computes what the
-  example decoder computes in f32), TFLOP/s. `hbm_gbps`: `a + 1` over `nbytes` of f32, read
-  and write counted, GB/s: the memory the CPU backend's "device" arrays live in. With them a
-  plan for the CPU backend predicts this machine's step times, not an H200's.
+  example decoder computes in f32), TFLOP/s (`measure_cpu_matmul`). `hbm_gbps`: `a + 1` over
+  `nbytes` of f32, read and write counted, GB/s: the memory the CPU backend's "device" arrays
+  live in (`measure_cpu_memory`). With them a plan for the CPU backend predicts this machine's
+  step times, not an H200's.
   """
+  return {"matmul_tflops": measure_cpu_matmul(n, reps=reps),
+          "hbm_gbps": measure_cpu_memory(nbytes, reps=reps)}
+
+
+def measure_cpu_matmul(n: int = 1024, *, reps: int = 5) -> float:
+  """TFLOP/s of an f32 [n, n] @ [n, n] matmul (2 n^3 FLOP) on the CPU backend: median of
+  `reps` runs after one warm-up (which compiles)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  a = jnp.ones((n, n), jnp.float32)
+  cpu = jax.devices("cpu")[0]
+  a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
   mm = jax.jit(lambda a: a @ a)
-  t = _median_secs(lambda: mm(a).block_until_ready(), reps)
-  out = {"matmul_tflops": 2 * n**3 / t / 1e12}
-  x = jnp.ones((nbytes // 4,), jnp.float32)
+  return 2 * n**3 / _median_secs(lambda: mm(a).block_until_ready(), reps) / 1e12
+
+
+def measure_cpu_memory(nbytes: int = 1 << 27, *, reps: int = 5) -> float:
+  """GB/s of `a + 1` over `nbytes` of f32 on the CPU backend, the bytes read and written
+  counted: median of `reps` runs after one warm-up. Each run writes a new output, as a step's
+  temporaries are, so the rate includes the first touch of its pages."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  cpu = jax.devices("cpu")[0]
+  x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), cpu)
   add = jax.jit(lambda a: a + 1.0)
-  t = _median_secs(lambda: add(x).block_until_ready(), reps)
-  out["hbm_gbps"] = 2 * nbytes / t / 1e9
-  return out
+  return 2 * (nbytes // 4 * 4) / _median_secs(lambda: add(x).block_until_ready(), reps) / 1e9
 
 
 def measure_gpu_adamw(device: Any, num_params: int, *, reps: int = 3) -> dict[str, float]:
@@ -403,3 +419,162 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
       f"{time.strftime('%Y-%m-%d')})")
 
 
+
+
+# ---- the quick calibration `profile.load` runs where this machine has no stored profile ----
+
+
+# Wall seconds a quick calibration may take (`quick_calibrate`): its sizes are chosen to stay
+# within it. On 2 CPU cores the largest sizes take 2.3-2.6 s of CPU time in all (3.7-6.4 s of
+# wall time with the cores shared by other work).
+QUICK_BUDGET_SECS = 10.0
+# Timed runs of each quick measurement, after one warm-up.
+QUICK_REPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """One figure of a quick calibration, measured at the largest of `sizes` that its time allows.
+
+  Attributes:
+    field: the `HardwareProfile` field measured.
+    sizes: the sizes it may run at, smallest first (the unit is `measure`'s: elements, bytes,
+      a matrix's side).
+    measure: size -> the figure, in the field's unit (runs 1 + QUICK_REPS times).
+    run_secs: (size, figure) -> seconds of one run at that size (how the figure was found).
+    work: size -> work of one run at that size, in any unit (its ratio between two sizes is
+      the ratio of their run times).
+  """
+
+  field: str
+  sizes: tuple[int, ...]
+  measure: Callable[[int], float]
+  run_secs: Callable[[int, float], float]
+  work: Callable[[int], float]
+
+
+def cpu_sweeps() -> tuple[Sweep, ...]:
+  """What a plan for the CPU backend reads of a profile, as quick measurements: the step's
+  compute on this CPU (`matmul_tflops`, `hbm_gbps`: `step_costs.compute_secs`), the CPU
+  executor's AdamW rate (`cpu_adamw_params_per_sec`: `cost_model.update_cost`) and the host's
+  DRAM bandwidth (`host_dram_gbps`: `cost_model.xla_copy_cost`). The largest sizes are those
+  `calibrate` measures at, or half of them."""
+  reps = QUICK_REPS
+  return (
+      Sweep("matmul_tflops", (128, 256, 512, 1024), lambda n: measure_cpu_matmul(n, reps=reps),
+            lambda n, tflops: 2 * n**3 / (tflops * 1e12), lambda n: float(n)**3),
+      Sweep("hbm_gbps", (1 << 20, 1 << 22, 1 << 24, 1 << 26),
+            lambda nbytes: measure_cpu_memory(nbytes, reps=reps),
+            lambda nbytes, gbps: 2 * nbytes / (gbps * 1e9), float),
+      Sweep("cpu_adamw_params_per_sec", (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 23),
+            lambda n: measure_cpu_adamw(n, reps=reps), lambda n, rate: n / rate, float),
+      Sweep("host_dram_gbps", (1 << 18, 1 << 20, 1 << 22, 1 << 23),
+            lambda n: measure_host_dram_gbps(n, reps=reps),
+            lambda n, gbps: 24 * n / (gbps * 1e9), float),
+  )
+
+
+def sized_measure(sweep: Sweep, deadline: float, *,
+                  clock: Callable[[], float] = time.perf_counter) -> tuple[int, float]:
+  """Measures `sweep` at its sizes in turn, smallest first, stopping where the next would end
+  past `deadline` (a `clock()` time, seconds).
+
+  The next size's time is predicted from the last: its timed runs scaled by the ratio of the
+  two sizes' work, plus what the last spent beyond its runs (compiling, allocating). The
+  smallest size is always measured.
+
+  Returns:
+    (the largest size measured, the figure measured at it).
+  """
+  runs = 1 + QUICK_REPS
+  size, value = sweep.sizes[0], 0.0
+  for i, size in enumerate(sweep.sizes):
+    start = clock()
+    value = float(sweep.measure(size))
+    spent = clock() - start
+    if i + 1 == len(sweep.sizes):
+      break
+    timed = runs * sweep.run_secs(size, value)
+    nxt = sweep.sizes[i + 1]
+    predicted = max(0.0, spent - timed) + timed * sweep.work(nxt) / sweep.work(size)
+    if clock() + predicted > deadline:
+      break
+  return size, value
+
+
+@dataclasses.dataclass(frozen=True)
+class QuickCalibration:
+  """What `quick_calibrate` measured.
+
+  Attributes:
+    profile: the profile (`source` begins "calibrated", and says it was a quick one).
+    sizes: {field: the size its figure was measured at} (the unit is its `Sweep`'s).
+    secs: wall seconds it took.
+  """
+
+  profile: HardwareProfile
+  sizes: dict[str, int]
+  secs: float
+
+
+def quick_calibrate(budget_secs: float = QUICK_BUDGET_SECS, *,
+                    clock: Callable[[], float] = time.perf_counter) -> QuickCalibration:
+  """Measures what a plan on this machine reads of its profile, within `budget_secs`.
+
+  On the CPU backend: `cpu_sweeps` (this CPU's matmul and memory rates as the compute device's,
+  the CPU executor's AdamW rate, the host's DRAM bandwidth), each at the largest of its sizes
+  that its share of the time left allows (`sized_measure`: each gets an equal share of what
+  the ones before it left), plus the thread count and the pinnable memory. The link,
+  zero-copy and GPU executor figures stay the H200 defaults (no GPU to measure). On a GPU
+  (one whose card has no built-in profile): `measure_gpu` at a quarter of `calibrate`'s
+  transfer size, a quarter of its AdamW size and fewer runs (sizes not chosen by the budget),
+  then the host's DRAM bandwidth in what is left of it.
+
+  Args:
+    budget_secs: wall seconds it may take, > 0 (default QUICK_BUDGET_SECS). On the CPU backend
+      the smallest size of each figure is measured whatever the budget (a fraction of a second
+      in all).
+    clock: the clock the budget is counted on.
+
+  Returns:
+    A `QuickCalibration`: the profile, the sizes chosen, the seconds taken.
+
+  Raises:
+    ValueError: `budget_secs` is not a positive number.
+    Whatever a measurement raises (`profile.load` falls back to the defaults then).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if isinstance(budget_secs, bool) or not isinstance(budget_secs, (int, float)) or not (
+      budget_secs > 0):
+    raise ValueError(f"quick_calibrate: expected budget_secs > 0 (seconds), got {budget_secs!r}")
+  start = clock()
+  deadline = start + float(budget_secs)
+  backend = jax.default_backend()
+  kind = jax.devices()[0].device_kind
+  fields: dict[str, Any] = {}
+  sizes: dict[str, int] = {}
+  if backend == "gpu":
+    nbytes = 1 << 28
+    fields.update(measure_gpu(jax.devices("gpu")[0], nbytes=nbytes, reps=QUICK_REPS,
+                              update_params=1 << 24))
+    sizes.update(transfer_bytes=nbytes)
+    sweeps = tuple(s for s in cpu_sweeps() if s.field == "host_dram_gbps")
+    measured = "gpu and host"
+  else:
+    sweeps = cpu_sweeps()
+    measured = "cpu compute and host"
+  for i, sweep in enumerate(sweeps):
+    share = (deadline - clock()) / (len(sweeps) - i)
+    sizes[sweep.field], fields[sweep.field] = sized_measure(sweep, clock() + share, clock=clock)
+  fields["cpu_threads"] = os.cpu_count() or DEFAULT_PROFILE.cpu_threads
+  pinnable = host_lib.pinnable_bytes(backend)
+  if pinnable:
+    fields["pinnable_bytes"] = int(pinnable)
+  base = builtin_profile(kind) if backend == "gpu" else DEFAULT_PROFILE
+  defaults = "" if backend == "gpu" else "; link and GPU executor figures are the H200 defaults"
+  prof = dataclasses.replace(
+      base, **fields, device_kind=kind, versions=_versions(),
+      source=f"calibrated on {kind} (quick, at first use: {measured} measured{defaults}, "
+      f"{time.strftime('%Y-%m-%d')})")
+  return QuickCalibration(prof, sizes, clock() - start)

@@ -225,11 +225,11 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
 
 def _short_rates(rates_of: str) -> str:
   """`Plan.rates_of` as the summary says it: the H200 defaults, or a card's built-in rates,
-  named shortly."""
+  named shortly, as uncalibrated (on this machine, they are not its own)."""
   if "default" in rates_of and "H200" in rates_of:
-    return "H200 default rates, not this machine's"
+    return "uncalibrated H200 default rates"
   builtin = _BUILTIN_RATES.fullmatch(rates_of)
-  return f"{builtin.group(1)} built-in rates, not this machine's" if builtin else rates_of
+  return f"uncalibrated {builtin.group(1)} built-in rates" if builtin else rates_of
 
 
 def table_lines(plan, width: int, reasons: bool = True) -> list[str]:
