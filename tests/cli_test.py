@@ -551,6 +551,32 @@ def test_a_cpu_plan_says_its_step_time_is_an_h200s_once(tmp_path):
   assert re.search(r"^step: [0-9.]+ ms predicted", calibrated.stdout, re.M)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend calibrates itself")
+def test_a_cpu_plan_without_a_profile_predicts_the_step_train_measures_within_2x(tmp_path):
+  # No stored profile, auto-calibration on (the suite turns it off): the first plan measures
+  # this machine, stores the profile and predicts with it; train reads it and measures the step.
+  # A bound on the prediction's error (a factor of 2), not a speed.
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+             JAXTIER_AUTO_CALIBRATE="1")
+  plan = _Forks.run(("plan", "--config=tiny", "--json"), env, tmp_path, 300)
+  assert plan.returncode == 0, plan.stderr[-2000:]
+  assert plan.stderr.count("no hardware profile for cpu: measured this machine in") == 1
+  predicted = json.loads(plan.stdout)
+  assert not predicted["rates_of"]  # this machine's rates
+  assert any(n.startswith("compute: the device-only step run on this device")
+             for n in predicted["notes"]), predicted["notes"]
+  run = _Forks.run(("train", "--config=tiny", "--steps=30", "--log_every=5",
+                    f"--json_out={tmp_path / 'run.json'}"), env, tmp_path, 300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "measured this machine" not in run.stderr  # the stored profile, read
+  with open(tmp_path / "run.json") as f:
+    times = json.load(f)["step_times"][1:]  # (the first compiles)
+  measured = sum(times) / len(times)
+  ratio = predicted["predicted_step_secs"] / measured
+  assert 0.5 <= ratio <= 2.0, (predicted["predicted_step_secs"], measured)
+
+
 def test_plan_streams_as_train_does_unless_nostream(tmp_path):
   # A device budget the state fits only with the layers' params streamed: `plan` finds that
   # plan as `train --offload=auto` (jaxtier.offload) would; --nostream forbids it.
