@@ -34,9 +34,11 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
       `new_state` has its structure.
     device_budget: device memory the step may use at its peak (state and transient buffers),
       bytes per device or a size string ('80GB', '16GiB'); None: no limit (on a GPU, what the
-      device has). The compiled step's peak (`memory_analysis()`) is checked against it and
-      the step re-planned (up to twice) when it is over; a plan still over it is refused
-      (below), unless `allow_over_budget`.
+      device has). The compiled step's peak (`memory_analysis()`) is checked against it; when
+      it is over, 'auto' tries the plan with every optimizer-state leaf on the host, then
+      the layers' params streamed too (two compiles at most; `plan.escalation` lists them),
+      and a policy leaving leaves to the solver re-plans (up to twice); a plan still over it
+      is refused, the refusal listing the plans tried (below), unless `allow_over_budget`.
     host_budget: pinned host memory the plan may pin, bytes per device or a size string; None:
       limited only by what the host can pin.
     policy: 'auto' (the planner's solver: the fastest predicted placement within the budgets;

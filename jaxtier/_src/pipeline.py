@@ -3,9 +3,11 @@
 `plan_step` traces the step (`analysis.inventory`), measures what the device-only step costs
 (`analysis.step_costs`), loads the `HardwareProfile`, plans (`planning.planner.make_plan`),
 lowers the plan into the step's two programs (`lowering.compiled.build`), checks the compiled
-program's peak against the budget (re-planning when it is over, `MAX_REPLANS` times at most),
-and refines a plan whose compiled peak came out well under its prediction. `plan_only` stops
-after planning: it allocates and compiles nothing but the device-only step's costs.
+program's peak against the budget (when it is over: under 'auto', plans with more state on
+the host, `ESCALATIONS`, `MAX_ESCALATION_COMPILES` compiles at most; under a policy that
+leaves leaves to the solver, re-plans `MAX_REPLANS` times at most), and refines a plan whose
+compiled peak came out well under its prediction. `plan_only` stops after planning: it
+allocates and compiles nothing but the device-only step's costs.
 """
 
 from __future__ import annotations
@@ -31,14 +33,29 @@ from jaxtier._src.options import OffloadOptions
 from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
-from jaxtier._src.planning.plan import DeviceBudget, Plan, verdict_lines
+from jaxtier._src.planning.plan import Attempt, DeviceBudget, Escalation, Plan, verdict_lines
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import MemoryKind, NamedPolicy, Placement, Role, is_named
 
 log = logging.getLogger("jaxtier")
 
-# Re-plans after the compiled step's peak device memory came out over the budget.
+# Re-plans after the compiled step's peak device memory came out over the budget, under a
+# policy that leaves some leaves to the solver (a callable or a mapping). 'auto' escalates
+# instead (`_escalated`).
 MAX_REPLANS = 2
+# Under 'auto', the plans tried in turn once its own plan's compiled step is over the device
+# limit, each with more state on the host: every optimizer-state leaf (as policy
+# 'optimizer_state_on_host' places it), then also the layer stacks' params streamed
+# ('host_stream'; their optimizer state on the host, the rest placed by 'auto').
+ESCALATIONS = (NamedPolicy.OPTIMIZER_STATE_ON_HOST, "stream")
+# Compiles of a planned step's compute program (each with its host-update program, small
+# beside it) that 'auto' may take after its own plan's compiled step was over the limit
+# (`_escalated`): one per plan of ESCALATIONS until one fits, or, where
+# 'optimizer_state_on_host' fits at once, one more for auto's plan re-planned against the
+# budget less what its compiled step was over (kept where it fits too and is predicted
+# faster). Two: the search adds at most two compiles of a planned step to planning's own (a
+# budget re-plan before escalating would make it three); docs/design.md gives their times.
+MAX_ESCALATION_COMPILES = 2
 # A verified plan whose compiled peak is more than this fraction of its device budget below
 # its predicted peak is refined (`_refine`).
 REFINE_MIN_OVERESTIMATE = 0.02
@@ -65,10 +82,17 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   `changes`: why the step is planned again ('' the first time), added to a tracing error.
   `abstract`: the state's leaves are `jax.ShapeDtypeStruct`s (`OffloadedStep.init`).
 
+  Under 'auto', a plan whose compiled step's peak is over the device limit (the budget planned
+  against, or what JAX's allocator holds on this GPU less `admission.DEVICE_MARGIN` where that
+  is less) is not re-planned against a smaller budget but escalated (`_escalated`): the plans of
+  `ESCALATIONS` are compiled in turn and the first that fits is kept, `MAX_ESCALATION_COMPILES`
+  compiles at most; the plan's `escalation` says which were tried.
+
   Raises:
     jaxtier.PlanError / AdmissionError: from planning, or the plan kept over the device budget
-      given (`admission.admit_device_budget`, unless `options.allow_over_budget`); nothing has
-      been allocated then.
+      given (`admission.admit_device_budget`, unless `options.allow_over_budget`) or over what
+      JAX's allocator holds (`admission.admit_device`); under 'auto' after escalating, the
+      refusal lists each plan tried with its compiled peak. Nothing has been allocated then.
   """
   try:
     inv = inv_lib.take_inventory(fn, state, args, allow_abstract=abstract)
@@ -111,8 +135,11 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   if not first.fits and gpu_here:
     _raise_with_room(None, inv, fixed, device_budget.given, costs, state, first)
 
-  previous = planned = None
-  for attempt in range(MAX_REPLANS + 1):
+  auto = is_named(options.policy, NamedPolicy.AUTO)
+  # 'auto' escalates rather than re-plan against smaller budgets (`_escalated`).
+  max_replans = 0 if auto else MAX_REPLANS
+  previous = planned = replan_budget = None
+  for attempt in range(max_replans + 1):
     try:
       plan = first if attempt == 0 else make(costs, device_budget)
     except PlanError as e:
@@ -126,13 +153,27 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     replanned = () if not attempt else (
         f"re-planned ({attempt}) against {format_bytes(device_budget.usable)}: the compiled "
         "step's peak was over the budget",)
-    planned, smaller = _verify(lower(plan, *replanned), state, args, attempt, options.policy)
+    planned, smaller = _verify(lower(plan, *replanned), state, args, options.policy)
     if smaller is None:
       break
+    peak, usable = planned.plan.compiler_peak_hbm_bytes, device_budget.usable
+    if attempt >= max_replans:
+      if auto:  # the budget a re-plan would have had: `_escalated` may try it
+        replan_budget = device_budget.replanned(smaller)
+      else:
+        log.warning("jaxtier: the compiled step's peak device memory (%s) exceeds the device "
+                    "budget (%s) after %d re-plans; keeping this plan", format_bytes(peak),
+                    format_bytes(usable), attempt)
+      break
+    log.warning("jaxtier: the compiled step needs %s of device memory, %s over the budget of "
+                "%s (predicted %s); re-planning with %s less", format_bytes(peak),
+                format_bytes(peak - usable), format_bytes(usable),
+                format_bytes(planned.plan.predicted_peak_hbm_bytes), format_bytes(peak - usable))
     previous, device_budget = planned, device_budget.replanned(smaller)
   planned = _refine(planned, state, args, costs, make, lower, options.policy)
-  if not planned.plan.fits and is_named(options.policy, NamedPolicy.AUTO):
-    planned = _streamed_if_it_fits(planned, inv, fixed, costs, lower, state, args)
+  if auto:
+    planned = _escalated(planned, _device_limit(first.device_budget, platform), replan_budget,
+                         _Candidates(inv, fixed, costs, make, lower, state, args))
   log.debug("jaxtier plan:\n%s", planned.plan)
   # Each plan was admitted as planned (`_admitted_plan`); the one kept is admitted with what
   # its compiled step needs (nothing is allocated yet: `place` and `init` allocate after
@@ -283,14 +324,15 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   return dataclasses.replace(result, notes=result.notes + notes) if notes else result
 
 
-def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, policy: Any,
+def _verify(planned: Planned, state: Any, args: Sequence[Any], policy: Any,
             refining: bool = False) -> "tuple[Planned, int | None]":
   """Compiles the planned step and compares the compiler's peak with the budget planned for.
 
   Records the compiler's figure in the plan. Returns the planned step and a smaller device
-  budget to re-plan with when the compiler's peak exceeds it and the solver may still move
-  leaves (at most MAX_REPLANS times), else None (always None when `refining`: the caller
-  decides).
+  budget to re-plan with (the budget less what the compiled peak is over it) when the
+  compiler's peak exceeds it and the solver may still move leaves, else None (always None
+  when `refining`: the caller decides). Compiles the compute program once (and the
+  host-update program, for its pinned_host figures).
   """
   plan = planned.plan
   if plan.predicted_peak_hbm_bytes is None:
@@ -331,17 +373,12 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], attempt: int, pol
   # all it could) and may move leaves.
   solvable = (not is_named(policy, *_FIXED) and budget is not None
               and plan.predicted_peak_hbm_bytes <= budget)
-  if attempt >= MAX_REPLANS or not solvable:
-    log.warning("jaxtier: the compiled step's peak device memory (%s) exceeds the device "
-                "budget (%s)%s", format_bytes(fig.peak_bytes), format_bytes(budget),
-                "" if not solvable else f" after {attempt} re-plans; keeping this plan")
+  if not solvable:
+    if not is_named(policy, NamedPolicy.AUTO):  # (auto escalates, and says what it kept)
+      log.warning("jaxtier: the compiled step's peak device memory (%s) exceeds the device "
+                  "budget (%s)", format_bytes(fig.peak_bytes), format_bytes(budget))
     return planned, None
-  over = fig.peak_bytes - budget
-  log.warning("jaxtier: the compiled step needs %s of device memory, %s over the budget of "
-              "%s (predicted %s); re-planning with %s less", format_bytes(fig.peak_bytes),
-              format_bytes(over), format_bytes(budget),
-              format_bytes(plan.predicted_peak_hbm_bytes), format_bytes(over))
-  return planned, max(1, budget - over)
+  return planned, max(1, budget - (fig.peak_bytes - budget))
 
 
 def _schedule_notes(plan: Plan) -> tuple[str, ...]:
@@ -407,42 +444,210 @@ def _update_host_extra_bytes(programs: compiled_lib.StepPrograms, state: Any,
   return 0 if fig is None else fig.host_extra_bytes
 
 
-def _streamed_if_it_fits(planned: Planned, inv: inv_lib.Inventory, fixed: dict[str, Any],
-                         costs: step_costs_lib.StepCosts,
-                         lower: Callable[[Plan], Planned], state: Any,
-                         args: Sequence[Any]) -> Planned:
-  """Under 'auto', where no plan fits by the solver's prediction or by the compiled step: the
-  plan with every stack of layers streamed (`host_stream`, the rest planned as 'auto'), kept
-  when its compiled step fits the device budget. The prediction of a streamed step's peak is
-  above its compiled one (the tiny decoder at a 100 MB budget: 109 MiB predicted, 94
-  compiled), so the solver can miss the plan that fits. Else `planned` is kept.
+# The name of auto's plan re-planned against the budget less what its compiled step was over
+# (`_escalated`), tried once 'optimizer_state_on_host' fits.
+REPLANNED = "auto re-planned"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidates:
+  """What `_escalated` plans, lowers and verifies its plans with: `plan_step`'s trace
+  (`inv`), fixed planning arguments, the device-only step's costs, its `make` (step costs,
+  budget -> plan under 'auto') and `lower`, and the step's arguments."""
+
+  inv: inv_lib.Inventory
+  fixed: dict
+  costs: step_costs_lib.StepCosts
+  make: Callable[..., Plan]
+  lower: Callable[..., Planned]
+  state: Any
+  args: Sequence[Any]
+
+  def policy(self, name: str) -> Any:
+    """The policy that makes the plan of ESCALATIONS named `name`; None where there is none
+    (no leaf may be streamed)."""
+    if name != "stream":
+      return name
+    streamable = set(self.fixed["streamable"])
+    if not streamable:
+      return None
+    def stream_stacks(path: str, leaf: Any) -> "str | None":
+      del path
+      return Placement.HOST_STREAM if leaf.index in streamable else None
+    return stream_stacks
+
+
+def _device_limit(budget: DeviceBudget, platform: str) -> "int | None":
+  """Bytes per device that the compiled step's peak must fit: the budget planned against, or
+  what JAX's allocator holds on this GPU less DEVICE_MARGIN (`admission.admit_device`) where
+  that is less; None where neither limits it (the CPU backend without a budget)."""
+  allocator = host_lib.allocator_limit_bytes() if platform == "gpu" else None
+  held = None if allocator is None else int(allocator * (1 - admission.DEVICE_MARGIN))
+  return min((b for b in (budget.usable, held) if b is not None), default=None)
+
+
+def _layout(plan: Plan) -> tuple[tuple[str, bool], ...]:
+  """Each leaf's memory kind and whether it is streamed: plans alike in this compile to about
+  the same peak device memory, so `_escalated` compiles one of them only."""
+  return tuple((l.memory_kind, l.placement == Placement.HOST_STREAM) for l in plan.leaves)
+
+
+def _escalated(planned: Planned, limit: "int | None", replan_budget: "DeviceBudget | None",
+               c: _Candidates) -> Planned:
+  """Under 'auto': where the compiled step of `planned` (auto's plan) is over the device
+  `limit` (bytes per device, `_device_limit`), the plans of ESCALATIONS with more state on the
+  host, each planned against the budget `planned` was made against and verified by compiling
+  its compute program (`_verify`); the first whose compiled peak is within `limit` is kept.
+  Where that is the first, 'optimizer_state_on_host', and auto's plan re-planned against
+  `replan_budget` (the budget less what its compiled step was over; None: auto's prediction
+  did not fit, so the solver has no other plan) is another placement predicted faster, that
+  one is compiled too and kept where it fits as well. A plan with the memory kinds of one
+  already compiled is not compiled again. At most MAX_ESCALATION_COMPILES compiles.
+
+  Where none fits, the plan with the lowest compiled peak is kept (admission then refuses it,
+  listing the plans tried, unless a device budget given allows running over it). The plan kept
+  records what was tried (`Plan.escalation`) and says so in one note.
+
+  Nothing is escalated where XLA's allocator is the limit and a larger
+  XLA_PYTHON_CLIENT_MEM_FRACTION holds auto's compiled step on this GPU: admission names that
+  fraction (`AdmissionError.settings`), with which `python -m jaxtier train` runs itself again
+  and the plan keeps more state on the device.
+
+  Raises:
+    AdmissionError: no plan's compiled step fits, and one fits the device but needs more
+      pinned host memory than XLA's pinned pool in force allows, where a larger pool would hold
+      it on this host (`settings` names the pool, `plan` is that plan).
   """
-  streamable = set(fixed["streamable"])
-  if not streamable:
+  own = planned.plan
+  peak = own.compiler_peak_hbm_bytes
+  if limit is None or peak is None or peak <= limit:
     return planned
-  def stream_stacks(path: str, leaf: Any) -> "str | None":
-    del path
-    return Placement.HOST_STREAM if leaf.index in streamable else None
+  allocator = host_lib.allocator_limit_bytes() if own.platform == "gpu" else None
+  if (allocator is not None and limit >= int(allocator * (1 - admission.DEVICE_MARGIN))
+      and host_lib.fraction_that_holds(peak, admission.DEVICE_MARGIN, allocator) is not None):
+    return planned
+  log.info("jaxtier: auto's compiled step needs %s of device memory, over the limit of %s: "
+           "planning with more state on the host", format_bytes(peak), format_bytes(limit))
+  auto = str(NamedPolicy.AUTO)
+  tried = [Attempt(name=auto, compiler_peak_hbm_bytes=peak)]
+  compiled = {_layout(own): auto}
+  verified = [(auto, planned)]
+  kept = held = None  # held: (name, planned, refusal) fits the device, not the pinned pool
+  compiles = 0
+  for name in ESCALATIONS:
+    policy = c.policy(name)
+    if policy is None or compiles >= MAX_ESCALATION_COMPILES:
+      continue
+    refusal = None
+    try:
+      plan = _admitted_plan(c.inv, c.fixed, own.device_budget, c.costs, policy=policy)
+    except PlanError as e:
+      if not (isinstance(e, AdmissionError) and e.settings and e.plan is not None):
+        tried.append(Attempt(name=str(name), why="refused before compiling: "
+                             + (e.reason or str(e).removeprefix("jaxtier: ").split(". ")[0])))
+        continue
+      # Refused for XLA's pinned pool, which a setting may enlarge: compiled all the same, to
+      # know whether that setting is the fix (nothing is allocated).
+      plan, refusal = e.plan, e
+    same = compiled.get(_layout(plan))
+    if same is not None:
+      tried.append(Attempt(name=str(name), why=f"the memory kinds of {same}'s plan: not "
+                           "compiled again"))
+      continue
+    compiled[_layout(plan)] = str(name)
+    candidate, _ = _verify(c.lower(plan), c.state, c.args, policy, refining=True)
+    compiles += 1
+    got = candidate.plan.compiler_peak_hbm_bytes
+    if got is None:
+      tried.append(Attempt(name=str(name), why="its compiled step reports no memory figures"))
+      continue
+    if refusal is not None:
+      tried.append(Attempt(name=str(name), compiler_peak_hbm_bytes=got,
+                           why=f"refused for the host: {refusal.reason}"))
+      if got <= limit and held is None:
+        held = (str(name), candidate, refusal)
+      continue
+    tried.append(Attempt(name=str(name), compiler_peak_hbm_bytes=got))
+    verified.append((str(name), candidate))
+    if got <= limit:
+      kept = (str(name), candidate)
+      break
+  if (kept is not None and kept[0] == ESCALATIONS[0] and replan_budget is not None
+      and compiles < MAX_ESCALATION_COMPILES):
+    kept = _faster_replan(kept, replan_budget, limit, compiled, tried, c)
+  if kept is None and held is not None:
+    raise _pool_refusal(held, Escalation(limit_bytes=limit, tried=tuple(tried), kept=held[0],
+                                         fits=False))
+  if kept is None:
+    kept = min(verified, key=lambda nv: nv[1].plan.compiler_peak_hbm_bytes)
+  name, chosen = kept
+  escalation = Escalation(limit_bytes=limit, tried=tuple(tried), kept=name,
+                          fits=chosen.plan.compiler_peak_hbm_bytes <= limit)
+  if escalation.fits:
+    note = f"escalated to {name}: {escalation.tried_text()}; " + (
+        f"{name} is the first that fits" if name != REPLANNED else
+        f"{ESCALATIONS[0]} fits, and {name} fits too and is predicted faster")
+    log.warning("jaxtier: auto's compiled step needs %s of device memory, over the limit of "
+                "%s: planned as %s, whose compiled step needs %s", format_bytes(peak),
+                format_bytes(limit), name, format_bytes(chosen.plan.compiler_peak_hbm_bytes))
+  else:
+    note = (f"escalated, and no plan fits: {escalation.tried_text()}; kept {name}, the lowest")
+  plan = chosen.plan
+  if name == "stream":
+    plan = dataclasses.replace(plan, leaves=tuple(dataclasses.replace(
+        l, user_placed=False, reason=l.reason.replace(
+            policy_lib.USER_PLACED, "streamed by auto: its own plan's compiled step was over "
+            "the device limit"))
+        for l in plan.leaves))
+  return dataclasses.replace(chosen, plan=dataclasses.replace(
+      plan, escalation=escalation, notes=plan.notes + (note,)))
+
+
+def _faster_replan(kept: tuple[str, Planned], budget: DeviceBudget, limit: int,
+                   compiled: dict, tried: list[Attempt], c: _Candidates
+                   ) -> tuple[str, Planned]:
+  """`_escalated`'s last try, once 'optimizer_state_on_host' fits: auto's plan against
+  `budget` (the budget less what auto's compiled step was over), compiled where it is
+  another placement predicted faster than `kept`'s; kept instead where its compiled peak is
+  within `limit`. Appends to `tried` and `compiled`."""
   try:
-    plan = _admitted_plan(inv, fixed, planned.plan.device_budget, costs, policy=stream_stacks)
-    streamed, _ = _verify(lower(plan), state, args, 0, stream_stacks)
+    plan = c.make(c.costs, budget)
   except PlanError as e:
-    log.debug("jaxtier: the streamed alternative plan failed: %s", e)
-    return planned
-  alt = streamed.plan
-  if not (alt.fits and alt.compiler_peak_hbm_bytes is not None):
-    return planned
-  why = ("auto: no placement fit the budgets by the solver's prediction or the compiled step "
-         f"(compiled peak {format_bytes(planned.plan.compiler_peak_hbm_bytes or 0)}); with "
-         "every stack of layers streamed the compiled step's peak, "
-         f"{format_bytes(alt.compiler_peak_hbm_bytes)}, fits")
-  leaves = tuple(dataclasses.replace(
-      l, user_placed=False, reason=l.reason.replace(
-          policy_lib.USER_PLACED, "streamed: the plan that fits by its compiled step"))
-      for l in alt.leaves)
-  log.warning("jaxtier: %s; streaming them", why)
-  return dataclasses.replace(streamed, plan=dataclasses.replace(
-      alt, leaves=leaves, notes=alt.notes + (why,)))
+    log.debug("jaxtier: re-planning against %s failed: %s", format_bytes(budget.usable), e)
+    return kept
+  first = kept[1].plan
+  if (_layout(plan) in compiled or plan.predicted_step_secs is None
+      or first.predicted_step_secs is None
+      or plan.predicted_step_secs >= 0.99 * first.predicted_step_secs):
+    return kept
+  compiled[_layout(plan)] = REPLANNED
+  candidate, _ = _verify(c.lower(plan, f"re-planned against {format_bytes(budget.usable)}: "
+                                 "auto's compiled step was over the budget"),
+                         c.state, c.args, NamedPolicy.AUTO, refining=True)
+  got = candidate.plan.compiler_peak_hbm_bytes
+  tried.append(Attempt(name=REPLANNED, compiler_peak_hbm_bytes=got,
+                       why=f"against {format_bytes(budget.usable)}"))
+  return (REPLANNED, candidate) if got is not None and got <= limit else kept
+
+
+def _pool_refusal(held: tuple[str, Planned, AdmissionError],
+                  escalation: Escalation) -> AdmissionError:
+  """The refusal where no plan of `_escalated` fits and `held`'s (name, planned, refusal)
+  fits the device but not XLA's pinned pool in force: it names the pool that holds it."""
+  name, candidate, refusal = held
+  said = " and ".join(f"{k}={v}" for k, v in refusal.settings.items())
+  error = AdmissionError(
+      f"jaxtier: plan refused before allocating anything: {escalation.tried_text()}. The "
+      f"{name} plan fits the device ({format_bytes(candidate.plan.compiler_peak_hbm_bytes)} "
+      f"of {format_bytes(escalation.limit_bytes)}), but {refusal.reason}. Fix: set {said} "
+      "before JAX starts (python -m jaxtier train does); or fewer activations (a smaller "
+      "batch or sequence, or rematerialise more: remat_policy).")
+  error.reason = refusal.reason
+  error.settings = dict(refusal.settings)
+  error.limit = refusal.limit
+  error.need_bytes, error.limit_bytes = refusal.need_bytes, refusal.limit_bytes
+  error.plan = dataclasses.replace(candidate.plan, escalation=escalation)
+  return error
 
 
 def _refine(planned: Planned, state: Any, args: Sequence[Any],
@@ -491,8 +696,7 @@ def _refine(planned: Planned, state: Any, args: Sequence[Any],
            f"updated on the host (its update's temporaries); the first plan predicted "
            f"{plan.predicted_step_secs * 1e3:.2f} ms per step")
     tried = True
-    candidate, _ = _verify(lower(refined, why), state, args, MAX_REPLANS, policy,
-                           refining=True)
+    candidate, _ = _verify(lower(refined, why), state, args, policy, refining=True)
     new_peak = candidate.plan.compiler_peak_hbm_bytes
     if new_peak is not None and new_peak <= budget:
       log.info("jaxtier: plan refined with the compiled step's peak: predicted step %.2f ms "

@@ -387,6 +387,12 @@ def test_a_plan_over_the_device_budget_given_is_refused_before_allocating():
           in msg), msg
   assert e.reason in msg and f"a larger device_budget (at least {fmt(peak)})" in msg
   assert "keeps more state in pinned_host" in msg and "allow_over_budget=True" in msg
+  # Auto's own plan was over by its compiled step: the plan with the optimizer state on the
+  # host was compiled too (no layer stack to stream here), and the refusal lists both.
+  assert [a.name for a in plan.escalation.tried] == ["auto", "optimizer_state_on_host"]
+  assert ("The plans tried under auto, by their compiled step's peak device memory against the "
+          f"limit of {fmt(budget)}: " + "; ".join(a.describe() for a in plan.escalation.tried)
+          ) in msg, msg
   assert step.plan is None  # no plan was taken up
   for x, b in zip(jax.tree.leaves(state), before):
     assert not x.is_deleted() and x.sharding.memory_kind == "device"

@@ -172,11 +172,14 @@ def admit_device(plan: Plan, allocator_limit: "int | None") -> None:
   if peak is None:
     peak, source = plan.predicted_peak_hbm_bytes, "the predicted peak"
   largest = _largest([l for l in plan.leaves if l.memory_kind == "device"], lambda l: l.nbytes)
+  tried = plan.escalation
+  detail = (f"{_capital(tried.tried_text())}. " if tried is not None else "") + (
+      f"Largest device leaves: {largest}. " if largest else "")
+  more_on_host = ("" if _tried_all_host(plan) else "keep more state in pinned_host (policy, "
+                  "or host_stream for the layers' params), ")
   try:
-    admit_device_peak(peak, allocator_limit, source=source,
-                      detail=f"Largest device leaves: {largest}. " if largest else "",
-                      fix=("keep more state in pinned_host (policy, or host_stream for the "
-                           "layers' params), a smaller batch or sequence, or rematerialise "
+    admit_device_peak(peak, allocator_limit, source=source, detail=detail,
+                      fix=(f"{more_on_host}a smaller batch or sequence, or rematerialise "
                            "more (remat_policy)"))
   except AdmissionError as e:
     e.plan = plan
@@ -265,14 +268,17 @@ def admit_device_budget(plan: Plan) -> None:
       f"{format_bytes(binding.need_bytes)}, over the host limit of "
       f"{format_bytes(binding.limit_bytes)} (the smaller of host_budget and what the host can "
       f"pin; on a GPU {POOL_SETTING} raises XLA's pinned pool, if the host has the memory).")
+  tried = plan.escalation
   error = AdmissionError(
       f"jaxtier: plan refused before allocating anything: {reason}. "
+      + (f"{_capital(tried.tried_text())}. " if tried is not None else "")
       + (f"Largest device leaves: {largest}. " if largest else "")
       + "Fix: a larger device_budget"
       + (f" (at least {format_bytes(peak)})" if peak is not None and peak > given else "")
-      + "; a policy that keeps more state in pinned_host (a {regex: placement} dict or a "
-      "callable: 'host_stream' for a stack of layers' params, 'optimizer_state_on_host'); "
-      "fewer activations (a smaller batch or sequence, or rematerialise more: "
+      + ("" if _tried_all_host(plan) else
+         "; a policy that keeps more state in pinned_host (a {regex: placement} dict or a "
+         "callable: 'host_stream' for a stack of layers' params, 'optimizer_state_on_host')")
+      + "; fewer activations (a smaller batch or sequence, or rematerialise more: "
       "jax.checkpoint); or allow_over_budget=True to run the plan as it is." + host_note)
   error.reason = reason
   error.limit, error.need_bytes, error.limit_bytes = "device_budget", peak, given
@@ -310,6 +316,17 @@ def admit_host_memory(plan: Plan, available: "int | None", resident_bytes: int =
   error.limit, error.need_bytes, error.limit_bytes = "host_memory", need, available
   error.plan = plan
   raise error
+
+
+def _tried_all_host(plan: Plan) -> bool:
+  """Whether 'auto' escalated `plan` as far as the layers' params streamed, its optimizer
+  state on the host (`Plan.escalation`): a policy keeping more state there is no fix then."""
+  return plan.escalation is not None and any(a.name == "stream" for a in plan.escalation.tried)
+
+
+def _capital(text: str) -> str:
+  """`text` with its first letter in upper case (a sentence made from a clause)."""
+  return text[:1].upper() + text[1:]
 
 
 def _largest(leaves: list[LeafPlan], key: Callable[[LeafPlan], int], k: int = 5) -> str:

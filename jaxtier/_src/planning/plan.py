@@ -139,6 +139,63 @@ class DeviceBudget:
     return DeviceBudget(given=self.given, usable=usable, source="re-plan")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Attempt:
+  """One plan `auto` tried once its own plan's compiled step was over the device limit.
+
+  Attributes:
+    name: which plan: 'auto' (the solver's), 'optimizer_state_on_host' (every optimizer-state
+      leaf in pinned_host, as that policy places it), 'stream' (the layer stacks' params
+      `host_stream`, their optimizer state on the host, the rest placed by 'auto'), or
+      'auto re-planned' (the solver against the budget less what its first compiled step was
+      over).
+    compiler_peak_hbm_bytes: its compiled step's peak device memory, bytes per device (None:
+      not compiled, `why` says why).
+    why: why it was not compiled or not kept where its peak does not say ('' otherwise): a
+      refusal before compiling, or the pinned host memory it needs over the host's limit.
+  """
+
+  name: str
+  compiler_peak_hbm_bytes: "int | None" = None
+  why: str = ""
+
+  def describe(self) -> str:
+    """'<name> <peak>' ('<name>: <why>' where not compiled)."""
+    if self.compiler_peak_hbm_bytes is None:
+      return f"{self.name}: {self.why}"
+    return (f"{self.name} {format_bytes(self.compiler_peak_hbm_bytes)}"
+            + (f" ({self.why})" if self.why else ""))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Escalation:
+  """How 'auto' searched for a plan whose compiled step fits, once its own plan's compiled
+  peak was over the device limit (`pipeline`'s escalation: every optimizer-state leaf on the
+  host, then the layer stacks' params streamed too).
+
+  Attributes:
+    limit_bytes: the device limit the compiled peaks were held to, bytes per device: the
+      device budget planned against, or what JAX's allocator holds on this GPU less
+      `admission.DEVICE_MARGIN` where that is less.
+    tried: the plans tried, in order (`Attempt`), the first being auto's own.
+    kept: the `Attempt.name` of the plan kept: the first whose compiled peak fits (or, after
+      'optimizer_state_on_host' fit, 'auto re-planned' where its compiled peak fits too);
+      where none fits, the one with the lowest compiled peak.
+    fits: whether the kept plan's compiled peak is within `limit_bytes`.
+  """
+
+  limit_bytes: int
+  tried: tuple[Attempt, ...]
+  kept: str
+  fits: bool
+
+  def tried_text(self) -> str:
+    """The plans tried with their compiled peaks, and the limit, in one sentence."""
+    return (f"the plans tried under auto, by their compiled step's peak device memory against "
+            f"the limit of {format_bytes(self.limit_bytes)}: "
+            + "; ".join(a.describe() for a in self.tried))
+
+
 @dataclasses.dataclass(frozen=True)
 class Speculation:
   """How a plan's guarded updates run: layered on guessed late predicates (the clip does not
@@ -235,6 +292,8 @@ class Plan:
       give its `source`); '' where not recorded.
     speculation: how the guarded updates (a clipped or guarded step's, speculating on late
       predicates: `analysis/update_schedule.py`) run, or None where there are none.
+    escalation: under 'auto', the plans tried once its own plan's compiled step was over the
+      device limit and the one kept (`Escalation`); None where it was not over.
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -264,6 +323,7 @@ class Plan:
   pinnable_what: str = ""
   hardware_kind: str = ""
   speculation: "Speculation | None" = None
+  escalation: "Escalation | None" = None
 
   @property
   def pinned_need_bytes(self) -> int:

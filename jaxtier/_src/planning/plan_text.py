@@ -33,9 +33,10 @@ _DTYPE_SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16"
 # A path's parts: `[0]`, `['layers']`, `.value`.
 _PATH_PART = re.compile(r"\[[^\]]*\]|\.[A-Za-z_]\w*|[^\[.]+")
 _CALIBRATE = "python -m jaxtier calibrate"
-# The notes the summary shows (beside the verdicts): a re-plan against a smaller budget, and a
-# plan made for a platform this machine does not have.
-_FINDINGS = ("re-planned", "planned for ")
+# The notes the summary shows (beside the verdicts): a re-plan against a smaller budget, a
+# plan made for a platform this machine does not have, and auto's escalation to a plan with
+# more state on the host.
+_FINDINGS = ("re-planned", "planned for ", "escalated")
 # `Plan.rates_of` for a card's built-in profile (`planner._rates_of`).
 _BUILTIN_RATES = re.compile(r"the built-in (\S+) profile's rates, not this machine's")
 
