@@ -416,10 +416,13 @@ def _admission_fixes(error: "jaxtier.AdmissionError", offload: "str | None",
     # The step's activations share this RAM with the state: the batch decides it.
     return ["a smaller --batch_size", "--seq_len"] + config
   if error.limit == "device_memory":
-    # Over what JAX's device allocator holds: the host is not the limit.
+    # Over what JAX's device allocator holds: the host is not the limit. Under auto, the plans
+    # it tried with more state on the host once its own was over (`Plan.escalation`).
+    escalated = getattr(error.plan, "escalation", None)
     if offload == "none":
       fixes = ["--offload=auto (jaxtier places in pinned_host what the device cannot hold)"]
-    elif offload == "stream":
+    elif offload == "stream" or (escalated is not None
+                                 and any(a.name == "stream" for a in escalated.tried)):
       fixes = []
     else:
       fixes = ["--offload=stream (the layers' params streamed from pinned_host)"]

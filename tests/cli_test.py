@@ -747,6 +747,20 @@ def test_train_fixes_for_a_refusal_name_the_limit_that_refused_it(monkeypatch):
       "raise --host_budget (where the host has the memory)"]
   assert cli._admission_fixes(device.value, "auto", smallest=True)[-1] == (
       "a smaller --batch_size or --seq_len")
+  # Where auto escalated to the streamed plan, the refusal lists the plans tried, and neither
+  # the library nor the command line offers more state on the host as a fix.
+  from jaxtier._src.planning.plan import Attempt, Escalation  # pylint: disable=g-import-not-at-top
+  tried = tuple(Attempt(name=n, compiler_peak_hbm_bytes=gib * 2**30) for n, gib in (
+      ("auto", 140), ("optimizer_state_on_host", 135), ("stream", 130)))
+  escalated = dataclasses.replace(plan, compiler_peak_hbm_bytes=130 * 2**30, escalation=Escalation(
+      limit_bytes=int(0.75 * 135.3 * 0.95 * 2**30), tried=tried, kept="stream", fits=False))
+  with pytest.raises(jaxtier.AdmissionError) as over:
+    admission.admit_device(escalated, int(0.75 * 135.3 * 2**30))
+  assert ("The plans tried under auto, by their compiled step's peak device memory against the "
+          "limit of 96.40 GiB: auto 140.00 GiB; optimizer_state_on_host 135.00 GiB; stream "
+          "130.00 GiB.") in str(over.value), str(over.value)
+  assert "keep more state in pinned_host" not in str(over.value)
+  assert cli._admission_fixes(over.value, "auto")[0].startswith("--remat_policy=")
 
 
 def test_plan_refuses_nostream_with_the_stream_policy(tmp_path):

@@ -75,12 +75,19 @@ def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "st
     fixes.append("larger budgets")
   if not problems:
     return None
+  # Under auto, the plans it tried with more state on the host once its own was over.
+  tried = getattr(plan, "escalation", None)
+  if tried is not None:
+    problems.append(tried.tried_text())
   if device_over:
-    fixes.append({
+    more_on_host = {
         "optimizer_state_on_host": "--offload=auto or --offload=stream (more state in "
                                    "pinned_host)",
         "auto": "--offload=stream (the layers' params streamed from pinned_host)",
-    }.get(offload, "a smaller --batch_size or --seq_len"))
+    }.get(offload)
+    if offload == "auto" and tried is not None and any(a.name == "stream" for a in tried.tried):
+      more_on_host = None  # auto has tried it
+    fixes.append(more_on_host or "a smaller --batch_size or --seq_len")
     # Activations are most of a small state's peak: saving fewer of them often fits.
     if remat_policy != "nothing_saveable":
       fixes.append("--remat_policy=nothing_saveable (fewer activations kept for the backward "
@@ -120,8 +127,15 @@ def cpu_device_budget(train_step, state, *args, overlap_update: bool = True
 
 
 def placement_line(plan, why: str) -> str:
-  """One line: the state's bytes in pinned_host under `plan` (of which roles), and `why`."""
+  """One line: the state's bytes in pinned_host under `plan` (of which roles), and `why`; where
+  'auto' escalated to another plan (`Plan.escalation`), which one and why."""
   pinned = [leaf for leaf in plan.leaves if leaf.memory_kind == "pinned_host"]
+  escalated = getattr(plan, "escalation", None)
+  if escalated is not None and escalated.kept not in ("auto", "auto re-planned"):
+    own = escalated.tried[0].compiler_peak_hbm_bytes
+    why += (f"; policy {escalated.kept}: auto's own plan compiles to "
+            f"{jaxtier.format_bytes(own)}, over the {jaxtier.format_bytes(escalated.limit_bytes)}"
+            " limit")
   if not pinned:
     return f"offload: all {jaxtier.format_bytes(plan.device_bytes)} of state on the device, {why}"
   order = ("param", "optimizer_state", "other")

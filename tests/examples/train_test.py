@@ -2,6 +2,7 @@
 deterministic, offloaded and streamed equal to device training), budgets and bad arguments,
 refused before anything is allocated (CPU, < 1 minute)."""
 
+import dataclasses
 import math
 import os
 import re
@@ -226,6 +227,32 @@ def test_over_budget_names_the_compiled_peak_and_the_remat_fix():
   assert "a larger --device_budget" in why and "--remat_policy" not in why, why
   plan.device_budget = jaxtier.DeviceBudget(given=100 * 2**20)  # the compiled step fits
   assert budgets.over_budget(plan, "stream") is None
+
+
+def test_the_summary_line_names_the_policy_auto_escalated_to():
+  # Auto's own plan compiled over the device limit and the plan with the optimizer state on
+  # the host was kept: train's one line says so, with the figures; a re-planned auto plan is
+  # still auto.
+  from jaxtier._src.planning.plan import Attempt, Escalation  # pylint: disable=g-import-not-at-top
+  from jaxtier.examples import budgets  # pylint: disable=g-import-not-at-top
+  escalation = Escalation(limit_bytes=int(71.46 * 2**30), tried=(
+      Attempt(name="auto", compiler_peak_hbm_bytes=int(72.06 * 2**30)),
+      Attempt(name="optimizer_state_on_host", compiler_peak_hbm_bytes=int(52.72 * 2**30))),
+      kept="optimizer_state_on_host", fits=True)
+  leaf = type("Leaf", (), dict(memory_kind="pinned_host", role="optimizer_state"))()
+  plan = type("Plan", (), dict(leaves=(leaf,), pinned_bytes=58 * 2**30, device_bytes=29 * 2**30,
+                               escalation=escalation))()
+  line = budgets.placement_line(plan, "as it fits there")
+  assert line == ("offload: optimizer_state 58.00 GiB in pinned_host, as it fits there; policy "
+                  "optimizer_state_on_host: auto's own plan compiles to 72.06 GiB, over the "
+                  "71.46 GiB limit"), line
+  assert "\n" not in line
+  plan.escalation = dataclasses.replace(escalation, kept="auto re-planned")
+  assert budgets.placement_line(plan, "as it fits there") == (
+      "offload: optimizer_state 58.00 GiB in pinned_host, as it fits there")
+  plan.escalation = None
+  assert budgets.placement_line(plan, "as it fits there") == (
+      "offload: optimizer_state 58.00 GiB in pinned_host, as it fits there")
 
 
 def test_run_warns_of_a_corpus_smaller_than_one_steps_batch(corpus, caplog):
