@@ -103,11 +103,15 @@ class ComputeOut:
     first: the outvars `SplitStep.compute_outs[:num_first]`: the device leaves' new values, in
       the order of `ComputeIn.device_leaves` (JAX pairs each with its donated buffer).
     feeds: the device values the fused host updates read (`UpdateIn.feeds`/`donated_feeds`).
-    rest: the outvars `SplitStep.compute_outs[num_first:]` (metrics, other new leaves).
     scratch: the gradient buffers, written (the next step donates them again).
     layered_host: the new values of `ComputeIn.layered_host` (the same buffers).
     layered_masters: the new values of `ComputeIn.layered_masters` (the same buffers).
+    rest: the outvars `SplitStep.compute_outs[num_first:]` (metrics, other new leaves).
     guards: the value each late predicate took (`SplitStep.guards`, as float32 []).
+
+  JAX pairs each output, in order, with the first donated input left of its shape and dtype,
+  whatever its memory kind (the metrics' shardings are not given): `rest` comes after the
+  pinned_host buffers, so that a metric of a layered leaf's shape cannot take its buffer.
 
   The speculative `compute` (`SpeculativeIn`) returns the same fields as a `SpeculativeOut`,
   `layered_host` and `layered_masters` in the spare buffers, and the new values of the device
@@ -116,10 +120,10 @@ class ComputeOut:
 
   first: Sequence[Any] = ()
   feeds: Sequence[Any] = ()
-  rest: Sequence[Any] = ()
   scratch: Sequence[Any] = ()
   layered_host: Sequence[Any] = ()
   layered_masters: Sequence[Any] = ()
+  rest: Sequence[Any] = ()
   guards: Sequence[Any] = ()
 
 
