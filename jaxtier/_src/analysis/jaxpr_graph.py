@@ -15,7 +15,7 @@ branch and selects the result per element.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, Container, Iterable
 
 import jax.numpy as jnp
 import numpy as np
@@ -207,18 +207,22 @@ def streamed_read(eqn: Any, hit: list[bool], streamed_vars: "set[Any]",
 
 
 def taint_forward(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = (),
-                  gathered: Iterable[int] = ()) -> tuple[set[int], set[Any]]:
+                  gathered: Iterable[int] = (), skip: Container[int] = ()
+                  ) -> tuple[set[int], set[Any]]:
   """Indices of equations reachable from invars `seeds`, and the set of tainted Vars.
 
   `streamed` (a subset of `seeds`) are leaves placed `host_stream`: a `scan` that reads them
   only as `xs` is not tainted by them; `gathered` (a subset too) are tables placed `host_dha`:
-  their row gathers are not tainted (see `streamed_read`).
+  their row gathers are not tainted (see `streamed_read`). Equations in `skip` are neither
+  tainted nor pass taint on.
   """
   tainted: set[Any] = {jaxpr.invars[i] for i in seeds}
   streamed_vars = {jaxpr.invars[i] for i in streamed}
   gathered_vars = {jaxpr.invars[i] for i in gathered}
   eqns: set[int] = set()
   for k, eqn in enumerate(jaxpr.eqns):
+    if k in skip:
+      continue
     hit = [isinstance(v, jc.Var) and v in tainted for v in eqn.invars]
     if any(hit) and not streamed_read(eqn, hit, streamed_vars, gathered_vars):
       eqns.add(k)
@@ -284,15 +288,16 @@ def _eqn_why(eqn: Any, hit: list[bool], n: int) -> str:
   return ""
 
 
-def first_use_why(jaxpr: Any, index: int) -> str:
+def first_use_why(jaxpr: Any, index: int, skip: Container[int] = ()) -> str:
   """Why invar `index` is read by an op that is not elementwise over its elements ('' if not).
 
   Only the leaf's own value is followed (through same-size conversions, reshapes and call
   bodies), not what is computed from it: a moment that is scaled, added to, then reduced is
   read elementwise; a weight that enters a matmul or is broadcast against activations is not.
+  The top-level equations in `skip` are not looked at.
   """
   n = size_of(jaxpr.invars[index].aval)
-  why, _ = _first_use(jaxpr, [k == index for k in range(len(jaxpr.invars))], n)
+  why, _ = _first_use(jaxpr, [k == index for k in range(len(jaxpr.invars))], n, skip)
   return why
 
 
@@ -301,10 +306,13 @@ _SAME_VALUE = frozenset({"convert_element_type", "copy", "copy_p", "reduce_preci
                          "expand_dims", "broadcast_in_dim"})  # (same-size only: checked below)
 
 
-def _first_use(jaxpr: Any, follow_in: list[bool], n: int) -> tuple[str, list[bool]]:
+def _first_use(jaxpr: Any, follow_in: list[bool], n: int, skip: Container[int] = ()
+               ) -> tuple[str, list[bool]]:
   """(`first_use_why` of the flagged invars, which outvars are still the followed value)."""
   follow = {v for v, t in zip(jaxpr.invars, follow_in) if t}
-  for eqn in jaxpr.eqns:
+  for k, eqn in enumerate(jaxpr.eqns):
+    if k in skip:
+      continue
     hit = [isinstance(v, jc.Var) and v in follow for v in eqn.invars]
     if not any(hit):
       continue

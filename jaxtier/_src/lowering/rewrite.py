@@ -224,8 +224,11 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   by_update = {j for cc in compiled for r in cc.results for j in r.outputs}
   host_set = set(host)
   invar_pos = {v: i for i, v in enumerate(jaxpr.invars)}
-  passthrough = {j: invar_pos[v] for j, v in enumerate(jaxpr.outvars)
+  # A new state leaf that is a host leaf unchanged is that leaf. A metric that is one (its old
+  # value: `update` may overwrite the buffer in place) is a device copy `compute` makes.
+  passthrough = {j: invar_pos[v] for j, v in enumerate(jaxpr.outvars[:n_state])
                  if j not in by_update and isinstance(v, jc.Var) and invar_pos.get(v) in host_set}
+  host_invars = {jaxpr.invars[i] for i in host + layered_host if i not in xla_host}
   # `compute` returns the device leaves' new values first, in the order the leaves are
   # donated, then the feeds, then the rest: JAX pairs donated inputs with outputs of the same
   # shape in order, and (jax 0.10) not always by memory kind. A device leaf whose new value
@@ -321,7 +324,9 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
           env[v] = val
     new_masters = layers.join(env, scratch)
     feeds = [read(v) for v in feed_vars]
-    outs = [read(jaxpr.outvars[j]) for j in compute_outs]
+    outs = [jax.device_put(read(v), jc.memory_space(MemoryKind.DEVICE))
+            if j >= n_state and isinstance(v, jc.Var) and v in host_invars else read(v)
+            for j, v in ((j, jaxpr.outvars[j]) for j in compute_outs)]
     return (calling.SpeculativeOut if speculate else calling.ComputeOut)(
         first=outs[:num_first], feeds=feeds, rest=outs[num_first:], scratch=scratch,
         layered_host=[read(jaxpr.outvars[j]) for j in layered_host],
@@ -667,3 +672,31 @@ def master_indices(compiled: Sequence[CompiledComponent]) -> list[int]:
   return sorted({r.master for cc in compiled for r in cc.results if r.master >= 0})
 
 
+
+
+class TailProgram:
+  """The step's `MetricTail` jitted: the metrics computed from what the update made.
+
+  `program(values)` takes the values the tail reads (`MetricTail.inputs` of the step part's
+  outputs: new leaves in device or pinned_host memory, metrics on the device) and returns the
+  tail's metrics on the device. A pinned_host value is copied to the device inside the
+  program (XLA's memory-kind transfer), as `compute` reads a `host_xla` leaf: the metric reads
+  the new value where the plan put it. One jitted program per pattern of memory kinds.
+  """
+
+  def __init__(self, tail: Any):
+    self.tail = tail
+    self._programs: dict[tuple[bool, ...], Any] = {}
+
+  def __call__(self, values: Sequence[Any]) -> list[Any]:
+    on_host = tuple(jc.memory_kind_of(x) == MemoryKind.PINNED_HOST for x in values)
+    program = self._programs.get(on_host)
+    if program is None:
+      closed = self.tail.closed_jaxpr
+
+      def tail(*xs):
+        xs = [jax.device_put(x, jc.memory_space(MemoryKind.DEVICE)) if h else x
+              for x, h in zip(xs, on_host)]
+        return jc.eval_jaxpr(closed.jaxpr, list(closed.consts), xs)
+      program = self._programs[on_host] = jax.jit(tail)
+    return list(program(*values))

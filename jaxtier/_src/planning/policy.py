@@ -91,8 +91,8 @@ def requested(inv: Inventory, policy: Policy, host_exec: str, stream_blocked: st
     shown = "; ".join(f"{leaf.path}: {leaf.role.value}, {leaf.why}" for leaf in floats[:3])
     warnings.warn(
         f"jaxtier.offload: policy {policy!r} places nothing in pinned_host: no state leaf has "
-        "the role optimizer_state (read only elementwise, and feeding its own update and no "
-        "reduction such as a norm of the updated params among the metrics). "
+        "the role optimizer_state (read only elementwise by the step's update, and feeding "
+        "its own new value). "
         f"{len(floats)} leaves are params or others" + (f", e.g. {shown}" if shown else "")
         + ". plan.table() gives every leaf's role and why", stacklevel=4)
   if isinstance(policy, Mapping):

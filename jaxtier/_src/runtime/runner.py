@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import pipeline
+from jaxtier._src.lowering import rewrite as rewrite_lib
 from jaxtier._src.runtime import placing
 from jaxtier._src.runtime.masters import MasterCopies
 
@@ -83,8 +84,9 @@ class StepRunner:
   """Runs one plan's step programs (`StepPrograms`) over the placed state's leaves.
 
   It dispatches `compute`, then (once `compute` succeeded) `update`, as `lowering/calling.py`
-  declares them; holds Ctrl-C from the dispatch until the new state is taken; adds to a failed
-  step's error what it left of the state; times calls 2 .. 1 + MEASURED_STEPS.
+  declares them, then the metrics that read what the update made (`rewrite.TailProgram`);
+  holds Ctrl-C from the dispatch until the new state is taken; adds to a failed step's error
+  what it left of the state; times calls 2 .. 1 + MEASURED_STEPS.
 
   Attributes:
     scratch: the pinned_host gradient buffers (`StreamSchedule.scratch`): allocated by
@@ -103,6 +105,9 @@ class StepRunner:
     self._programs = planned.programs
     self._plan = planned.plan
     self._out_treedef = planned.inventory.out_treedef
+    self._num_part_outs = len(planned.inventory.closed_jaxpr.jaxpr.outvars)
+    tail = planned.inventory.tail
+    self._tail = rewrite_lib.TailProgram(tail) if tail is not None else None
     self._masters = masters
     self._on_measured = on_measured
     self.scratch: list[jax.Array] = []
@@ -205,8 +210,11 @@ class StepRunner:
     if split.has_update:
       update = programs.update([x.sharding for x in computed.feeds])
       updated = update(split.update_inputs(moved, masters, computed.feeds, self.scratch))
-    outs = split.assemble(moved, computed, updated, self._out_treedef.num_leaves)
+    outs = split.assemble(moved, computed, updated, self._num_part_outs)
     self._masters.update(split.new_masters(computed, updated), outs)
+    if self._tail is not None:  # the metrics that read what the update made
+      tail = self._tail.tail
+      outs = tail.outputs_of(outs, self._tail([outs[k] for k in tail.inputs]))
     out = jax.tree_util.tree_unflatten(self._out_treedef, outs)
     return outs, (out[0], out[1])
 
