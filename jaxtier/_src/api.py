@@ -9,13 +9,14 @@ from typing import Any, Callable
 import jax
 
 from jaxtier._src import pipeline
+from jaxtier._src.analysis import statics
 from jaxtier._src.analysis import step_costs
 from jaxtier._src.hardware import calibrate as calibration
 from jaxtier._src.hardware import profile
 from jaxtier._src.options import MISSING, OffloadOptions
 from jaxtier._src.planning import admission, cost_model
 from jaxtier._src.planning import plan as plan_lib
-from jaxtier._src.runtime import OffloadedStep, as_arrays
+from jaxtier._src.runtime import OffloadedStep
 from jaxtier._src.hardware import host as host_lib
 
 log = logging.getLogger("jaxtier")
@@ -30,8 +31,12 @@ def offload(fun: Callable[..., Any] = MISSING, *, device_budget: Any = None,
   Works bare (`@jaxtier.offload`) or with options (`jaxtier.offload(step, host_budget='64GB')`).
 
   Args:
-    fun: `train_step(state, *args) -> (new_state, metrics)`; `state` is a pytree of arrays and
-      `new_state` has its structure.
+    fun: `train_step(state, *args) -> (new_state, metrics)`; `state` is a pytree and
+      `new_state` has its structure, shapes and dtypes. Any outputs the JAX tracer accepts
+      (constants, the inputs themselves, metrics of the updated params, of the gradients or of
+      the optimizer state); leaves that are not arrays (callables, `functools.partial`s, a
+      module's Python bools and ints) are static, as `eqx.filter_jit` treats them
+      (`OffloadedStep`).
     device_budget: device memory the step may use at its peak (state and transient buffers),
       bytes per device or a size string ('80GB', '16GiB'); None: no limit (on a GPU, what the
       device has). The compiled step's peak (`memory_analysis()`) is checked against it; when
@@ -140,9 +145,10 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   """The plan `offload` would make for `fun(state, *args)`, without placing anything.
 
   `state` and `args` may be arrays or `jax.ShapeDtypeStruct`s (to plan a model that is not
-  allocated). `platform` ('cpu' or 'gpu'; default: JAX's default backend) picks the executors
-  the plan names; for a platform this machine does not have, the stored or default hardware
-  profile gives the rates and the pinnable host memory, and the plan's notes say so.
+  allocated); their leaves that are not arrays are static, as `offload` treats them.
+  `platform` ('cpu' or 'gpu'; default: JAX's default backend) picks the executors the plan
+  names; for a platform this machine does not have, the stored or default hardware profile
+  gives the rates and the pinnable host memory, and the plan's notes say so.
 
   The plan carries the cost model's predictions: `predicted_step_secs`, `critical_path`,
   `predicted_peak_hbm_bytes`, `resource_secs`. `streamable` / `dha_readable` (state leaf
@@ -172,10 +178,17 @@ def plan(fun: Callable[..., Any], state: Any, *args: Any, device_budget: Any = N
   if platform not in ("cpu", "gpu"):
     raise ValueError(f"jaxtier.plan: expected platform 'cpu' or 'gpu', got {platform!r}")
   profile.check_device_kind(device_kind, platform)  # before tracing the step
-  return pipeline.plan_only(fun, options, as_arrays("jaxtier.plan", state), args,
-                            platform=platform, streamable=streamable,
-                            dha_readable=dha_readable, activations=activations,
-                            device_kind=device_kind)
+  counters: set[str] = set()  # the state's Python numbers the step changes: traced
+  while True:
+    state_s = statics.split(state, lambda path, x: path in counters)
+    args_s = statics.split(tuple(args), statics.traced_argument)
+    try:
+      return pipeline.plan_only(
+          statics.StepCall(fun, state_s, args_s, "jaxtier.plan"), options, state_s.arrays,
+          args_s.arrays, platform=platform, streamable=streamable, dha_readable=dha_readable,
+          activations=activations, device_kind=device_kind)
+    except statics.NumbersChanged as e:
+      counters.update(e.paths)
 
 
 def available_host_bytes() -> "int | None":

@@ -117,7 +117,7 @@ def test_save_refuses_an_existing_directory_and_restore_a_missing_one(tmp_path):
 
 
 def test_restore_into_another_structure_names_the_first_leaf_before_tracing(tmp_path):
-  # restore(path, {"params": 1}) in a new step failed with a jax.grad error from tracing the
+  # restore(path, {"params": jnp.asarray(1)}) in a new step failed with a jax.grad error from tracing the
   # user's step for that state; now the checkpoint's metadata is read first.
   tx = optax.adam(0.1)
   params = {"w": jnp.ones((4, 4))}
@@ -135,7 +135,7 @@ def test_restore_into_another_structure_names_the_first_leaf_before_tracing(tmp_
   with pytest.raises(jaxtier.CheckpointMismatchError, match=r"its first leaf that differs is "
                      r"\['params'\], absent in the checkpoint and int32\[\] in the state given"
                      ) as err:
-    fresh.restore(tmp_path / "ck", {"params": 1}, example_args=(jnp.ones((2, 4)),))
+    fresh.restore(tmp_path / "ck", {"params": jnp.asarray(1)}, example_args=(jnp.ones((2, 4)),))
   assert (err.value.leaf, err.value.given, err.value.saved) == ("['params']", "int32[]", None)
   assert not traced and fresh.plan is None  # refused before the step was traced
   # A leaf only the checkpoint has: named after the state's own leaves.

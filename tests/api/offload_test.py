@@ -203,12 +203,19 @@ def test_non_elementwise_optimizer_state_falls_back_to_xla():
 
 # ---- bad input: clear errors naming the leaf, state left usable ----------------------------
 
-def test_non_array_leaf_is_named():
-  state = _mlp_state(TX)
-  state["name"] = "run-1"
-  step = jaxtier.offload(_step_fn(TX))
-  with pytest.raises(TypeError, match=re.escape("state leaf ['name'] is a str")):
-    step.place(state, _batch())
+def test_a_non_array_leaf_is_static_and_kept():
+  # As eqx.filter_jit treats it: passed to the step as it is, not placed, kept in the state.
+  step_fn = _step_fn(TX)
+
+  def named_step(state, batch):
+    new, metrics = step_fn({k: v for k, v in state.items() if k != "name"}, batch)
+    return dict(new, name=state["name"]), metrics
+  state = dict(_mlp_state(TX), name="run-1")
+  step = jaxtier.offload(named_step)
+  placed = step.place(state, _batch())
+  assert placed["name"] == "run-1" and all("name" not in l.path for l in step.plan.leaves)
+  state, _ = step(placed, _batch())
+  assert state["name"] == "run-1"
 
 
 def test_python_number_leaf_becomes_an_array():

@@ -32,6 +32,7 @@ import numpy as np
 from jaxtier._src import jax_compat as jc
 from jaxtier._src.analysis import conditions
 from jaxtier._src.analysis import jaxpr_graph
+from jaxtier._src.analysis import statics
 from jaxtier._src.vocab import Role
 
 
@@ -206,12 +207,18 @@ def take_inventory(fn: Callable[..., Any], state: Any, args: Sequence[Any], *,
   closed = conditions.select_conds(closed, num_state=len(flat))
   state_treedef = jax.tree_util.tree_structure(state)
   out_treedef = jax.tree_util.tree_structure(out_shape)
-  if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2
-          and jax.tree_util.tree_structure(out_shape[0]) == state_treedef):
+  if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
+    raise TypeError(
+        f"{api}: expected the step to return (new_state, metrics), got output structure "
+        f"{str(out_treedef)[:200]}. Return the updated state as the first element.")
+  if jax.tree_util.tree_structure(out_shape[0]) != state_treedef:
+    diff = statics.structure_diff(state, out_shape[0], ("state", "new state")) or [
+        "the structures differ only in data their nodes hold (such as a functools.partial, "
+        "which compares equal only to itself)"]
     raise TypeError(
         f"{api}: expected the step to return (new_state, metrics) with new_state structured "
-        f"like its first argument; got output structure {out_treedef}. Return the updated "
-        "state as the first element.")
+        f"like its first argument (the state); they differ: {'; '.join(diff)}. Return the "
+        "updated state as the first element, each leaf where it came in.")
   # Each leaf keeps its placement from step to step (its buffer is donated to, and returned
   # in, the same memory kind): a leaf whose shape or dtype the step changes cannot.
   for (path, leaf), new in zip(flat, jax.tree_util.tree_leaves(out_shape[0])):

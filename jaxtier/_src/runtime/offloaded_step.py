@@ -2,23 +2,27 @@
 
 The step delegates to its collaborators: `PlanCache` (one plan per input signature),
 `MasterCopies` (the fp32 masters), `StepRunner` (dispatch, Ctrl-C, failure notes, timing) and
-`placing` (the state's leaves in their planned shardings).
+`placing` (the state's leaves in their planned shardings). Leaves that are not arrays are
+static (`analysis/statics.py`): the plan and the programs see the array leaves alone, and the
+static ones are handed to the wrapped step, and back in its outputs, as they are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import checkpoint as checkpoint_lib
 from jaxtier._src import jax_compat as jc
 from jaxtier._src import pipeline
 from jaxtier._src.analysis import inventory as inv_lib
+from jaxtier._src.analysis import statics
+from jaxtier._src.errors import CheckpointMismatchError
 from jaxtier._src.lowering import compiled as compiled_lib
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.planning.plan import Plan
@@ -27,6 +31,20 @@ from jaxtier._src.runtime.masters import MasterCopies
 from jaxtier._src.runtime.plan_cache import PlanCache
 from jaxtier._src.runtime.runner import StepRunner
 from jaxtier._src.vocab import MemoryKind
+
+
+def _key_names(path: str) -> tuple[str, ...]:
+  """The keys of a path as `jax.tree_util.keystr` writes it (`['a'].b[0]`: ('a', 'b', '0')),
+  whatever form each key takes (a checkpoint's metadata holds them as dict keys)."""
+  return tuple(a or b or c for a, b, c in re.findall(r"\['([^']*)'\]|\.(\w+)|\[(\d+)\]", path))
+
+
+class _Entry(NamedTuple):
+  """One plan of the step (`PlanCache`'s value): the plan and programs, and the step call
+  that was traced for it (its static outputs)."""
+
+  planned: "pipeline.Planned"
+  call: statics.StepCall
 
 
 class Guesses(NamedTuple):
@@ -48,6 +66,14 @@ class OffloadedStep:
   Inputs of new shapes or dtypes are traced and planned again, as `jax.jit` re-traces; the
   plans of the last `PLAN_CACHE` (4) shapes are kept, so batches alternating between shapes
   plan each once (`plan` is the one of the last call).
+
+  Leaves that are not arrays (callables, `functools.partial`s, strings, a module's Python
+  bools and ints) are static, as `eqx.filter_jit` treats them: not traced, placed or counted,
+  passed to the step as they are and kept in the state it returns; other static values plan
+  the step again, as `jax.jit` re-traces for new static arguments. A Python number of the state
+  that the step changes (Flax's `TrainState.step` before the first step) is traced as a 0-d
+  array, as `jax.jit` traces it; Python ints and floats among the other arguments are traced
+  too, bools are static (`analysis/statics.py`).
 
   Attributes:
     plan: the `Plan` (None until the first `place` or call).
@@ -74,6 +100,8 @@ class OffloadedStep:
     self.last_state: Any = None
     self.last_metrics: Any = None
     self._plans = PlanCache()
+    self._call: "statics.StepCall | None" = None  # the plan's traced step (static outputs)
+    self._counters: set[str] = set()  # state paths of Python numbers the step changes
     self._planned: "pipeline.Planned | None" = None
     self._programs: "compiled_lib.StepPrograms | None" = None  # the planned step's programs
     self._masters = MasterCopies()
@@ -81,15 +109,40 @@ class OffloadedStep:
     functools.update_wrapper(self, fn)
 
   # -- planning ----------------------------------------------------------------------------
-  def _ensure_plan(self, state: Any, args: Sequence[Any], abstract: bool = False) -> None:
-    """Plans the step for these inputs (`pipeline.plan_step`) unless planned for them
-    (`abstract`: the state's leaves are `jax.ShapeDtypeStruct`s)."""
-    if self._plans.select(state, args, lambda changes: pipeline.plan_step(
-        self._fn, self._options, state, args, changes=changes, abstract=abstract)):
-      self._use(self._plans.current)
+  def _split(self, state: Any, args: Sequence[Any] = (), abstract: bool = False
+             ) -> tuple[statics.Split, statics.Split]:
+    """The state and the other arguments split into their arrays and static leaves
+    (`abstract`: the state's Python numbers that are traced become `jax.ShapeDtypeStruct`s)."""
+    state = statics.split(state, lambda path, x: path in self._counters)
+    if abstract:
+      state = dataclasses.replace(state, arrays=jax.tree_util.tree_map(
+          lambda x: x if isinstance(x, jax.ShapeDtypeStruct)
+          else jax.ShapeDtypeStruct(np.shape(x), x.dtype), state.arrays))
+    return state, statics.split(tuple(args), statics.traced_argument)
 
-  def _use(self, planned: "pipeline.Planned") -> None:
-    """Makes `planned` the step's plan: a fresh runner (buffers, timing) and fp32 masters."""
+  def _ensure_plan(self, state: Any, args: Sequence[Any], abstract: bool = False
+                   ) -> tuple[statics.Split, statics.Split]:
+    """Plans the step for these inputs (`pipeline.plan_step`) unless planned for them
+    (`abstract`: the state's leaves are `jax.ShapeDtypeStruct`s); returns them split as the
+    plan takes them (`_split`)."""
+    while True:
+      state_s, args_s = self._split(state, args, abstract)
+
+      def make(changes, state_s=state_s, args_s=args_s):
+        call = statics.StepCall(self._fn, state_s, args_s, "jaxtier.offload")
+        return _Entry(pipeline.plan_step(call, self._options, state_s.arrays, args_s.arrays,
+                                         changes=changes, abstract=abstract), call)
+      try:
+        if self._plans.select(state_s.arrays, args_s.arrays, make,
+                              static=(state_s.key, args_s.key)):
+          self._use(self._plans.current)
+        return state_s, args_s
+      except statics.NumbersChanged as e:  # counters: traced again as arrays
+        self._counters.update(e.paths)
+
+  def _use(self, entry: _Entry) -> None:
+    """Makes `entry` the step's plan: a fresh runner (buffers, timing) and fp32 masters."""
+    planned, self._call = entry
     # The fp32 masters are state the caller does not hold: a new plan (new input shapes) keeps
     # them for the params it still keeps masters for (`MasterCopies.refresh`), else the next
     # step would re-derive them from the rounded bf16 params.
@@ -121,33 +174,35 @@ class OffloadedStep:
     """Moves each state leaf to its planned memory kind; returns the placed state.
 
     Args:
-      state: the training state pytree (arrays only).
+      state: the training state pytree (its leaves that are not arrays are static: kept as
+        they are).
       *example_args: the step's other arguments (e.g. a batch), needed to trace and plan the
         step the first time; later calls may omit them.
 
     Returns:
-      A pytree like `state` whose leaves carry `NamedSharding`s with memory kind 'device' or
-      'pinned_host'. The input state is left as it was (not donated).
+      A pytree like `state` whose array leaves carry `NamedSharding`s with memory kind
+      'device' or 'pinned_host'. The input state is left as it was (not donated).
 
     Raises:
-      TypeError: a non-array leaf (named by path), or no example arguments before a plan exists.
+      TypeError: no example arguments before a plan exists.
       jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
     """
-    state = placing.as_arrays("OffloadedStep.place", state)
     if self.plan is None and not example_args:
       raise TypeError("OffloadedStep.place: the step has no plan yet; pass example arguments "
                       "for tracing it, e.g. `step.place(state, batch)`")
     if example_args:
-      self._ensure_plan(state, example_args)
-    inv_lib.check_leaves("OffloadedStep.place", state)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
+      split, _ = self._ensure_plan(state, example_args)
+    else:
+      split, _ = self._split(state)
+    inv_lib.check_leaves("OffloadedStep.place", split.arrays)
+    leaves, treedef = jax.tree_util.tree_flatten(split.arrays)
     if not any(jc.memory_kind_of(x) == MemoryKind.PINNED_HOST for x in leaves):
       compiled_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
     placed = [placing.put(x, s, lp) for x, s, lp in zip(leaves, self._programs.state_shardings,
                                                          self.plan.leaves)]
     self._masters.refresh(leaves, placed)
     self.last_state = self.last_metrics = None  # a new run starts from this state
-    return jax.tree_util.tree_unflatten(treedef, placed)
+    return statics.merge(jax.tree_util.tree_unflatten(treedef, placed), split.static)
 
   def init(self, init_fn: Callable[..., Any], *init_args: Any,
            example_args: Sequence[Any] = ()) -> Any:
@@ -175,21 +230,36 @@ class OffloadedStep:
 
     Raises:
       TypeError: no example arguments before a plan exists.
-      ValueError: `init_fn` returns another structure than the one planned.
+      ValueError: `init_fn` returns another structure than the one planned (the message names
+        the leaves that differ).
       jaxtier.PlanError / AdmissionError: from planning; nothing has been allocated then.
     """
-    leaves, treedef = self._plan_abstract(
-        jax.eval_shape(init_fn, *init_args), example_args, "init", "init_fn returns",
+    split, leaves, treedef = self._plan_abstract(
+        statics.eval_shape(init_fn, *init_args), example_args, "init", "init_fn returns",
         "step.init(init_fn, key, example_args=(batch,))")
+    planned = split.arrays
+    counters = set(self._counters)
+
+    def arrays_of_init(*args):
+      # Only its arrays, in the structure planned: a node's static data (a partial that a
+      # module holds) is a new object in each call, equal only to itself.
+      got = statics.split(init_fn(*args), lambda path, x: path in counters, in_trace=True)
+      diff = statics.structure_diff(planned, got.arrays, ("state planned", "state init_fn "
+                                                          "returns"))
+      if diff:
+        raise ValueError("OffloadedStep.init: init_fn returns another state than the one "
+                         f"planned: {'; '.join(diff)}")
+      return jax.tree_util.tree_unflatten(treedef, jax.tree_util.tree_leaves(got.arrays))
+
     made: list[Any] = [None] * len(leaves)
     compiled_lib.reserve_pinned_pool(self.plan, self._programs.state_shardings)
     for indices, program in compiled_lib.initializers(
-        init_fn, self.plan, self._programs.state_shardings, treedef):
+        arrays_of_init, self.plan, self._programs.state_shardings, treedef):
       for i, x in zip(indices, program(*init_args)):
         made[i] = x
     self._masters.refresh(made, made)
     self.last_state = self.last_metrics = None  # a new run starts from this state
-    return jax.tree_util.tree_unflatten(treedef, made)
+    return statics.merge(jax.tree_util.tree_unflatten(treedef, made), split.static)
 
   # -- checkpoints ------------------------------------------------------------------------
 
@@ -213,11 +283,11 @@ class OffloadedStep:
     if self.plan is None:
       raise ValueError("OffloadedStep.save: the step has no plan yet; place, init or run the "
                        "state first")
-    state = placing.as_arrays("OffloadedStep.save", state)
-    inv_lib.check_leaves("OffloadedStep.save", state)
-    leaves = jax.tree_util.tree_leaves(state)
+    state, _ = self._split(state)
+    inv_lib.check_leaves("OffloadedStep.save", state.arrays)
+    leaves = jax.tree_util.tree_leaves(state.arrays)
     self._masters.refresh(leaves, leaves)
-    checkpoint_lib.save(directory, state, self._masters.checkpoint_items())
+    checkpoint_lib.save(directory, state.arrays, self._masters.checkpoint_items())
 
   def restore(self, directory: Any, state: Any, *, example_args: Sequence[Any] = ()) -> Any:
     """Reads a checkpoint written by `save`: the state, each leaf restored straight into its
@@ -242,11 +312,22 @@ class OffloadedStep:
         traced for the state given.
       ValueError: the fp32 masters differ (the step was planned another way than the saved one).
     """
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), state)
-    checkpoint_lib.check_like(directory, abstract)  # before the step is traced for it
-    leaves, treedef = self._plan_abstract(
-        abstract, example_args, "restore", "the state has",
+    while True:  # before the step is traced for it
+      given, _ = self._split(state, abstract=True)
+      try:
+        checkpoint_lib.check_like(directory, given.arrays)
+        break
+      except CheckpointMismatchError as e:
+        # A Python number the saved run traced (a counter, as the step changes it) is an
+        # array in the checkpoint: traced here too.
+        numbers = {_key_names(p): p for p, x in zip(
+            given.paths, jax.tree_util.tree_leaves(given.static)) if statics.is_number(x)}
+        counter = numbers.get(_key_names(e.leaf)) if e.given is None and e.saved else None
+        if counter is None or counter in self._counters:
+          raise
+        self._counters.add(counter)
+    split, leaves, treedef = self._plan_abstract(
+        state, example_args, "restore", "the state has",
         "step.restore(path, state, example_args=(batch,))")
     targets = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
                for x, sh in zip(leaves, self._programs.state_shardings)]
@@ -255,11 +336,12 @@ class OffloadedStep:
         self._masters.checkpoint_targets(leaves))
     self._masters.restored(masters, jax.tree_util.tree_leaves(restored))
     self.last_state = self.last_metrics = None  # a new run starts from this state
-    return restored
+    return statics.merge(restored, split.static)
 
   def _plan_abstract(self, abstract: Any, example_args: Sequence[Any], api: str, has: str,
-                     example: str) -> tuple[list[Any], Any]:
-    """Plans the step for an abstract state (unless planned) and returns its (leaves, treedef).
+                     example: str) -> tuple[statics.Split, list[Any], Any]:
+    """Plans the step for an abstract state (its arrays as `jax.ShapeDtypeStruct`s, unless
+    planned) and returns it split (`_split`) and its arrays' (leaves, treedef).
 
     Raises:
       TypeError: no example arguments before a plan exists.
@@ -269,32 +351,35 @@ class OffloadedStep:
       raise TypeError(f"OffloadedStep.{api}: the step has no plan yet; pass example arguments "
                       f"for tracing it, e.g. `{example}`")
     if example_args:
-      self._ensure_plan(abstract, tuple(example_args), abstract=True)
-    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+      split, _ = self._ensure_plan(abstract, tuple(example_args), abstract=True)
+    else:
+      split, _ = self._split(abstract, abstract=True)
+    leaves, treedef = jax.tree_util.tree_flatten(split.arrays)
     if len(leaves) != len(self.plan.leaves):
       raise ValueError(f"OffloadedStep.{api}: {has} {len(leaves)} leaves; the step was planned "
-                       f"for {len(self.plan.leaves)}")
-    return leaves, treedef
+                       f"for {len(self.plan.leaves)} (static leaves not counted)")
+    return split, leaves, treedef
 
   # -- running -----------------------------------------------------------------------------
   def __call__(self, state: Any, *args: Any) -> tuple[Any, Any]:
     """Runs one step: `(state, *args) -> (new_state, metrics)`, the state donated.
 
-    Arguments are positional, as the wrapped step takes them. Python numbers in the state
-    (Flax `TrainState.step`) become 0-d arrays in the returned state.
+    Arguments are positional, as the wrapped step takes them. Leaves that are not arrays are
+    static (the class docstring); a Python number of the state that the step changes (Flax
+    `TrainState.step`) becomes a 0-d array in the returned state.
 
     Raises:
       ValueError: a state leaf was already donated to an earlier step (named by path).
-      TypeError: a non-array state leaf.
+      TypeError: called under a JAX transformation.
     """
-    state = placing.as_arrays("jaxtier.offload", state)
-    inv_lib.check_leaves("jaxtier.offload", state)
-    self._ensure_plan(state, args)
-    self._check_arg_memory_kinds(args)
-    leaves = jax.tree_util.tree_leaves(state)
+    state_s, args_s = self._ensure_plan(state, args)
+    inv_lib.check_leaves("jaxtier.offload", state_s.arrays)
+    self._check_arg_memory_kinds(args_s.arrays)
+    leaves = jax.tree_util.tree_leaves(state_s.arrays)
     moved = placing.for_step(leaves, self._programs.state_shardings)
     self._masters.refresh(leaves, moved)
-    return self._runner.run(moved, jax.tree_util.tree_leaves(args), keep=self._keep)
+    return self._runner.run(moved, jax.tree_util.tree_leaves(args_s.arrays), keep=self._keep,
+                            finish=self._call.merge_outputs)
 
   def _keep(self, state: Any, metrics: Any) -> None:
     """Takes a step's new state and metrics (before a Ctrl-C held during the step is raised)."""
@@ -308,17 +393,17 @@ class OffloadedStep:
     not be placed yet, nor exist: its leaves may be `jax.ShapeDtypeStruct`s (as
     `jax.jit(step).lower(shapes, batch)` takes them), lowered with the plan's shardings.
     """
-    self._ensure_plan(state, args, abstract=any(
+    state, args = self._ensure_plan(state, args, abstract=any(
         isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state)))
-    specs = self._programs.state_specs(state)
+    specs = self._programs.state_specs(state.arrays)
     return self._programs.compute.lower(self._programs.split.compute_inputs(
-        specs, jax.tree_util.tree_leaves(args), self._runner.scratch_avals(),
+        specs, jax.tree_util.tree_leaves(args.arrays), self._runner.scratch_avals(),
         self._programs.master_specs(specs)))
 
   def lower_update(self, state: Any, *args: Any):
     """`jax.stages.Lowered` of the step's fused host-update program (its custom calls)."""
-    self._ensure_plan(state, args)
-    leaves = jax.tree_util.tree_leaves(state)
+    split, _ = self._ensure_plan(state, args)
+    leaves = jax.tree_util.tree_leaves(split.arrays)
     compiled = self.lower(state, *args).compile()
     feed_sh = list(compiled.output_shardings.feeds)
     feed_avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in compiled.out_info.feeds]

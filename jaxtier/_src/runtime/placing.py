@@ -6,28 +6,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxtier._src.errors import AdmissionError
 from jaxtier._src.planning.plan import LeafPlan
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import MemoryKind
-
-
-def as_arrays(api: str, state: Any) -> Any:
-  """`state` with Python numbers (e.g. Flax `TrainState.step`) made 0-d arrays, as jax.jit does.
-
-  Raises:
-    TypeError: a leaf is a tracer: the offloaded step was called under jit/grad/vmap.
-  """
-  def fix(x):
-    if isinstance(x, jax.core.Tracer):
-      raise TypeError(f"{api}: called under a JAX transformation (jit, grad, vmap...); call the "
-                      "offloaded step directly: it compiles itself, with the placement baked in")
-    if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
-      return jnp.asarray(x)
-    return x
-  return jax.tree.map(fix, state)
 
 
 def put(x: Any, sharding: Any, leaf: LeafPlan) -> Any:

@@ -131,10 +131,13 @@ class StepRunner:
                             for s in self._programs.stream.scratch]
 
   def run(self, moved: Sequence[Any], arg_leaves: Sequence[Any],
-          keep: Callable[[Any, Any], None]) -> tuple[Any, Any]:
+          keep: Callable[[Any, Any], None],
+          finish: Callable[[Any, Any], tuple[Any, Any]] = lambda s, m: (s, m)
+          ) -> tuple[Any, Any]:
     """Runs one step: `(new_state, metrics)` of the state's flat leaves `moved` (placed as
     planned, no buffer twice: `placing.for_step`; donated) and the other arguments' flat
-    leaves.
+    leaves, as `finish(new_state, metrics)` makes them of the programs' (the static leaves put
+    back: `statics.StepCall.merge_outputs`).
 
     From the dispatch of `compute` (which consumes the device leaves) until `keep(new_state,
     metrics)` has taken the new state, Ctrl-C is held: an interrupt there would lose the state
@@ -150,7 +153,7 @@ class StepRunner:
     timing = 2 <= self.calls <= 1 + MEASURED_STEPS  # the first call compiles
     held = HeldInterrupt()
     try:
-      result = self._dispatch(moved, arg_leaves, timing)
+      result = finish(*self._dispatch(moved, arg_leaves, timing))
       keep(*result)
     except BaseException:
       held.release()
