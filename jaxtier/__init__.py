@@ -18,7 +18,7 @@ from jaxtier._src.errors import OptionError as OptionError
 from jaxtier._src.errors import PlanError as PlanError
 from jaxtier._src.hardware.profile import DEFAULT_PROFILE as DEFAULT_PROFILE
 from jaxtier._src.hardware.profile import HardwareProfile as HardwareProfile
-from jaxtier._src.hardware.profile import load as load_profile
+from jaxtier._src.hardware.machine import load as load_profile
 from jaxtier._src.hardware.profile import save as save_profile
 from jaxtier._src.hardware.profile import split_fraction as split_fraction
 from jaxtier._src.planning.cost_model import ActivationModel as ActivationModel

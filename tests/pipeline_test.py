@@ -76,7 +76,7 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
   # what is available) and the fraction that holds its predicted peak; the CLI applies them.
   from jaxtier._src import pipeline as pipeline_lib  # pylint: disable=g-import-not-at-top
   from jaxtier._src.analysis import inventory as inv_lib  # pylint: disable=g-import-not-at-top
-  from jaxtier._src.hardware import host, profile  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.hardware import host, machine, profile  # pylint: disable=g-import-not-at-top
   from jaxtier.examples import train  # pylint: disable=g-import-not-at-top
   monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
@@ -87,7 +87,7 @@ def test_a_plan_refused_under_xlas_settings_names_the_settings_under_which_one_f
   inv = inv_lib.take_inventory(step, state, args, allow_abstract=True)
   costs = pipeline_lib._step_costs(inv, state, args, "gpu", "auto", always=True)
   fixed = dict(platform="gpu", policy="auto", host_budget=None, pinnable_bytes=64 * 2**30,
-               hardware=profile.load(platform="gpu"), streamable=pipeline_lib._streamable(inv),
+               hardware=machine.load(platform="gpu"), streamable=pipeline_lib._streamable(inv),
                resident_bytes=0, stream_blocked="")
   with pytest.raises(jaxtier.AdmissionError) as first:
     pipeline_lib._admitted_plan(inv, fixed, None, costs)

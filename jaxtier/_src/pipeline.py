@@ -27,6 +27,7 @@ from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.analysis import update_schedule
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.hardware import host as host_lib
+from jaxtier._src.hardware import machine
 from jaxtier._src.hardware import profile
 from jaxtier._src.lowering import compiled as compiled_lib
 from jaxtier._src.options import OffloadOptions
@@ -109,7 +110,7 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   # The same for every (re-)plan of this trace.
   fixed = dict(platform=platform, policy=options.policy, host_budget=options.host_budget,
                pinnable_bytes=host_lib.pinnable_bytes(platform, _num_local_devices(state)),
-               hardware=profile.load(platform=platform),
+               hardware=machine.load(platform=platform),
                streamable=set() if blocked else _streamable(inv),
                dha_readable={} if blocked else dha_readable_tables(inv),
                resident_bytes=_resident_bytes(state), stream_blocked=blocked,
@@ -284,11 +285,11 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   `streamable` / `dha_readable`: the parameter leaves (indices) that may be placed
   `host_stream` / `host_dha`; None: every one the lowering can serve so (`dha_readable`: the
   embedding tables among them). `device_kind`: the GPU planned for where this machine has
-  none (`profile.load`).
+  none (`machine.load`).
   """
   inv = inv_lib.take_inventory(fn, state, args, api="jaxtier.plan")
   here = jax.default_backend()
-  hardware = profile.load(platform=platform, device_kind=device_kind)
+  hardware = machine.load(platform=platform, device_kind=device_kind)
   blocked = _stream_blocked(state)
   if blocked:  # none, whatever the caller allows
     streamable = frozenset()
@@ -820,4 +821,4 @@ def _time_scans(platform: str) -> bool:
     return forced not in ("", "0", "false", "False")
   if platform != jax.default_backend():
     return False
-  return platform == "gpu" or not profile.load(platform=platform, warn=False).is_default
+  return platform == "gpu" or not machine.load(platform=platform, warn=False).is_default

@@ -13,6 +13,7 @@ import pytest
 from planning._toy import STEP, mlp_state, toy_batch
 
 import jaxtier
+from jaxtier._src.hardware import machine
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import XLA_MEM_FRACTION_DEFAULT
 from jaxtier._src.planning import plan_text, planner
@@ -101,43 +102,43 @@ def test_load_on_a_gpu_without_a_stored_profile_is_its_cards_built_in(tmp_path, 
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   _gpu_here(monkeypatch, H100_KIND)
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load() is profile.BUILTIN_PROFILES["H100"]
+    assert machine.load() is profile.BUILTIN_PROFILES["H100"]
   assert "planning with the built-in H100 figures (the H200's measured rates scaled by the " \
          "H100's datasheet; not calibrated)" in caplog.text
   assert "profile-NVIDIA_H100_80GB_HBM3-jax" in caplog.text
   # The card may be named for the GPU here: the same profile.
-  assert profile.load(platform="gpu", device_kind="h100", warn=False) is (
+  assert machine.load(platform="gpu", device_kind="h100", warn=False) is (
       profile.BUILTIN_PROFILES["H100"])
   # Another card than this GPU's is refused: its plan would mix that card's rates with this
   # GPU's memory.
   with pytest.raises(jaxtier.OptionError, match=r"not this machine's GPU \(NVIDIA H100"):
-    profile.load(platform="gpu", device_kind="A100")
+    machine.load(platform="gpu", device_kind="A100")
   # A stale profile: the card's built-in, said so.
   path = profile.cache_path()
   os.makedirs(os.path.dirname(path))
   with open(path, "w") as f:
     json.dump(dataclasses.asdict(profile.BUILTIN_PROFILES["H100"]), f)  # no format_version
-  monkeypatch.setattr(profile, "_WARNED", set())  # (said once per path: this path again)
+  monkeypatch.setattr(machine, "_WARNED", set())  # (said once per path: this path again)
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load() is profile.BUILTIN_PROFILES["H100"]
+    assert machine.load() is profile.BUILTIN_PROFILES["H100"]
   assert "written by an older jaxtier" in caplog.text and "built-in H100 figures" in caplog.text
   # A calibrated one is what it says.
   measured = dataclasses.replace(profile.BUILTIN_PROFILES["H100"], link_h2d_gbps=51.0,
                                  source="calibrated on NVIDIA H100 80GB HBM3")
-  assert profile.load(profile.save(measured)) == measured
+  assert machine.load(profile.save(measured)) == measured
 
 
 def test_load_on_an_h200_or_an_unknown_gpu_is_the_h200_default(tmp_path, monkeypatch, caplog):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   _gpu_here(monkeypatch, "NVIDIA H200")
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load() is D
+    assert machine.load() is D
   assert "planning with the H200 defaults. Run" in caplog.text
   _gpu_here(monkeypatch, "NVIDIA L40S")
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load() is D
+    assert machine.load() is D
   assert ("planning with the H200 defaults (no built-in figures for NVIDIA L40S; known: H100, "
           "H200, A100)") in caplog.text
 

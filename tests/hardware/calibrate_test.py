@@ -9,6 +9,7 @@ import pytest
 
 import jaxtier
 from jaxtier._src.hardware import calibrate as calibration
+from jaxtier._src.hardware import machine
 from jaxtier._src.hardware import profile
 from jaxtier._src.vocab import Executor
 
@@ -54,10 +55,10 @@ def test_public_calibrate_stores_the_profile_where_the_planner_loads_it(tmp_path
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
   measured = jaxtier.calibrate(measure_device=False, num_params=1 << 14)
   assert "calibrated" in measured.source
-  assert profile.load() == measured  # the default cache path of this device and jax version
+  assert machine.load() == measured  # the default cache path of this device and jax version
   elsewhere = str(tmp_path / "p.json")
   again = jaxtier.calibrate(path=elsewhere, measure_device=False, num_params=1 << 14)
-  assert profile.load(elsewhere) == again
+  assert machine.load(elsewhere) == again
   assert jaxtier.calibrate(save=False, measure_cpu=False, measure_device=False) == (
       profile.DEFAULT_PROFILE)
 

@@ -16,6 +16,7 @@ import pytest
 
 import jaxtier
 from jaxtier._src.hardware import calibrate as calibration
+from jaxtier._src.hardware import machine
 from jaxtier._src.hardware import profile
 
 
@@ -38,12 +39,12 @@ def test_profile_rates_and_validation():
 def test_load_profile_for_an_absent_platform_is_the_default(tmp_path):
   if jax.default_backend() == "gpu":
     pytest.skip("this machine has a GPU")
-  assert profile.load(platform="gpu") == profile.DEFAULT_PROFILE
+  assert machine.load(platform="gpu") == profile.DEFAULT_PROFILE
   p = calibration.calibrate(num_params=1 << 14)
   assert p.device_kind == jax.devices()[0].device_kind and "calibrated" in p.source
   assert p.host_dram_gbps > 0 and p.cpu_threads >= 1
   assert p.link_h2d_gbps == profile.DEFAULT_PROFILE.link_h2d_gbps  # not measured here
-  assert profile.load(profile.save(p, str(tmp_path / "p.json"))) == p
+  assert machine.load(profile.save(p, str(tmp_path / "p.json"))) == p
 
 
 def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch, caplog):
@@ -57,8 +58,8 @@ def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch,
   with open(path, "w") as f:
     json.dump(dataclasses.asdict(old), f)
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load() is profile.DEFAULT_PROFILE
-    assert profile.load() is profile.DEFAULT_PROFILE
+    assert machine.load() is profile.DEFAULT_PROFILE
+    assert machine.load() is profile.DEFAULT_PROFILE
   stale = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
   assert len(stale) == 1, stale  # once per path
   assert f"ignoring {path}: written by an older jaxtier" in stale[0]
@@ -67,10 +68,10 @@ def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch,
   with open(path, "w") as f:
     json.dump({"format_version": profile.PROFILE_FORMAT_VERSION - 1,
                **dataclasses.asdict(old)}, f)
-  assert profile.load() is profile.DEFAULT_PROFILE
+  assert machine.load() is profile.DEFAULT_PROFILE
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load(profile.save(old)) == old
+    assert machine.load(profile.save(old)) == old
   assert not caplog.records
   with open(path) as f:
     assert json.load(f)["format_version"] == profile.PROFILE_FORMAT_VERSION
@@ -80,18 +81,18 @@ def test_stale_stored_profile_is_ignored_with_one_warning(tmp_path, monkeypatch,
 def test_profile_save_load_roundtrip_and_calibrate_cli(tmp_path):
   p = profile.HardwareProfile(cpu_adamw_params_per_sec=1.5e9)
   path = profile.save(p, str(tmp_path / "p.json"))
-  assert profile.load(path) == p
-  assert profile.load(str(tmp_path / "missing.json")) == profile.DEFAULT_PROFILE
+  assert machine.load(path) == p
+  assert machine.load(str(tmp_path / "missing.json")) == profile.DEFAULT_PROFILE
   (tmp_path / "bad.json").write_text(json.dumps(
       {"format_version": profile.PROFILE_FORMAT_VERSION, "warp_factor": 9}))
   with pytest.raises(ValueError, match=r"unknown fields \['warp_factor'\]"):
-    profile.load(str(tmp_path / "bad.json"))
+    machine.load(str(tmp_path / "bad.json"))
   env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
   out = subprocess.run([sys.executable, "-m", "jaxtier", "calibrate"], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "saved to" in out.stdout
-  saved = profile.load(out.stdout.strip().splitlines()[-1].split("saved to ", 1)[1])
+  saved = machine.load(out.stdout.strip().splitlines()[-1].split("saved to ", 1)[1])
   assert saved.cpu_adamw_params_per_sec > 1e7  # measured here, not the default
   assert saved.cpu_adamw_params_per_sec != profile.DEFAULT_PROFILE.cpu_adamw_params_per_sec
   if jax.default_backend() == "cpu":
@@ -109,7 +110,7 @@ def test_a_profile_file_that_is_not_json_is_ignored_with_a_warning(tmp_path, cap
   path = tmp_path / "profile.json"
   path.write_text("{garbage")
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load(str(path)) is profile.DEFAULT_PROFILE
+    assert machine.load(str(path)) is profile.DEFAULT_PROFILE
   assert f"ignoring {path}: not a profile" in caplog.text
   assert "python -m jaxtier calibrate" in caplog.text
 
@@ -172,9 +173,9 @@ def auto(tmp_path, monkeypatch):
   process's memory of what it calibrated and warned about; the quick calibrations `load` runs
   are counted, each at its smallest sizes (a fraction of a second). Returns the count."""
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-  monkeypatch.setenv(profile.AUTO_CALIBRATE_ENV, "1")
-  monkeypatch.setattr(profile, "_AUTO_CALIBRATED", {})
-  monkeypatch.setattr(profile, "_WARNED", set())
+  monkeypatch.setenv(machine.AUTO_CALIBRATE_ENV, "1")
+  monkeypatch.setattr(machine, "_AUTO_CALIBRATED", {})
+  monkeypatch.setattr(machine, "_WARNED", set())
   calls = []
   quick = calibration.quick_calibrate
 
@@ -196,27 +197,27 @@ def _labelled(plan) -> bool:
 def test_load_without_a_profile_calibrates_once_and_stores_it(auto, monkeypatch, caplog):
   path = profile.cache_path()
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    first = profile.load()
-    assert profile.load() == first  # this process: not measured again
+    first = machine.load()
+    assert machine.load() == first  # this process: not measured again
   assert auto == [calibration.QUICK_BUDGET_SECS]
   assert first.source.startswith("calibrated on cpu (quick") and not first.is_default
   said = [r.getMessage() for r in caplog.records]
   assert len(said) == 1 and "no hardware profile for cpu: measured this machine in" in said[0]
   assert f"stored at {path}" in said[0] and "JAXTIER_AUTO_CALIBRATE=0 turns this off" in said[0]
   # The next process reads the file: no measurement, no warning.
-  monkeypatch.setattr(profile, "_AUTO_CALIBRATED", {})
+  monkeypatch.setattr(machine, "_AUTO_CALIBRATED", {})
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load() == first == profile.load(path)
+    assert machine.load() == first == machine.load(path)
   assert auto == [calibration.QUICK_BUDGET_SECS] and not caplog.records
   # A plan with it predicts with this machine's rates: no label.
   plan = jaxtier.plan(STEP, mlp_state(), toy_batch())
   assert not plan.rates_of and "uncalibrated" not in plan.summary(120)
   assert f"hardware profile: {first.source}" in plan.notes
   # Neither a GPU planned for here nor a path given is measured.
-  assert profile.load(platform="gpu") is profile.DEFAULT_PROFILE
+  assert machine.load(platform="gpu") is profile.DEFAULT_PROFILE
   folder = os.path.dirname(path)
-  assert profile.load(os.path.join(folder, "other.json")) is profile.DEFAULT_PROFILE
+  assert machine.load(os.path.join(folder, "other.json")) is profile.DEFAULT_PROFILE
   assert auto == [calibration.QUICK_BUDGET_SECS]
   assert os.listdir(folder) == [os.path.basename(path)]  # (and no partial file left)
 
@@ -228,18 +229,18 @@ def test_a_stale_profile_is_measured_again(auto, caplog):
   with open(path, "w") as f:
     json.dump(dataclasses.asdict(profile.DEFAULT_PROFILE), f)  # no format_version
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    measured = profile.load()
+    measured = machine.load()
   assert len(auto) == 1 and measured.source.startswith("calibrated on cpu (quick")
-  assert profile.load(path) == measured  # stored over the stale one
+  assert machine.load(path) == measured  # stored over the stale one
   assert "written by an older jaxtier" not in caplog.text
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend calibrates itself")
 def test_auto_calibration_turned_off_gives_the_labelled_defaults(auto, monkeypatch, caplog):
   for off in ("0", "false", "OFF"):
-    monkeypatch.setenv(profile.AUTO_CALIBRATE_ENV, off)
+    monkeypatch.setenv(machine.AUTO_CALIBRATE_ENV, off)
     with caplog.at_level(logging.WARNING, logger="jaxtier"):
-      assert profile.load() is profile.DEFAULT_PROFILE
+      assert machine.load() is profile.DEFAULT_PROFILE
   assert not auto and not os.path.exists(profile.cache_path()) and not caplog.records
   assert _labelled(jaxtier.plan(STEP, mlp_state(), toy_batch()))
 
@@ -253,7 +254,7 @@ def test_a_failing_measurement_falls_back_to_the_labelled_defaults(auto, monkeyp
     raise RuntimeError("no CPU handler")
   monkeypatch.setattr(calibration, "measure_cpu_adamw", fails)
   with caplog.at_level(logging.WARNING, logger="jaxtier"):
-    assert profile.load() is profile.DEFAULT_PROFILE
+    assert machine.load() is profile.DEFAULT_PROFILE
     plan = jaxtier.plan(STEP, mlp_state(), toy_batch())
   assert len(auto) == 1 and len(failed) == 1  # tried once in this process, not per load
   assert not os.path.exists(profile.cache_path())
@@ -277,7 +278,7 @@ def test_only_a_gpu_without_a_built_in_profile_calibrates_itself(auto, monkeypat
   monkeypatch.setattr(calibration, "quick_calibrate", lambda: (
       auto.append("gpu"), calibration.QuickCalibration(measured, {}, 2.0))[1])
   _gpu_here(monkeypatch, "NVIDIA H100 80GB HBM3")
-  assert profile.load(warn=False) is profile.BUILTIN_PROFILES["H100"] and not auto
+  assert machine.load(warn=False) is profile.BUILTIN_PROFILES["H100"] and not auto
   _gpu_here(monkeypatch, "NVIDIA L40S")
-  assert profile.load() == measured and auto == ["gpu"]
-  assert profile.load(profile.cache_path()) == measured  # stored
+  assert machine.load() == measured and auto == ["gpu"]
+  assert machine.load(profile.cache_path()) == measured  # stored

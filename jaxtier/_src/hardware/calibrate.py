@@ -421,7 +421,7 @@ def calibrate(*, measure_cpu: bool = True, num_params: int = 1 << 24,
 
 
 
-# ---- the quick calibration `profile.load` runs where this machine has no stored profile ----
+# ---- the quick calibration `machine.load` runs where this machine has no stored profile ----
 
 
 # Wall seconds a quick calibration may take (`quick_calibrate`): its sizes are chosen to stay
@@ -541,7 +541,7 @@ def quick_calibrate(budget_secs: float = QUICK_BUDGET_SECS, *,
 
   Raises:
     ValueError: `budget_secs` is not a positive number.
-    Whatever a measurement raises (`profile.load` falls back to the defaults then).
+    Whatever a measurement raises (`machine.load` falls back to the defaults then).
   """
   import jax  # pylint: disable=g-import-not-at-top
 
