@@ -10,9 +10,6 @@ import re
 
 from jaxtier._src.hardware.host import XLA_MEM_FRACTION_DEFAULT
 
-
-
-
 # Bytes of memory traffic per parameter of an AdamW update with an fp32 master, fp32 moments in
 # pinned_host and bf16 gradients / params on the device:
 #   DHA kernel, over the link: master, m, v read (12) and written (12).
