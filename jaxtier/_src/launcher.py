@@ -486,10 +486,9 @@ def _match(donated: Sequence[int], args: tuple[Any, ...], out: Any,
   return tuple(positions), tuple(slots)
 
 
-class JaxJit(Frontend):
-  """`jax.jit(fun, donate_argnums=..., static_argnums=..., in_shardings=..., ...)`."""
-
-  what = "jax.jit"
+class _ByArgnums(Frontend):
+  """A frontend whose static and donated arguments are given as jax.jit gives them:
+  `static_argnums` / `static_argnames`, `donate_argnums` / `donate_argnames`."""
 
   def __init__(self, fun: Any, kwargs: dict[str, Any]):
     super().__init__(fun, kwargs)
@@ -499,6 +498,12 @@ class JaxJit(Frontend):
 
   def donates(self) -> bool:
     return bool(self.donated)
+
+
+class JaxJit(_ByArgnums):
+  """`jax.jit(fun, donate_argnums=..., static_argnums=..., in_shardings=..., ...)`."""
+
+  what = "jax.jit"
 
   def refused_options(self) -> "str | None":
     given = [k for k in _JAX_JIT_REFUSED if self.kwargs.get(k) is not None]
@@ -722,19 +727,10 @@ def _hashable(x: Any) -> Any:
     return id(x)
 
 
-class NnxJit(Frontend):
+class NnxJit(_ByArgnums):
   """`flax.nnx.jit(fun, donate_argnums=..., ...)`: graph nodes in, updated in place."""
 
   what = "nnx.jit"
-
-  def __init__(self, fun: Any, kwargs: dict[str, Any]):
-    super().__init__(fun, kwargs)
-    self.static = _argnums(fun, kwargs.get("static_argnums"), kwargs.get("static_argnames"))
-    self.donated = _argnums(fun, kwargs.get("donate_argnums"),
-                            kwargs.get("donate_argnames")) - self.static
-
-  def donates(self) -> bool:
-    return bool(self.donated)
 
   def refused_options(self) -> "str | None":
     given = [k for k in ("in_shardings", "out_shardings", "device", "backend")
