@@ -19,10 +19,11 @@ Commands:
           matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
           the profile as JSON in the user's cache directory (`--json` prints it).
   run     `python -m jaxtier run [--policy] [--device_budget] [--host_budget]
-          [--step=module:function ...] [--strict] -- (script.py | -m module) [args]`: runs
-          an unmodified script, its train step (a `jax.jit`, `nnx.jit` or `eqx.filter_jit`
-          function that donates a state and returns it) offloaded by `jaxtier.offload`; one
-          line on stderr says which function and its plan (`python -m jaxtier run --help`).
+          [--step=module:function ...] [--strict] [--plan_json=FILE] -- (script.py | -m
+          module) [args]`: runs an unmodified script, its train step (a `jax.jit`, `nnx.jit`
+          or `eqx.filter_jit` function that donates a state and returns it) offloaded by
+          `jaxtier.offload`; one line on stderr says which function and its plan
+          (`--plan_json` writes the plan leaf by leaf; `python -m jaxtier run --help`).
 """
 
 from __future__ import annotations

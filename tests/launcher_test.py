@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jaxtier._src import launcher as launcher_lib
+from jaxtier._src.units import format_bytes
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 WRAPPED = re.compile(r"^jaxtier run: wrapped (\S+): (.*)$", re.M)
@@ -160,15 +161,30 @@ def test_the_first_step_called_is_wrapped_and_said(capsys, two_steps_alone):
   np.testing.assert_allclose(_numbers(out), _numbers(two_steps_alone), rtol=1e-5)
 
 
-def test_step_names_the_function_wrapped(capsys, two_steps_alone):
+def test_step_names_the_function_wrapped(capsys, tmp_path, two_steps_alone):
   # step_b donates two arguments (params, opt) and returns them with its loss.
-  code, out, err = _run_here(capsys, "--device_budget=1MB", "--step=two_steps:step_b")
+  plans = tmp_path / "plans.json"
+  code, out, err = _run_here(capsys, "--device_budget=1MB", "--step=two_steps:step_b",
+                             f"--plan_json={plans}")
   assert code == 0, err
   wrapped = _wrapped(err)
   assert list(wrapped) == ["two_steps:step_b"], err
   assert "(optimizer_state)" in wrapped["two_steps:step_b"], err
   assert "left " not in err, err
   np.testing.assert_allclose(_numbers(out), _numbers(two_steps_alone), rtol=1e-5)
+  # --plan_json: the plan of the line, leaf by leaf (the state is (params, opt)); w1's
+  # momentum (384 KiB) cannot stay on the device beside w1 and its gradient.
+  (plan,) = json.loads(plans.read_text()).values()
+  roles = {leaf["path"]: leaf["role"] for leaf in plan["leaves"]}
+  assert roles == {"[0]['w1']": "param", "[0]['w2']": "param",
+                   "[1][0].trace['w1']": "optimizer_state",
+                   "[1][0].trace['w2']": "optimizer_state"}, roles
+  pinned = {leaf["path"]: leaf["nbytes"] for leaf in plan["leaves"]
+            if leaf["memory_kind"] == "pinned_host"}
+  assert "[1][0].trace['w1']" in pinned, pinned
+  assert sum(pinned.values()) == plan["pinned_bytes"]
+  assert f"pinned_host {format_bytes(plan['pinned_bytes'])} (optimizer_state)" in wrapped[
+      "two_steps:step_b"]
 
 
 def test_a_step_that_cannot_be_offloaded_runs_unwrapped_after_one_warning(capsys,

@@ -5,7 +5,8 @@ runs the script with `runpy` as Python would, and restores them when it ends. A 
 script jits is wrapped in a `Jitted`, which calls the original jit until a call shows that the
 function is a train step: it donates a state and returns it. That function then runs as a
 `jaxtier.offload`ed step (`Step`), and one line on stderr says which function and how it was
-planned. Everything else the script does runs as it wrote it.
+planned (`--plan_json` writes each plan, leaf by leaf). Everything else the script does runs
+as it wrote it.
 
 What is a train step, by frontend:
 
@@ -33,6 +34,7 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import runpy
@@ -80,6 +82,9 @@ class RunOptions:
       path is named by its file's stem or '__main__'); empty: the first train step called.
     strict: raise `RunError` where a step cannot be offloaded (and at the end where none was),
       instead of a warning and the original jit.
+    plan_json: a file to write the wrapped steps' plans to, as JSON `{function: plan}` (each
+      `Plan.to_json()`: every leaf's path, role, placement and memory kind, the notes),
+      rewritten whenever a step is planned again; None: none written.
 
   Raises:
     jaxtier.OptionError: a budget that is neither bytes > 0 nor a size string.
@@ -91,6 +96,7 @@ class RunOptions:
   host_budget: Any = None
   steps: tuple[str, ...] = ()
   strict: bool = False
+  plan_json: "str | None" = None
 
   def __post_init__(self):
     if self.policy not in tuple(NamedPolicy):
@@ -144,6 +150,7 @@ class Launcher:
     # Steps planned (by `lower`) before their state exists: a jit that builds such a state builds
     # it where the plan puts it (`Jitted._build_pending_state`).
     self.pending: list[Step] = []
+    self.plans: dict[str, Any] = {}  # {function: its latest plan}
     self._originals: list[tuple[Any, str, Any]] = []
 
   # -- the patches ------------------------------------------------------------------------
@@ -283,6 +290,15 @@ class Launcher:
     if text not in self._said:
       self._said.add(text)
       self._say(f"{_PREFIX}: {text}")
+
+  def planned(self, name: str, plan: Any) -> None:
+    """Keeps `plan` as the step `name`'s latest, and writes them all to `plan_json`, if
+    given."""
+    self.plans[name] = plan
+    if self.options.plan_json:
+      plans = {n: json.loads(p.to_json()) for n, p in self.plans.items()}
+      with open(self.options.plan_json, "w", encoding="utf-8") as f:
+        json.dump(plans, f, indent=1)
 
   def _cannot(self, why: str, strict_why: "str | None" = None) -> None:
     if self.options.strict:
@@ -837,6 +853,7 @@ class Step:
     if plan is self._plan:
       return
     self._plan = plan
+    self.launcher.planned(self.name, plan)
     key = tuple((l.path, l.placement) for l in plan.leaves)
     if key != self._shown:
       self._shown = key
@@ -1015,7 +1032,7 @@ class Jitted:
 # -- the command line -----------------------------------------------------------------------------
 
 USAGE = ("usage: python -m jaxtier run [--policy=auto] [--device_budget=SIZE] "
-         "[--host_budget=SIZE] [--step=module:function ...] [--strict] -- "
+         "[--host_budget=SIZE] [--step=module:function ...] [--strict] [--plan_json=FILE] -- "
          "(script.py | -m module) [script arguments]")
 
 
@@ -1051,7 +1068,9 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
     target = Target(path=script[0], module=None, argv=tuple(script[1:]))
   options = RunOptions(policy=values.policy, device_budget=values.device_budget or None,
                        host_budget=values.host_budget or None, steps=tuple(values.step),
-                       strict=values.strict)
+                       strict=values.strict,
+                       # Absolute: the script may change its working directory.
+                       plan_json=os.path.abspath(values.plan_json) if values.plan_json else None)
   return options, target
 
 
@@ -1073,6 +1092,9 @@ def _flag_values() -> Any:
   flags.DEFINE_bool("strict", False, "Stop (exit 1) where the step cannot be offloaded, "
                     "and at the end where no step (or not every --step) was wrapped, instead "
                     "of a warning.", flag_values=values)
+  flags.DEFINE_string("plan_json", "", "Write the wrapped steps' plans to this file as JSON "
+                      "({function: plan}: every leaf's placement and memory kind, the notes), "
+                      "again whenever a step is planned again.", flag_values=values)
   return values
 
 
