@@ -477,6 +477,19 @@ class _Candidates:
       return Placement.HOST_STREAM if leaf.index in streamable else None
     return stream_stacks
 
+  def unstreamable(self) -> str:
+    """Why no leaf may be streamed, where `policy('stream')` is None: the state's sharding
+    (`_stream_blocked`), else why its largest parameter leaf may not
+    (`layer_stacks.stream_reason`: a stack scanned along another axis than 0 names it)."""
+    if self.fixed["stream_blocked"]:
+      return self.fixed["stream_blocked"]
+    params = [l for l in self.inv.leaves if l.role == Role.PARAM]
+    if not params:
+      return "the state has no parameter leaf"
+    largest = max(params, key=lambda l: l.nbytes)
+    why = layer_stacks.stream_reason(self.inv.closed_jaxpr.jaxpr, largest.index)
+    return f"no parameter leaf may be streamed (the largest, {largest.path}: {why})"
+
 
 def _device_limit(budget: DeviceBudget, platform: str) -> "int | None":
   """Bytes per device that the compiled step's peak must fit: the budget planned against, or
@@ -537,7 +550,10 @@ def _escalated(planned: Planned, limit: "int | None", replan_budget: "DeviceBudg
   compiles = 0
   for name in ESCALATIONS:
     policy = c.policy(name)
-    if policy is None or compiles >= MAX_ESCALATION_COMPILES:
+    if policy is None:
+      tried.append(Attempt(name=str(name), why=f"not planned: {c.unstreamable()}"))
+      continue
+    if compiles >= MAX_ESCALATION_COMPILES:
       continue
     refusal = None
     try:

@@ -101,3 +101,25 @@ def test_a_stack_on_axis_1_trains_with_its_optimizer_state_on_the_host_as_jit():
     np.testing.assert_allclose(float(metrics["loss"]), float(want_metrics["loss"]), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_auto_over_its_budget_says_why_a_stack_on_axis_1_is_not_streamed():
+  # Under a budget 1 byte below the compiled peak with the optimizer state on the host, auto
+  # escalates; the streamed plan cannot be made, and the refusal says why (the axis and the
+  # fix) instead of offering 'host_stream'.
+  tx = optax.adamw(1e-2)
+  x = jnp.linspace(0.0, 1.0, 8 * 16).reshape(8, 16)
+  probe = jaxtier.offload(_axis1_step(tx), policy="optimizer_state_on_host")
+  probe.place(_axis1_state(tx), x)
+  budget = probe.plan.compiler_peak_hbm_bytes - 1
+  with pytest.raises(jaxtier.AdmissionError) as err:
+    jaxtier.offload(_axis1_step(tx), device_budget=budget).place(_axis1_state(tx), x)
+  tried = err.value.plan.escalation.tried
+  assert [a.name for a in tried] == ["auto", "optimizer_state_on_host", "stream"], tried
+  assert tried[-1].compiler_peak_hbm_bytes is None
+  assert tried[-1].why.startswith(
+      "not planned: no parameter leaf may be streamed (the largest, ['params']['layers']['w']: "
+      "it is a stack of layers along axis 1"), tried[-1].why
+  msg = str(err.value)
+  assert "stream: not planned: " in msg and "param_scan_axis=0" in msg, msg
+  assert "'host_stream' for a stack of layers' params" not in msg, msg

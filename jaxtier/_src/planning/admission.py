@@ -320,7 +320,8 @@ def admit_host_memory(plan: Plan, available: "int | None", resident_bytes: int =
 
 def _tried_all_host(plan: Plan) -> bool:
   """Whether 'auto' escalated `plan` as far as the layers' params streamed, its optimizer
-  state on the host (`Plan.escalation`): a policy keeping more state there is no fix then."""
+  state on the host, or found that no leaf may be streamed (`Plan.escalation`): a policy
+  keeping more state there is no fix then."""
   return plan.escalation is not None and any(a.name == "stream" for a in plan.escalation.tried)
 
 

@@ -152,7 +152,8 @@ class Attempt:
     compiler_peak_hbm_bytes: its compiled step's peak device memory, bytes per device (None:
       not compiled, `why` says why).
     why: why it was not compiled or not kept where its peak does not say ('' otherwise): a
-      refusal before compiling, or the pinned host memory it needs over the host's limit.
+      refusal before compiling, 'stream' not planned because no leaf may be streamed (and
+      why), or the pinned host memory it needs over the host's limit.
   """
 
   name: str
