@@ -186,9 +186,13 @@ def result_name(template: str, rec: dict, **fields: Any) -> str:
 
 
 def git_commit() -> str:
-  """The short hash of HEAD of the checkout these scripts are in, with " (tree uncommitted)"
-  when `git status` lists any file; "unknown (not a git checkout)" where git cannot say."""
+  """$BENCH_COMMIT where set (a copy of the tree on another machine may carry a git history
+  that is not the tree's: benchmarks/prologue.sh sets it), else the short hash of HEAD of the
+  checkout these scripts are in, with " (tree uncommitted)" when `git status` lists any file;
+  "unknown (not a git checkout)" where git cannot say."""
   import subprocess  # pylint: disable=g-import-not-at-top
+  if os.environ.get("BENCH_COMMIT"):
+    return os.environ["BENCH_COMMIT"]
   here = os.path.dirname(os.path.abspath(__file__))
   try:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
