@@ -45,13 +45,16 @@ def test_offload_refines_its_plan_with_the_compiled_peak_and_keeps_it_within_bud
   first_plan = first.plan
   monkeypatch.undo()
   assert first_plan.compiler_peak_hbm_bytes < first_plan.predicted_peak_hbm_bytes
+  # How far the prediction overestimates depends on the card's compiler (over 2% of this
+  # budget on an H200, under it on an H100): any overestimate is to be tried here.
+  monkeypatch.setattr(pipeline, "REFINE_MIN_OVERESTIMATE", 0.0)
   with caplog.at_level(logging.INFO, logger="jaxtier"):
     step = jaxtier.offload(step_fn, device_budget=budget)
     placed = step.place(state, batch)
   refined = any(n.startswith("refined:") for n in step.plan.notes)
   tried = [r.getMessage() for r in caplog.records if "refined plan" in r.getMessage()
            or "plan refined" in r.getMessage() or "keeping the first plan" in r.getMessage()]
-  assert tried, "a plan predicted above its compiled peak by > 2% of the budget is refined"
+  assert tried, "a plan predicted above its compiled peak is refined"
   assert step.plan.compiler_peak_hbm_bytes <= budget
   if refined:
     assert step.plan.predicted_step_secs < first_plan.predicted_step_secs
