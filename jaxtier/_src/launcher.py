@@ -1031,9 +1031,9 @@ class Jitted:
 
 # -- the command line -----------------------------------------------------------------------------
 
-USAGE = ("usage: python -m jaxtier run [--policy=auto] [--device_budget=SIZE] "
-         "[--host_budget=SIZE] [--step=module:function ...] [--strict] [--plan_json=FILE] -- "
-         "(script.py | -m module) [script arguments]")
+USAGE = ("usage: python -m jaxtier run [--policy=auto] [--device_budget=SIZE]\n"
+         "           [--host_budget=SIZE] [--step=module:function ...] [--strict]\n"
+         "           [--plan_json=FILE] -- (script.py | -m module) [script arguments]")
 
 
 def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
@@ -1087,7 +1087,7 @@ def _flag_values() -> Any:
   flags.DEFINE_string("host_budget", "", "Pinned host memory the plan may pin, per device; "
                       "empty: what the host can pin.", flag_values=values)
   flags.DEFINE_multi_string("step", [], "module:function (or function) to wrap; repeat for "
-                            "more. Default: the first train step the script calls.",
+                            "more (default: the first train step the script calls)",
                             flag_values=values)
   flags.DEFINE_bool("strict", False, "Stop (exit 1) where the step cannot be offloaded, "
                     "and at the end where no step (or not every --step) was wrapped, instead "
