@@ -181,7 +181,10 @@ class OffloadedStep:
 
     Returns:
       A pytree like `state` whose array leaves carry `NamedSharding`s with memory kind
-      'device' or 'pinned_host'. The input state is left as it was (not donated).
+      'device' or 'pinned_host'. `place` itself donates nothing, but as `jax.device_put`
+      does, it returns a leaf already in its planned memory kind as it is: the step donates
+      the placed state, and with it those leaves of the input. Copy the input first
+      (`jax.tree.map(jnp.copy, state)`) where it is needed after the step.
 
     Raises:
       TypeError: no example arguments before a plan exists.
