@@ -353,7 +353,12 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
       meshed=set(meshed) | {l.index for l in leaves
                             if l.is_float and _shard_fraction_of(l) < 1.0},
       overlap_update=overlap_update)
+  # A guarded update's serial call (a missed guess, or no guess) is the call its layered
+  # lowering makes, run whole: at the layered split's DHA share (`cc.dha_fraction`).
+  serial_of_layered: set[int] = set()
   if not speculate:
+    serial_of_layered = {u for u, s in enumerate(decided)
+                         if s.guarded and s.mode == update_schedule.Mode.LAYERED}
     decided = update_schedule.unguessed(decided)
   # A table the solver may still place `host_dha` is costed row by row where it does
   # (`UpdateItem.by_rows`); under a schedule that runs nothing during the step, never.
@@ -397,7 +402,8 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                                                  read_as),
                                profile,
                                platform=platform,
-                               dha_fraction=layered_dha_fraction if num_layers else None,
+                               dha_fraction=(layered_dha_fraction
+                                             if num_layers or u in serial_of_layered else None),
                                grid=profile.dha_layer_grid if num_layers else 1.0)
         for call in calls]) for e in names}
     table = None
