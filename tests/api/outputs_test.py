@@ -276,3 +276,34 @@ def test_metrics_beside_layered_updates_keep_them_layered():
   moments = [l for l in step.plan.leaves if "['layers']" in l.path and l.path.startswith("['opt']")
              and l.role == "optimizer_state"]
   assert moments and {l.memory_kind for l in moments} == {"pinned_host"}
+
+
+def test_metrics_that_read_new_host_leaves_count_their_copies_in_the_peak():
+  # A norm of the new moments runs after the update, in a program that copies the two
+  # pinned_host leaves (16 KiB each) to the device: the step's peak is that program's where
+  # higher, so a budget that holds the compute program but not it is refused before allocating.
+  moments = lambda s, b, p, g, o, u: {"m": NORM(o[0].mu) + NORM(o[0].nu)}
+  device_state = 64 * 64 * 4 + 4  # w and AdamW's count
+  plan = jaxtier.plan(_step(moments), _state(), _batch(), policy=ON_HOST)
+  assert plan.tail_peak_hbm_bytes == device_state + 2 * 64 * 64 * 4
+  assert plan.predicted_peak_hbm_bytes >= plan.tail_peak_hbm_bytes
+  assert any(n.startswith("the metrics computed after the update read 2 pinned_host leaves "
+                          "(['opt'][0].mu['w'], ['opt'][0].nu['w'])") for n in plan.notes)
+  # A param norm reads a device leaf: nothing copied, and the tail is the device state.
+  param = jaxtier.plan(_step(NORMS["param_norm"]), _state(), _batch(), policy=ON_HOST)
+  assert param.tail_peak_hbm_bytes == device_state
+  assert not any("after the update read" in n for n in param.notes)
+  assert jaxtier.plan(_step(lambda *a: {}), _state(), _batch(),
+                      policy=ON_HOST).tail_peak_hbm_bytes is None
+  step = jaxtier.offload(_step(moments), policy=ON_HOST)
+  step.place(_state(), _batch())
+  compute_peak = jaxtier.offload(_step(lambda *a: {}), policy=ON_HOST)
+  compute_peak.place(_state(), _batch())
+  assert compute_peak.plan.compiler_peak_hbm_bytes < plan.tail_peak_hbm_bytes
+  assert step.plan.compiler_peak_hbm_bytes == plan.tail_peak_hbm_bytes
+  budget = (compute_peak.plan.compiler_peak_hbm_bytes + plan.tail_peak_hbm_bytes) // 2
+  state = _state()
+  with pytest.raises(jaxtier.AdmissionError, match="over the device budget") as err:
+    jaxtier.offload(_step(moments), policy=ON_HOST, device_budget=budget).place(state, _batch())
+  assert err.value.need_bytes == plan.tail_peak_hbm_bytes
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))

@@ -295,6 +295,11 @@ class Plan:
       predicates: `analysis/update_schedule.py`) run, or None where there are none.
     escalation: under 'auto', the plans tried once its own plan's compiled step was over the
       device limit and the one kept (`Escalation`); None where it was not over.
+    tail_peak_hbm_bytes: the device memory the metrics computed after the update
+      (`inventory.MetricTail`) hold while they run, bytes per device: the device state, and
+      the new values of the pinned_host leaves they read, which their program copies to the
+      device whole (`rewrite.TailProgram`). None where the step has no such metrics. Both peaks
+      above are at least this figure.
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -325,6 +330,7 @@ class Plan:
   hardware_kind: str = ""
   speculation: "Speculation | None" = None
   escalation: "Escalation | None" = None
+  tail_peak_hbm_bytes: "int | None" = None
 
   @property
   def pinned_need_bytes(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.analysis.inventory import Inventory
@@ -183,6 +184,11 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
   }
   final_params = {p.index: placement[p.index] for p in final.params}
   pred = solver.evaluate_fixed(final, final_params, final_updates, act_policy).prediction
+  tail_peak, tail_note = _tail_peak(inv, placement)
+  if tail_peak is not None and tail_peak > pred.peak_hbm_bytes:
+    pred = dataclasses.replace(pred, peak_hbm_bytes=tail_peak)
+  if tail_note:
+    notes.append(tail_note)
   if usable is not None and pred.peak_hbm_bytes > usable and not findings:
     # The placements the user fixed (or the cut's fallbacks) leave the plan over the budget
     # although the solver's own search fitted: say so as loudly as an infeasible search.
@@ -259,8 +265,41 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               components=tuple(compiled), schedule=final.schedule,
               rates_of=_rates_of(hardware, platform),
               pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what,
-              hardware_kind=hardware.device_kind, speculation=speculation)
+              hardware_kind=hardware.device_kind, speculation=speculation,
+              tail_peak_hbm_bytes=tail_peak)
   return plan
+
+
+def _tail_peak(inv: Inventory, placement: Mapping[int, Placement]
+               ) -> "tuple[int | None, str]":
+  """The device memory the metrics computed after the update hold (`Plan.tail_peak_hbm_bytes`),
+  bytes per device, and a note naming the pinned_host leaves they copy to the device (''
+  where none); (None, '') where the step has no such metrics.
+
+  The estimate: the state's device leaves, the new values of the pinned_host leaves the tail
+  reads (copied whole), and the step part's other values it reads (metrics, on the device).
+  """
+  tail = inv.tail
+  if tail is None:
+    return None, ""
+  n = len(inv.leaves)
+  on_host = lambda i: placements.record(placement[i]).memory_kind.value != "device"
+  device_state = sum(l.nbytes for l in inv.leaves if not on_host(l.index))
+  copied = sorted({k for k in tail.inputs if k < n and on_host(k)})
+  outvars = inv.closed_jaxpr.jaxpr.outvars
+  others = sum(int(np.prod(outvars[k].aval.shape)) * np.dtype(outvars[k].aval.dtype).itemsize
+               for k in tail.inputs if k >= n)
+  copy_bytes = sum(inv.leaves[k].nbytes for k in copied)
+  peak = device_state + copy_bytes + others
+  if not copied:
+    return peak, ""
+  names = ", ".join(inv.leaves[k].path for k in copied[:3]) + (
+      f" and {len(copied) - 3} more" if len(copied) > 3 else "")
+  return peak, (f"the metrics computed after the update read {len(copied)} pinned_host "
+                f"{'leaf' if len(copied) == 1 else 'leaves'} ({names}): their program copies "
+                f"{'it' if len(copied) == 1 else 'them'} to the device whole, "
+                f"{format_bytes(copy_bytes)}; peak device memory then "
+                f"{format_bytes(peak)} (`Plan.tail_peak_hbm_bytes`)")
 
 
 def _speculation(schedule: Sequence[Any], leaves: Sequence[LeafPlan], speculative_secs: float,

@@ -30,6 +30,9 @@ def verify(plan: Any, compiled: Any, *, device_argument_bytes: "int | None" = No
       device memory and in pinned_host; None: unknown (then the plan's `pinned_bytes` are the
       host arguments, taken out when the backend reports no host figures).
 
+  The metrics computed after the update (`Plan.tail_peak_hbm_bytes`) run in a program of
+  their own: where their estimated peak is above the compiled one, it is the peak.
+
   Returns:
     (ok, figures): ok is False only when the backend reports figures and their peak exceeds
     the budget; figures is None when the backend reports none (nothing to check).
@@ -50,6 +53,11 @@ def verify(plan: Any, compiled: Any, *, device_argument_bytes: "int | None" = No
       fig = dataclasses.replace(fig, argument_bytes=max(0, fig.argument_bytes - host),
                                 peak_bytes=max(0, fig.peak_bytes - host),
                                 host_argument_bytes=host)
+  tail = getattr(plan, "tail_peak_hbm_bytes", None)
+  if fig is not None and tail is not None and tail > fig.peak_bytes:
+    # The metrics computed after the update run in a program of their own, after this one
+    # (`Plan.tail_peak_hbm_bytes`): the step's peak is theirs where higher.
+    fig = dataclasses.replace(fig, peak_bytes=tail)
   budget = plan.device_budget.usable
   if fig is None or budget is None:
     return True, fig
