@@ -65,6 +65,8 @@ def test_each_request_is_honoured_or_refused_alone(policy, caplog):
   assert warned and all("['layers']" not in m for m in warned), warned
 
 
+# Some donated leaves have no output of the same program to alias them: jax says so.
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def test_composed_policy_trains_like_jit():
   step, state = _setup()
   batches = [jax.random.normal(jax.random.PRNGKey(i), (4, 8)) for i in range(4)]
