@@ -286,6 +286,8 @@ def test_parse_splits_jaxtiers_flags_from_the_scripts():
     (["--nope", "--", str(TWO_STEPS)], "nope"),
     (["--strict", "--"], "no script given"),
     (["--", "missing.py"], "no such script: missing.py"),
+    (["--", "-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
+    (["-m", "jaxtier.no_such_module"], "no module named 'jaxtier.no_such_module'"),
     (["--step=a:b:c", "--", str(TWO_STEPS)], "--step=module:function"),
 ])
 def test_a_bad_command_line_exits_2_naming_what(capsys, argv, says):

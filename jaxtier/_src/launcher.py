@@ -1061,6 +1061,12 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
   if not script or script == ["-m"]:
     raise ValueError(f"{_PREFIX}: no script given")
   if script[0] == "-m":
+    try:
+      found = importlib.util.find_spec(script[1]) is not None
+    except (ImportError, ValueError):  # a parent package that is absent, or an empty name
+      found = False
+    if not found:
+      raise ValueError(f"{_PREFIX}: no module named {script[1]!r}")
     target = Target(path=None, module=script[1], argv=tuple(script[2:]))
   else:
     if not os.path.exists(script[0]):
