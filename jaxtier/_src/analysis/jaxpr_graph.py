@@ -15,6 +15,7 @@ branch and selects the result per element.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Any, Container, Iterable
 
 import jax.numpy as jnp
@@ -206,6 +207,31 @@ def streamed_read(eqn: Any, hit: list[bool], streamed_vars: "set[Any]",
   return all(not h or (p in xs and eqn.invars[p] in streamed_vars) for p, h in enumerate(hit))
 
 
+# The consumers of each Var of the jaxprs `taint_forward` walked last ({id: (jaxpr, index)}):
+# the inventory taints every state leaf of the same jaxpr in turn.
+_CONSUMERS: dict[int, tuple[Any, dict[Any, list[int]]]] = {}
+_CONSUMERS_KEPT = 4
+
+
+def consumers(jaxpr: Any) -> dict[Any, list[int]]:
+  """{Var: the indices of the equations of `jaxpr` that read it, ascending}, made once per
+  jaxpr (the last `_CONSUMERS_KEPT` are kept)."""
+  got = _CONSUMERS.get(id(jaxpr))
+  if got is not None and got[0] is jaxpr:
+    return got[1]
+  index: dict[Any, list[int]] = {}
+  for k, eqn in enumerate(jaxpr.eqns):
+    for v in eqn.invars:
+      if isinstance(v, jc.Var):
+        uses = index.setdefault(v, [])
+        if not uses or uses[-1] != k:
+          uses.append(k)
+  if len(_CONSUMERS) >= _CONSUMERS_KEPT:
+    _CONSUMERS.pop(next(iter(_CONSUMERS)))
+  _CONSUMERS[id(jaxpr)] = (jaxpr, index)
+  return index
+
+
 def taint_forward(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = (),
                   gathered: Iterable[int] = (), skip: Container[int] = ()
                   ) -> tuple[set[int], set[Any]]:
@@ -215,18 +241,34 @@ def taint_forward(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = ()
   only as `xs` is not tainted by them; `gathered` (a subset too) are tables placed `host_dha`:
   their row gathers are not tainted (see `streamed_read`). Equations in `skip` are neither
   tainted nor pass taint on.
+
+  Only the equations that read a tainted Var are looked at, in the jaxpr's order (`consumers`):
+  a leaf that one optimizer update reads costs that update's equations, not the whole step's.
   """
   tainted: set[Any] = {jaxpr.invars[i] for i in seeds}
   streamed_vars = {jaxpr.invars[i] for i in streamed}
   gathered_vars = {jaxpr.invars[i] for i in gathered}
+  readers = consumers(jaxpr)
   eqns: set[int] = set()
-  for k, eqn in enumerate(jaxpr.eqns):
+  todo = sorted({k for v in tainted for k in readers.get(v, ())})
+  queued = set(todo)
+  heapq.heapify(todo)
+  while todo:
+    k = heapq.heappop(todo)
     if k in skip:
       continue
+    eqn = jaxpr.eqns[k]
     hit = [isinstance(v, jc.Var) and v in tainted for v in eqn.invars]
     if any(hit) and not streamed_read(eqn, hit, streamed_vars, gathered_vars):
       eqns.add(k)
-      tainted.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
+      for v in eqn.outvars:
+        if isinstance(v, jc.DropVar) or v in tainted:
+          continue
+        tainted.add(v)
+        for j in readers.get(v, ()):
+          if j not in queued:
+            queued.add(j)
+            heapq.heappush(todo, j)
   return eqns, tainted
 
 

@@ -471,6 +471,23 @@ def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
 
 _TIMED_STEPS: dict[Any, "float | None"] = {}
 
+# XLA options for a compile whose executable is never run, only read for its memory figures
+# (`figures_compile_options`), by backend. On the CPU, LLVM's code generation is most of a
+# compile and buffer assignment is done before it: at optimization level 0 and with XLA's
+# older elemental emitters in place of its fusion emitters, the device-only step of the
+# planning-cost benchmark's cases (benchmarks/planning_cost.py) compiled in 0.2 to 0.7 of the
+# time, to the same argument, output and alias bytes and temporary bytes within 256 bytes.
+FIGURES_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
+    "cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False},
+}
+
+
+def figures_compile_options(backend: str) -> dict[str, Any]:
+  """The `compiler_options` of a compile read only for its memory figures on `backend`
+  ({} where none: a GPU compiles as it will run, its figures resting on its autotuned
+  kernels)."""
+  return dict(FIGURES_COMPILE_OPTIONS.get(backend, {}))
+
 
 def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *,
                  platform: str, state_device_bytes: int, compile_step: bool = True,
@@ -491,7 +508,8 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
     platform: the platform being planned for ('cpu' / 'gpu'); when it is not this machine's
       backend the figures are this backend's, an approximation (said in `transient_source`).
     state_device_bytes: the state's bytes per device when all of it is on the device.
-    compile_step: compile for the transient bytes (else report 0 and say so).
+    compile_step: compile for the transient bytes (else report 0 and say so); with
+      `figures_compile_options` where the step is not timed (its executable is not run).
     time_scans: time the step's compute on this device; only meaningful when `platform` is
       this machine's backend. On the CPU backend the compiled device-only step itself is run
       (`time_step`: `step_secs`); where it is not (not compiled, too large, a `while` loop),
@@ -533,7 +551,10 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       fig = _COMPILED_FIGURES[key]
     else:
       fn = jex.core.jaxpr_as_fun(closed_jaxpr)
-      compiled = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals).compile()
+      # Compiled to run only where it is timed; else only its memory figures are read.
+      options = {} if time_whole else figures_compile_options(here)
+      compiled = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals).compile(
+          compiler_options=options or None)
       fig = memory_figures(compiled)
       if len(_COMPILED_FIGURES) > 16:
         _COMPILED_FIGURES.clear()
