@@ -11,6 +11,7 @@ a fresh directory for the session too (below).
 """
 
 import atexit
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -119,6 +120,43 @@ def optax_train_step(tx, loss_fn):
     u, o = tx.update(g, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], u), "opt": o}, {"loss": loss}
   return train_step
+
+
+class BackendCompiles:
+  """Counts the backend (XLA) compiles JAX reports while `counting` (`with compiles.counting():`),
+  by the name of the program compiled."""
+
+  _EVENT = "/jax/core/compile/backend_compile_duration"
+
+  def __init__(self):
+    self.names: list[str] = []
+    self._on = False
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+  def _listen(self, event, secs, **kwargs):
+    del secs
+    if self._on and event == self._EVENT:
+      self.names.append(str(kwargs.get("fun_name", "")))
+
+  @contextlib.contextmanager
+  def counting(self):
+    self._on = True
+    try:
+      yield self
+    finally:
+      self._on = False
+
+
+_BACKEND_COMPILES = []
+
+
+def backend_compiles() -> BackendCompiles:
+  """The process's `BackendCompiles` (JAX's listeners cannot be removed: one is registered)."""
+  if not _BACKEND_COMPILES:
+    _BACKEND_COMPILES.append(BackendCompiles())
+  counter = _BACKEND_COMPILES[0]
+  counter.names = []
+  return counter
 
 
 def pytest_terminal_summary(terminalreporter):

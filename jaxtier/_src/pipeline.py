@@ -12,10 +12,13 @@ allocates and compiles nothing but the device-only step's costs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Sequence
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -34,7 +37,8 @@ from jaxtier._src.options import OffloadOptions
 from jaxtier._src.planning import admission, planner
 from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
-from jaxtier._src.planning.plan import Attempt, DeviceBudget, Escalation, Plan, verdict_lines
+from jaxtier._src.planning.plan import (Attempt, DeviceBudget, Escalation, Plan, PlanningCost,
+                                        verdict_lines)
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import MemoryKind, NamedPolicy, Placement, Role, is_named
 
@@ -64,6 +68,97 @@ REFINE_MIN_OVERESTIMATE = 0.02
 # compiled peak is within the budget (each try compiles the step once more).
 REFINE_CREDIT_SHARES = (1.0, 0.5)
 _FIXED = (NamedPolicy.NONE, NamedPolicy.OPTIMIZER_STATE_ON_HOST)
+# Planning that took longer than this, seconds, is logged as a warning that names its slowest
+# phase (`PlanningCost`); shorter, at INFO.
+LONG_PLANNING_SECS = 10.0
+# What each planning phase spends its time on, for the line that names the slowest.
+PHASE_WHAT = {
+    "trace": "tracing the step and analysing its jaxpr",
+    "step costs": "compiling the device-only step for its memory figures (policy 'auto' and "
+                  "callables; a fixed policy such as 'optimizer_state_on_host' skips it)",
+    "plan": "the solver",
+    "lower": "building the plan's programs",
+    "verify": "lowering and compiling the plan's programs with XLA (as jax.jit compiles the "
+              "step; the first call reuses them)",
+    "refine": "compiling the plans that refining made (`_refine`)",
+    "escalate": "compiling the plans 'auto' escalated to, its own plan's compiled step being "
+                "over the device limit (policy 'optimizer_state_on_host' compiles one plan)",
+}
+# JAX's event for each backend (XLA) compile.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class _Clock:
+  """Wall seconds per planning phase, and the backend compiles that JAX reports in this
+  thread while `running` (`PlanningCost`). A phase entered inside another is its own: the
+  outer one's clock stops meanwhile (the phases add up to at most the whole)."""
+
+  _local = threading.local()
+  _listening = False
+  _lock = threading.Lock()
+
+  def __init__(self):
+    self.start = time.perf_counter()
+    self.phases: dict[str, float] = {}
+    self._open: list[list[Any]] = []  # [name, since] of the phases entered, innermost last
+    self.compiles = 0
+    self.compile_secs = 0.0
+
+  @staticmethod
+  def _on_event(event: str, secs: float, **kwargs: Any) -> None:
+    del kwargs
+    if event != BACKEND_COMPILE_EVENT:
+      return
+    for clock in getattr(_Clock._local, "active", ()):
+      clock.compiles += 1
+      clock.compile_secs += secs
+
+  @contextlib.contextmanager
+  def running(self) -> Iterator["_Clock"]:
+    with _Clock._lock:
+      if not _Clock._listening:
+        jax.monitoring.register_event_duration_secs_listener(_Clock._on_event)
+        _Clock._listening = True
+    active = _Clock._local.__dict__.setdefault("active", [])
+    active.append(self)
+    try:
+      yield self
+    finally:
+      active.remove(self)
+
+  def _add(self, name: str, secs: float) -> None:
+    self.phases[name] = self.phases.get(name, 0.0) + secs
+
+  @contextlib.contextmanager
+  def phase(self, name: str) -> Iterator[None]:
+    now = time.perf_counter()
+    if self._open:
+      outer = self._open[-1]
+      self._add(outer[0], now - outer[1])
+    self._open.append([name, now])
+    try:
+      yield
+    finally:
+      end = time.perf_counter()
+      _, since = self._open.pop()
+      self._add(name, end - since)
+      if self._open:
+        self._open[-1][1] = end
+
+  def cost(self) -> PlanningCost:
+    return PlanningCost(secs=time.perf_counter() - self.start, phases=tuple(self.phases.items()),
+                        compiles=self.compiles, compile_secs=self.compile_secs)
+
+
+def _log_cost(cost: PlanningCost) -> None:
+  """One line: what planning took, and (at WARNING where over LONG_PLANNING_SECS) what its
+  slowest phase spends the time on."""
+  slowest = cost.slowest()
+  if cost.secs > LONG_PLANNING_SECS:
+    log.warning("jaxtier: planning the step took %s; most of it %s: %s", cost.describe(),
+                slowest, PHASE_WHAT.get(slowest, slowest))
+  else:
+    log.info("jaxtier: planning the step took %s", cost.describe())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +190,20 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       JAX's allocator holds (`admission.admit_device`); under 'auto' after escalating, the
       refusal lists each plan tried with its compiled peak. Nothing has been allocated then.
   """
+  clock = _Clock()
+  with clock.running():
+    planned = _plan_step(fn, options, state, args, changes, abstract, clock)
+  cost = clock.cost()
+  _log_cost(cost)
+  return dataclasses.replace(planned, plan=dataclasses.replace(planned.plan, planning=cost))
+
+
+def _plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
+               changes: str, abstract: bool, clock: _Clock) -> Planned:
+  """`plan_step`, each phase timed by `clock`."""
   try:
-    inv = inv_lib.take_inventory(fn, state, args, allow_abstract=abstract)
+    with clock.phase("trace"):
+      inv = inv_lib.take_inventory(fn, state, args, allow_abstract=abstract)
   except Exception as e:
     if changes and hasattr(e, "add_note"):
       e.add_note(f"jaxtier: the step was traced again because its inputs changed since they "
@@ -105,26 +212,30 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
   leaves = jax.tree_util.tree_leaves(state)
   platform = jc.platform_of(leaves[0]) if leaves else jax.default_backend()
   blocked = _stream_blocked(state)
-  costs = _step_costs(inv, state, args, platform, options.policy)
-  device_budget = DeviceBudget.of(options.device_budget)
-  # The same for every (re-)plan of this trace.
-  fixed = dict(platform=platform, policy=options.policy, host_budget=options.host_budget,
-               pinnable_bytes=host_lib.pinnable_bytes(platform, _num_local_devices(state)),
-               hardware=machine.load(platform=platform),
-               streamable=set() if blocked else _streamable(inv),
-               dha_readable={} if blocked else dha_readable_tables(inv),
-               resident_bytes=_resident_bytes(state), stream_blocked=blocked,
-               overlap_update=options.overlap_update, meshed=_meshed(state))
-  sig = signature(state, args)
+  with clock.phase("step costs"):
+    costs = _step_costs(inv, state, args, platform, options.policy)
+  with clock.phase("plan"):
+    device_budget = DeviceBudget.of(options.device_budget)
+    # The same for every (re-)plan of this trace.
+    fixed = dict(platform=platform, policy=options.policy, host_budget=options.host_budget,
+                 pinnable_bytes=host_lib.pinnable_bytes(platform, _num_local_devices(state)),
+                 hardware=machine.load(platform=platform),
+                 streamable=set() if blocked else _streamable(inv),
+                 dha_readable={} if blocked else dha_readable_tables(inv),
+                 resident_bytes=_resident_bytes(state), stream_blocked=blocked,
+                 overlap_update=options.overlap_update, meshed=_meshed(state))
+    sig = signature(state, args)
 
   def make(step_costs, budget):
-    return _admitted_plan(inv, fixed, budget, step_costs)
+    with clock.phase("plan"):
+      return _admitted_plan(inv, fixed, budget, step_costs)
 
   def lower(plan, *notes):
-    programs = compiled_lib.build(inv, plan, state, args, options.overlap_update)
-    notes += _schedule_notes(plan) + programs.split.lookup.notes
-    return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
-                   programs, sig)
+    with clock.phase("lower"):
+      programs = compiled_lib.build(inv, plan, state, args, options.overlap_update)
+      notes += _schedule_notes(plan) + programs.split.lookup.notes
+      return Planned(inv, dataclasses.replace(plan, notes=plan.notes + notes) if notes else plan,
+                     programs, sig)
 
   gpu_here = platform == "gpu" and jax.default_backend() == "gpu"
   try:
@@ -154,7 +265,9 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
     replanned = () if not attempt else (
         f"re-planned ({attempt}) against {format_bytes(device_budget.usable)}: the compiled "
         "step's peak was over the budget",)
-    planned, smaller = _verify(lower(plan, *replanned), state, args, options.policy)
+    lowered = lower(plan, *replanned)
+    with clock.phase("verify"):
+      planned, smaller = _verify(lowered, state, args, options.policy)
     if smaller is None:
       break
     peak, usable = planned.plan.compiler_peak_hbm_bytes, device_budget.usable
@@ -171,10 +284,12 @@ def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
                 format_bytes(peak - usable), format_bytes(usable),
                 format_bytes(planned.plan.predicted_peak_hbm_bytes), format_bytes(peak - usable))
     previous, device_budget = planned, device_budget.replanned(smaller)
-  planned = _refine(planned, state, args, costs, make, lower, options.policy)
+  with clock.phase("refine"):
+    planned = _refine(planned, state, args, costs, make, lower, options.policy)
   if auto:
-    planned = _escalated(planned, _device_limit(first.device_budget, platform), replan_budget,
-                         _Candidates(inv, fixed, costs, make, lower, state, args))
+    with clock.phase("escalate"):
+      planned = _escalated(planned, _device_limit(first.device_budget, platform), replan_budget,
+                           _Candidates(inv, fixed, costs, make, lower, state, args))
   log.debug("jaxtier plan:\n%s", planned.plan)
   # Each plan was admitted as planned (`_admitted_plan`); the one kept is admitted with what
   # its compiled step needs (nothing is allocated yet: `place` and `init` allocate after

@@ -197,6 +197,45 @@ class Escalation:
             + "; ".join(a.describe() for a in self.tried))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanningCost:
+  """What planning a step took (`pipeline.plan_step`): wall seconds in all and per phase,
+  and the backend compiles among them.
+
+  Attributes:
+    secs: wall seconds from tracing the step to the plan kept (its programs compiled).
+    phases: (phase, wall seconds) in the order they first ran: 'trace' (the step traced and
+      analysed: `analysis.inventory`), 'step costs' (the device-only step's costs, compiled
+      where the solver plans), 'plan' (the solver and admission), 'lower' (the plan's programs
+      built), 'verify' (the planned programs lowered and compiled, their compiled peak read),
+      'refine' and 'escalate' (more plans compiled: `pipeline._refine`, `_escalated`).
+    compiles: backend (XLA) compiles during planning; the step's first call reuses the
+      compiled programs of the plan kept.
+    compile_secs: their seconds (JAX's backend-compile events), part of `secs`.
+  """
+
+  secs: float
+  phases: tuple[tuple[str, float], ...]
+  compiles: int
+  compile_secs: float
+
+  def slowest(self) -> str:
+    """The phase that took the most time ('' where none ran)."""
+    return max(self.phases, key=lambda p: p[1])[0] if self.phases else ""
+
+  def describe(self) -> str:
+    """'<secs> s (trace 0.70 s, ..., verify 3.10 s); <n> backend compiles (<s> s)', the phases
+    under 5 ms left out."""
+    phases = ", ".join(f"{name} {secs:.2f} s" for name, secs in self.phases if secs >= 0.005)
+    return (f"{self.secs:.2f} s ({phases}); {self.compiles} backend compile"
+            f"{'' if self.compiles == 1 else 's'} ({self.compile_secs:.2f} s)")
+
+  def record(self) -> dict:
+    """The figures as a JSON-ready dict."""
+    return {"secs": self.secs, "phases": dict(self.phases), "compiles": self.compiles,
+            "compile_secs": self.compile_secs}
+
+
 @dataclasses.dataclass(frozen=True)
 class Speculation:
   """How a plan's guarded updates run: layered on guessed late predicates (the clip does not
@@ -300,6 +339,8 @@ class Plan:
       the new values of the pinned_host leaves they read, which their program copies to the
       device whole (`rewrite.TailProgram`). None where the step has no such metrics. Both peaks
       above are at least this figure.
+    planning: what planning it took (`PlanningCost`: seconds per phase, backend compiles);
+      None for a plan not made by `offload` (`jaxtier.plan` compiles nothing of it).
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -331,6 +372,7 @@ class Plan:
   speculation: "Speculation | None" = None
   escalation: "Escalation | None" = None
   tail_peak_hbm_bytes: "int | None" = None
+  planning: "PlanningCost | None" = dataclasses.field(default=None, compare=False)
 
   @property
   def pinned_need_bytes(self) -> int:
