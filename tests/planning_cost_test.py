@@ -160,3 +160,15 @@ def test_taint_forward_walks_to_what_a_walk_of_every_equation_finds(skip_every):
   assert jaxpr_graph.taint_forward(jaxpr, seeds) == _taint_every_equation(jaxpr, seeds)
   assert np.all([len(jaxpr_graph.taint_forward(jaxpr, [i])[0]) > 0
                  for i in range(len(inv.leaves))])
+
+
+def test_taint_masks_walks_every_leaf_at_once_to_what_taint_forward_finds():
+  inv = inv_lib.take_inventory(STEP, mlp_state(), (toy_batch(),))
+  jaxpr = inv.closed_jaxpr.jaxpr
+  skip = frozenset(range(0, len(jaxpr.eqns), 4))
+  seeds = [l.index for l in inv.leaves]
+  eqn_masks, var_masks = jaxpr_graph.taint_masks(jaxpr, seeds, skip=skip)
+  for bit, i in enumerate(seeds):
+    eqns, tainted = jaxpr_graph.taint_forward(jaxpr, [i], skip=skip)
+    assert {k for k, m in enumerate(eqn_masks) if m >> bit & 1} == eqns, i
+    assert {v for v, m in var_masks.items() if m >> bit & 1} == tainted, i

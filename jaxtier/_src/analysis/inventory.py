@@ -272,6 +272,8 @@ def _roles(jaxpr: Any, flat: list[tuple[Any, Any]], metrics_only: frozenset[int]
   to_metrics.update(v for k in metrics_only for v in jaxpr.eqns[k].invars
                     if isinstance(v, jc.Var))
   out = []
+  # What each leaf reaches, every leaf in one walk (`taint_masks`: bit i is leaf i).
+  eqn_masks, var_masks = jaxpr_graph.taint_masks(jaxpr, range(n_state), skip=metrics_only)
   for i, (_, leaf) in enumerate(flat):
     if not jax.dtypes.issubdtype(leaf.dtype, jax.numpy.floating):
       out.append((Role.OTHER, f"{dtype_name(leaf.dtype)} leaf"))
@@ -279,16 +281,18 @@ def _roles(jaxpr: Any, flat: list[tuple[Any, Any]], metrics_only: frozenset[int]
     if len(leaf.shape) == 0:
       out.append((Role.OTHER, "0-d leaf"))
       continue
-    eqns, tainted = jaxpr_graph.taint_forward(jaxpr, [i], skip=metrics_only)
+    bit = 1 << i
+    eqns = [k for k, m in enumerate(eqn_masks) if m & bit]
     if not eqns:
       out.append((Role.OTHER, "not read by the step's update"))
       continue
-    why = jaxpr_graph.check_elementwise(jaxpr_graph._SubJaxpr(jaxpr, sorted(eqns)),  # pylint: disable=protected-access
+    why = jaxpr_graph.check_elementwise(jaxpr_graph._SubJaxpr(jaxpr, eqns),  # pylint: disable=protected-access
                                         [k == i for k in range(len(jaxpr.invars))],
                                         jaxpr_graph.size_of(jaxpr.invars[i].aval))
-    own_out = i < len(jaxpr.outvars) and isinstance(jaxpr.outvars[i], jc.Var) and (
-        jaxpr.outvars[i] in tainted)
-    reaches = (tainted - new_state - {jaxpr.invars[i]}) & to_metrics
+    own_out = i < len(jaxpr.outvars) and isinstance(jaxpr.outvars[i], jc.Var) and bool(
+        var_masks.get(jaxpr.outvars[i], 0) & bit)
+    reaches = any(var_masks.get(v, 0) & bit for v in to_metrics
+                  if v not in new_state and v is not jaxpr.invars[i])
     if not why and own_out:
       out.append((Role.OPTIMIZER_STATE, "read only elementwise; feeds its own update"))
     elif (why and own_out and not reaches

@@ -272,6 +272,34 @@ def taint_forward(jaxpr: Any, seeds: Iterable[int], streamed: Iterable[int] = ()
   return eqns, tainted
 
 
+def taint_masks(jaxpr: Any, seeds: Iterable[int], skip: Container[int] = ()
+                ) -> tuple[list[int], dict[Any, int]]:
+  """`taint_forward` of every seed at once, one walk: (per equation, per Var) a bit mask of the
+  `seeds` (bit k: the k-th seed given) that reach it. Equations in `skip` pass nothing on.
+
+  Seed k's `taint_forward(jaxpr, [seed], skip=skip)` is the equations whose mask has bit k
+  and the Vars whose mask has it.
+  """
+  var_masks: dict[Any, int] = {}
+  for bit, i in enumerate(seeds):
+    v = jaxpr.invars[i]
+    var_masks[v] = var_masks.get(v, 0) | (1 << bit)
+  eqn_masks = [0] * len(jaxpr.eqns)
+  for k, eqn in enumerate(jaxpr.eqns):
+    if k in skip:
+      continue
+    mask = 0
+    for v in eqn.invars:
+      if isinstance(v, jc.Var):
+        mask |= var_masks.get(v, 0)
+    if mask:
+      eqn_masks[k] = mask
+      for v in eqn.outvars:
+        if not isinstance(v, jc.DropVar):
+          var_masks[v] = var_masks.get(v, 0) | mask
+  return eqn_masks, var_masks
+
+
 def check_elementwise(jaxpr: Any, tainted_in: list[bool], n: int) -> str:
   """Empty string if every equation tainted by `tainted_in` is elementwise over N elements.
 
