@@ -84,7 +84,9 @@ MAXTEXT_ARGS = (
     "monitor_goodput=false", "enable_tensorboard=false", "per_device_batch_size=1",
     "max_target_length=64", "vocab_size=256", "base_num_decoder_layers=2", "base_emb_dim=64",
     "base_mlp_dim=128", "base_num_query_heads=2", "base_num_kv_heads=2", "head_dim=32",
-    "attention=dot_product", "learning_rate=1e-3", "log_period=1", "run_name=tiny", "steps=2")
+    "attention=dot_product", "learning_rate=1e-3", "log_period=1", "run_name=tiny", "steps=2",
+    # No persistent compilation cache (MaxText's default is ~/jax_cache): each run compiles.
+    "jax_cache_dir=")
 MAXTEXT_BUDGET = 2_000_000
 
 
