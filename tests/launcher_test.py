@@ -268,11 +268,11 @@ def test_a_step_lowered_before_its_state_exists_has_its_state_built_where_planne
 
 def test_parse_splits_jaxtiers_flags_from_the_scripts():
   options, target = launcher_lib.parse(
-      ["--device_budget=8GB", "--step=a:f", "--step=g", "--strict", "--", "-m", "pkg.mod",
-       "--device_budget=1", "x"])
+      ["--device_budget=8GB", "--step=a:f", "--step=g", "--strict", "--", "-m",
+       "jaxtier.examples.train", "--device_budget=1", "x"])
   assert options == launcher_lib.RunOptions(device_budget="8GB", steps=("a:f", "g"),
                                             strict=True)
-  assert target == launcher_lib.Target(path=None, module="pkg.mod",
+  assert target == launcher_lib.Target(path=None, module="jaxtier.examples.train",
                                        argv=("--device_budget=1", "x"))
   # Without `--` the script starts at the first argument that is no flag.
   _, target = launcher_lib.parse(["--policy=none", str(TWO_STEPS), "--flag"])
