@@ -63,6 +63,13 @@ if _LOCKED:
 XDIST_WORKERS = 2
 
 
+@pytest.fixture(autouse=True)
+def _own_figures_cache(tmp_path, monkeypatch):
+  """Each test its own figures cache (`analysis/figures_cache.py`): what a test compiles is
+  not another test's to read, so the compiles a test counts are its own."""
+  monkeypatch.setenv("JAXTIER_FIGURES_CACHE", str(tmp_path / "figures-cache"))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
   """Runs the tests on XDIST_WORKERS pytest-xdist workers (`-n 2 --dist worksteal`) where

@@ -86,6 +86,34 @@ def test_auto_compiles_the_device_only_step_for_its_memory_figures_only(monkeypa
   assert step.plan.planning.compiles == 3
 
 
+def test_a_later_process_reads_the_device_only_steps_figures_from_disk(monkeypatch):
+  # The same step planned again with the process's own caches emptied, as a new process plans
+  # it: the device-only step's figures are read from the figures cache, not compiled, and the
+  # plan is the same.
+  state, batch = mlp_state(), toy_batch()
+  probe = jaxtier.offload(STEP, policy="none")
+  probe.place(jax.tree.map(jnp.copy, state), batch)
+  budget = probe.plan.compiler_peak_hbm_bytes * 9 // 10
+  plans = []
+  for _ in range(2):
+    step_costs._COMPILED_FIGURES.clear()  # pylint: disable=protected-access
+    options = _compiled_options(monkeypatch)
+    step = jaxtier.offload(STEP, policy="auto", device_budget=budget)
+    placed, _ = step(step.place(jax.tree.map(jnp.copy, state), batch), batch)
+    plans.append((step.plan, options))
+  (first, first_options), (second, second_options) = plans
+  figures = step_costs.figures_compile_options("cpu")
+  assert first_options.count(figures) == 1 and figures not in second_options
+  transient = lambda plan: [n for n in plan.notes if n.startswith("transient device bytes")]
+  assert "figures cache" not in transient(first)[0]
+  assert transient(second)[0] == transient(first)[0] + (
+      "; read from the figures cache "
+      f"({step_costs.figures_cache.directory()}), not compiled again")
+  where = lambda plan: [(l.path, l.memory_kind, l.placement) for l in plan.leaves]
+  assert where(second) == where(first) and second.pinned_bytes > 0
+  assert second.compiler_peak_hbm_bytes == first.compiler_peak_hbm_bytes <= budget
+
+
 def test_figures_only_compile_gives_the_full_compiles_memory_figures():
   # What the solver reads of the device-only step: the same arguments, outputs and aliases, and
   # temporaries within 1 KiB of the compile that runs.

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import figures_cache
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.units import format_rate
@@ -264,7 +265,10 @@ class MemoryFigures:
 
 def memory_figures(compiled: Any) -> "MemoryFigures | None":
   """`MemoryFigures` of a `jax.stages.Compiled` (or Lowered: compiled here), None if the backend
-  reports nothing (some backends return None or all zeros)."""
+  reports nothing (some backends return None or all zeros). `MemoryFigures` (read from
+  `figures_cache`) are returned as they are."""
+  if isinstance(compiled, MemoryFigures):
+    return compiled
   if hasattr(compiled, "compile") and not hasattr(compiled, "memory_analysis"):
     compiled = compiled.compile()
   try:
@@ -470,6 +474,8 @@ def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
 
 
 _TIMED_STEPS: dict[Any, "float | None"] = {}
+# Whether a key's figures were read from `figures_cache` rather than compiled here.
+_FROM_DISK: dict[Any, bool] = {}
 
 # XLA options for a compile whose executable is never run, only read for its memory figures
 # (`figures_compile_options`), by backend. On the CPU, LLVM's code generation is most of a
@@ -551,15 +557,23 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       fig = _COMPILED_FIGURES[key]
     else:
       fn = jex.core.jaxpr_as_fun(closed_jaxpr)
-      # Compiled to run only where it is timed; else only its memory figures are read.
+      # Compiled to run only where it is timed; else only its memory figures are read, from
+      # an earlier process's compile where one is on disk (`figures_cache`).
       options = {} if time_whole else figures_compile_options(here)
-      compiled = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals).compile(
-          compiler_options=options or None)
-      fig = memory_figures(compiled)
+      lowered = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals)
+      digest = figures_cache.key(lowered.as_text(), backend=here, options=options)
+      fig = None if time_whole else figures_cache.load(digest, MemoryFigures)
+      from_disk = fig is not None
+      if fig is None:
+        compiled = lowered.compile(compiler_options=options or None)
+        fig = memory_figures(compiled)
+        figures_cache.store(digest, fig)
       if len(_COMPILED_FIGURES) > 16:
         _COMPILED_FIGURES.clear()
         _TIMED_STEPS.clear()
+        _FROM_DISK.clear()
       _COMPILED_FIGURES[key] = fig
+      _FROM_DISK[key] = from_disk
       if time_whole:
         _TIMED_STEPS[key] = time_step(compiled, avals, closed_jaxpr,
                                       peak_bytes=fig.peak_bytes if fig else None)
@@ -573,6 +587,8 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
     return costs(transient_bytes=0, transient_source="estimate: the gradients only (the "
                  f"{here} backend reports no memory analysis)")
   where = "" if platform == here else f"; compiled for {here}, planning for {platform}: approximate"
+  if _FROM_DISK.get(key):
+    where += f"; read from the figures cache ({figures_cache.directory()}), not compiled again"
   return costs(transient_bytes=max(0, fig.peak_bytes - int(state_device_bytes)),
                transient_source=f"the compiled device-only step's memory_analysis (peak "
                f"{fig.peak_bytes} bytes less the state's {int(state_device_bytes)}){where}")
