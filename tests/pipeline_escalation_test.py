@@ -123,6 +123,47 @@ def test_auto_puts_the_optimizer_state_on_the_host_where_its_compiled_step_is_ov
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_a_later_process_does_not_compile_the_plans_found_over(tiny, monkeypatch):
+  # Planned again with the process's own caches emptied, as a new process plans it: auto's own
+  # plan, which an earlier compile found over the budget, is not compiled again (its figures
+  # are read from the figures cache), and the same plan is kept and trains alike.
+  from jaxtier._src.analysis import step_costs  # pylint: disable=g-import-not-at-top
+  peaks = tiny["peaks"]
+  budget = (peaks["none"] + peaks["optimizer_state_on_host"]) // 2
+  _predicting_under(monkeypatch, tiny, budget)
+  runs = []
+  for _ in range(2):
+    step_costs._COMPILED_FIGURES.clear()  # pylint: disable=protected-access
+    compiled = []
+    compile_ = jax.stages.Lowered.compile
+    def spy(self, *args, _compile=compile_, _seen=compiled, **kwargs):
+      _seen.append(self)
+      return _compile(self, *args, **kwargs)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    step = jaxtier.offload(tiny["step_fn"], device_budget=budget)
+    placed = step.place(jax.tree.map(jnp.copy, tiny["state"]), tiny["batch"])
+    losses = []
+    for _ in range(2):
+      placed, metrics = step(placed, tiny["batch"])
+      losses.append(float(metrics["loss"]))
+    runs.append((step.plan, len(compiled), losses))
+  (first, first_compiles, first_losses), (second, second_compiles, second_losses) = runs
+  tried = lambda plan: [(a.name, a.compiler_peak_hbm_bytes) for a in plan.escalation.tried]
+  assert tried(second) == tried(first) and first.escalation.tried[0].why == ""
+  assert second.escalation.tried[0].why == "as an earlier compile found it: not compiled again"
+  assert all(a.why == b.why for a, b in zip(first.escalation.tried[1:],
+                                            second.escalation.tried[1:])
+             if a.compiler_peak_hbm_bytes <= budget)
+  assert second.escalation.kept == first.escalation.kept
+  assert not second.compiled_from_cache and second.compiler_peak_hbm_bytes <= budget
+  where = lambda plan: [(l.path, l.memory_kind, l.placement) for l in plan.leaves]
+  assert where(second) == where(first)
+  # Neither the device-only step nor auto's own plan (nor any plan found over) compiled again.
+  over = sum(a.compiler_peak_hbm_bytes > budget for a in first.escalation.tried)
+  assert second_compiles == first_compiles - 1 - over, (first_compiles, second_compiles)
+  assert second_losses == first_losses
+
+
 def test_auto_refuses_naming_each_plan_tried_where_none_fits(tiny, monkeypatch):
   # Under a budget below even the streamed step's compiled peak: auto's plan, the optimizer
   # state on the host and the layers' params streamed are each compiled, and the refusal lists

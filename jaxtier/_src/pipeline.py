@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxtier._src import jax_compat as jc
+from jaxtier._src.analysis import figures_cache
 from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.analysis import layer_stacks, lookups
 from jaxtier._src.analysis import step_costs as step_costs_lib
@@ -75,7 +76,8 @@ LONG_PLANNING_SECS = 10.0
 PHASE_WHAT = {
     "trace": "tracing the step and analysing its jaxpr",
     "step costs": "compiling the device-only step for its memory figures (policy 'auto' and "
-                  "callables; a fixed policy such as 'optimizer_state_on_host' skips it)",
+                  "callables; a fixed policy such as 'optimizer_state_on_host' skips it; a "
+                  "later process reads them from the figures cache)",
     "plan": "the solver",
     "lower": "building the plan's programs",
     "verify": "lowering and compiling the plan's programs with XLA (as jax.jit compiles the "
@@ -267,7 +269,10 @@ def _plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args
         "step's peak was over the budget",)
     lowered = lower(plan, *replanned)
     with clock.phase("verify"):
-      planned, smaller = _verify(lowered, state, args, options.policy)
+      # (Under 'auto', a plan an earlier process found over the limit is not compiled again.)
+      planned, smaller = _verify(
+          lowered, state, args, options.policy,
+          skip_over=_device_limit(first.device_budget, platform) if auto else None)
     if smaller is None:
       break
     peak, usable = planned.plan.compiler_peak_hbm_bytes, device_budget.usable
@@ -290,6 +295,10 @@ def _plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args
     with clock.phase("escalate"):
       planned = _escalated(planned, _device_limit(first.device_budget, platform), replan_budget,
                            _Candidates(inv, fixed, costs, make, lower, state, args))
+  if planned.plan.compiled_from_cache:  # kept all the same (none fits): compiled, to run
+    with clock.phase("verify"):
+      planned, _ = _verify(dataclasses.replace(planned, plan=dataclasses.replace(
+          planned.plan, compiled_from_cache=False)), state, args, options.policy, refining=True)
   log.debug("jaxtier plan:\n%s", planned.plan)
   # Each plan was admitted as planned (`_admitted_plan`); the one kept is admitted with what
   # its compiled step needs (nothing is allocated yet: `place` and `init` allocate after
@@ -441,21 +450,41 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
 
 
 def _verify(planned: Planned, state: Any, args: Sequence[Any], policy: Any,
-            refining: bool = False) -> "tuple[Planned, int | None]":
+            refining: bool = False, skip_over: "int | None" = None
+            ) -> "tuple[Planned, int | None]":
   """Compiles the planned step and compares the compiler's peak with the budget planned for.
 
   Records the compiler's figure in the plan. Returns the planned step and a smaller device
   budget to re-plan with (the budget less what the compiled peak is over it) when the
   compiler's peak exceeds it and the solver may still move leaves, else None (always None
   when `refining`: the caller decides). Compiles the compute program once (and the
-  host-update program, for its pinned_host figures).
+  host-update program, for its pinned_host figures), and keeps its figures on disk
+  (`figures_cache`).
+
+  `skip_over`: bytes per device; where an earlier process compiled the same compute program
+  and its peak was over this, its figures are read from `figures_cache` and nothing is
+  compiled (`Plan.compiled_from_cache`): 'auto' then escalates without compiling a plan
+  known not to fit (`_escalated` compiles such a plan where it keeps it).
   """
   plan = planned.plan
   if plan.predicted_peak_hbm_bytes is None:
     return planned, None
   try:
     lowered, device_args, host = planned.programs.lower_for_check(state, args)
+    digest = figures_cache.key(lowered.as_text(), backend=jax.default_backend(),
+                               extra=(str(device_args), str(host)))
+    known = (figures_cache.load(digest, step_costs_lib.MemoryFigures)
+             if skip_over is not None else None)
+    if known is not None:
+      _, fig = verify_lib.verify(plan, known, host_argument_bytes=host,
+                                 device_argument_bytes=device_args)
+      if fig is not None and fig.peak_bytes > skip_over:
+        over = _known_over(planned, fig, device_args, host)
+        budget = plan.device_budget.usable
+        return over, (None if refining or budget is None or fig.peak_bytes <= budget
+                      else _smaller_budget(plan, fig.peak_bytes, policy))
     compiled = lowered.compile()
+    figures_cache.store(digest, step_costs_lib.memory_figures(compiled))
     ok, fig = verify_lib.verify(plan, compiled, host_argument_bytes=host,
                                 device_argument_bytes=device_args)
   except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
@@ -483,8 +512,13 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], policy: Any,
   log.info("jaxtier: peak device memory per device: predicted %d bytes, compiler %d bytes%s",
            plan.predicted_peak_hbm_bytes, fig.peak_bytes,
            "" if budget is None else f", budget {budget} bytes")
-  if ok or refining:
-    return planned, None
+  return planned, None if ok or refining else _smaller_budget(plan, fig.peak_bytes, policy)
+
+
+def _smaller_budget(plan: Plan, peak: int, policy: Any) -> "int | None":
+  """`_verify`'s budget to re-plan with, where the compiled `peak` of `plan` is over its
+  budget: the budget less what the peak is over; None where re-planning cannot help."""
+  budget = plan.device_budget.usable
   # Re-planning helps only where the solver believed its plan fit (else it already offloaded
   # all it could) and may move leaves.
   solvable = (not is_named(policy, *_FIXED) and budget is not None
@@ -492,9 +526,24 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], policy: Any,
   if not solvable:
     if not is_named(policy, NamedPolicy.AUTO):  # (auto escalates, and says what it kept)
       log.warning("jaxtier: the compiled step's peak device memory (%s) exceeds the device "
-                  "budget (%s)", format_bytes(fig.peak_bytes), format_bytes(budget))
-    return planned, None
-  return planned, max(1, budget - (fig.peak_bytes - budget))
+                  "budget (%s)", format_bytes(peak), format_bytes(budget))
+    return None
+  return max(1, budget - (peak - budget))
+
+
+def _known_over(planned: Planned, fig: Any, device_args: int, host: int) -> Planned:
+  """`planned` with the compiled figures an earlier process recorded for its compute program
+  (`figures_cache`), not compiled here: its peak is over the limit `_verify` was given."""
+  plan = planned.plan
+  log.info("jaxtier: the planned step's compiled peak, %s, is over the limit as an earlier "
+           "compile of the same program found (figures cache): not compiled again",
+           format_bytes(fig.peak_bytes))
+  return dataclasses.replace(planned, plan=dataclasses.replace(
+      plan, compiler_peak_hbm_bytes=fig.peak_bytes, compiled_from_cache=True,
+      notes=plan.notes + (f"compiled step's memory_analysis, as an earlier compile of the "
+                          f"same program recorded it (figures cache; not compiled again): "
+                          f"{fig.describe()} (the arguments by their shardings: device "
+                          f"{device_args}, pinned_host {host} bytes)",)))
 
 
 def _schedule_notes(plan: Plan) -> tuple[str, ...]:
@@ -560,6 +609,8 @@ def _update_host_extra_bytes(programs: compiled_lib.StepPrograms, state: Any,
   return 0 if fig is None else fig.host_extra_bytes
 
 
+# An attempt whose compiled peak an earlier process recorded (`figures_cache`): not compiled.
+_CACHED = "as an earlier compile found it: not compiled again"
 # The name of auto's plan re-planned against the budget less what its compiled step was over
 # (`_escalated`), tried once 'optimizer_state_on_host' fits.
 REPLANNED = "auto re-planned"
@@ -658,7 +709,8 @@ def _escalated(planned: Planned, limit: "int | None", replan_budget: "DeviceBudg
   log.info("jaxtier: auto's compiled step needs %s of device memory, over the limit of %s: "
            "planning with more state on the host", format_bytes(peak), format_bytes(limit))
   auto = str(NamedPolicy.AUTO)
-  tried = [Attempt(name=auto, compiler_peak_hbm_bytes=peak)]
+  tried = [Attempt(name=auto, compiler_peak_hbm_bytes=peak,
+                   why=_CACHED if own.compiled_from_cache else "")]
   compiled = {_layout(own): auto}
   verified = [(auto, planned)]
   kept = held = None  # held: (name, planned, refusal) fits the device, not the pinned pool
@@ -687,8 +739,9 @@ def _escalated(planned: Planned, limit: "int | None", replan_budget: "DeviceBudg
                            "compiled again"))
       continue
     compiled[_layout(plan)] = str(name)
-    candidate, _ = _verify(c.lower(plan), c.state, c.args, policy, refining=True)
-    compiles += 1
+    candidate, _ = _verify(c.lower(plan), c.state, c.args, policy, refining=True,
+                           skip_over=limit)
+    compiles += not candidate.plan.compiled_from_cache
     got = candidate.plan.compiler_peak_hbm_bytes
     if got is None:
       tried.append(Attempt(name=str(name), why="its compiled step reports no memory figures"))
@@ -699,7 +752,8 @@ def _escalated(planned: Planned, limit: "int | None", replan_budget: "DeviceBudg
       if got <= limit and held is None:
         held = (str(name), candidate, refusal)
       continue
-    tried.append(Attempt(name=str(name), compiler_peak_hbm_bytes=got))
+    tried.append(Attempt(name=str(name), compiler_peak_hbm_bytes=got,
+                         why=_CACHED if candidate.plan.compiled_from_cache else ""))
     verified.append((str(name), candidate))
     if got <= limit:
       kept = (str(name), candidate)
@@ -755,10 +809,11 @@ def _faster_replan(kept: tuple[str, Planned], budget: DeviceBudget, limit: int,
   compiled[_layout(plan)] = REPLANNED
   candidate, _ = _verify(c.lower(plan, f"re-planned against {format_bytes(budget.usable)}: "
                                  "auto's compiled step was over the budget"),
-                         c.state, c.args, NamedPolicy.AUTO, refining=True)
+                         c.state, c.args, NamedPolicy.AUTO, refining=True, skip_over=limit)
   got = candidate.plan.compiler_peak_hbm_bytes
   tried.append(Attempt(name=REPLANNED, compiler_peak_hbm_bytes=got,
-                       why=f"against {format_bytes(budget.usable)}"))
+                       why=f"against {format_bytes(budget.usable)}" + (
+                           f"; {_CACHED}" if candidate.plan.compiled_from_cache else "")))
   return (REPLANNED, candidate) if got is not None and got <= limit else kept
 
 

@@ -341,6 +341,9 @@ class Plan:
       above are at least this figure.
     planning: what planning it took (`PlanningCost`: seconds per phase, backend compiles);
       None for a plan not made by `offload` (`jaxtier.plan` compiles nothing of it).
+    compiled_from_cache: `compiler_peak_hbm_bytes` was read from the figures an earlier
+      process recorded for the same compute program (`analysis/figures_cache.py`), which is
+      not compiled here: a plan 'auto' tried and dropped, its peak over the device limit.
   """
 
   leaves: tuple[LeafPlan, ...]
@@ -373,6 +376,7 @@ class Plan:
   escalation: "Escalation | None" = None
   tail_peak_hbm_bytes: "int | None" = None
   planning: "PlanningCost | None" = dataclasses.field(default=None, compare=False)
+  compiled_from_cache: bool = dataclasses.field(default=False, compare=False)
 
   @property
   def pinned_need_bytes(self) -> int:
