@@ -7,8 +7,10 @@ device-only step (`step_costs.measure_step`) and from each plan it compiles; the
 a training script plans the same steps again. This cache keeps those figures under the user's
 cache directory, so that a later process reads them instead of compiling for them.
 
-A key hashes the program's text with everything else the figures depend on (`key`): jax and
-jaxlib versions, the backend, the device kind, XLA_FLAGS and the compile options. A missing,
+A key hashes the program's text (a plan's lowered compute program; the device-only step's
+jaxpr with its arguments' types and shardings, which is not lowered where found) with
+everything else the figures depend on (`key`): jax and jaxlib versions, the backend, the
+device kind, XLA_FLAGS and the compile options. A missing,
 unreadable or foreign entry is a miss, never an error: the caller compiles.
 
 Environment:

@@ -558,13 +558,16 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
     else:
       fn = jex.core.jaxpr_as_fun(closed_jaxpr)
       # Compiled to run only where it is timed; else only its memory figures are read, from
-      # an earlier process's compile where one is on disk (`figures_cache`).
+      # an earlier process's compile where one is on disk (`figures_cache`), keyed by the
+      # jaxpr and the arguments' types and shardings (the same text in every process for the
+      # same step), so that a step found there is not even lowered.
       options = {} if time_whole else figures_compile_options(here)
-      lowered = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals)
-      digest = figures_cache.key(lowered.as_text(), backend=here, options=options)
+      digest = figures_cache.key("\n".join((key[0], *key[1], *key[2])), backend=here,
+                                 options=options, extra=("device-only step",))
       fig = None if time_whole else figures_cache.load(digest, MemoryFigures)
       from_disk = fig is not None
       if fig is None:
+        lowered = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals)
         compiled = lowered.compile(compiler_options=options or None)
         fig = memory_figures(compiled)
         figures_cache.store(digest, fig)

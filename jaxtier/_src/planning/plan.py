@@ -206,7 +206,8 @@ class PlanningCost:
     secs: wall seconds from tracing the step to the plan kept (its programs compiled).
     phases: (phase, wall seconds) in the order they first ran: 'trace' (the step traced and
       analysed: `analysis.inventory`), 'step costs' (the device-only step's costs, compiled
-      where the solver plans), 'plan' (the solver and admission), 'lower' (the plan's programs
+      where the solver plans, unless an earlier process left its figures in
+      `analysis/figures_cache.py`), 'plan' (the solver and admission), 'lower' (the plan's programs
       built), 'verify' (the planned programs lowered and compiled, their compiled peak read),
       'refine' and 'escalate' (more plans compiled: `pipeline._refine`, `_escalated`).
     compiles: backend (XLA) compiles during planning; the step's first call reuses the
