@@ -254,29 +254,19 @@ def _unwritable(path: str) -> "str | None":
   matplotlib does not write), else None."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
+  from jaxtier._src import paths  # pylint: disable=g-import-not-at-top
   if importlib.util.find_spec("matplotlib") is None:
     return ("drawing the plan needs matplotlib: pip install 'jaxtier[plot]' (from a checkout: "
             "pip install '.[plot]')")
-  folder = os.path.dirname(os.path.abspath(path))
   if os.path.isdir(path):
     return "expected an image file name (e.g. plan.png), got a directory"
-  if not os.path.isdir(folder):
-    return f"the directory {folder} does not exist; create it or pick another path"
   ext = os.path.splitext(path)[1].lstrip(".").lower()
   if ext:
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
     formats = FigureCanvasAgg.get_supported_filetypes()
     if ext not in formats:
       return f"cannot draw a .{ext} image; use one of {', '.join(sorted(formats))}"
-  try:  # a real write: permission bits do not tell root (or /proc) the truth
-    with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxtier-plot-check-"):
-      pass
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-      raise PermissionError(f"{path} is read-only")
-  except OSError as e:
-    return f"cannot write there ({e.strerror or e}); pick a writable path"
-  return None
+  return paths.why_unwritable(path, example="plan.png")
 
 
 # The flags of one command that another does not read (every command reads absl's own).

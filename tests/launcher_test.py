@@ -289,6 +289,12 @@ def test_parse_splits_jaxtiers_flags_from_the_scripts():
     (["--", "-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
     (["-m", "jaxtier.no_such_module"], "no module named 'jaxtier.no_such_module'"),
     (["--step=a:b:c", "--", str(TWO_STEPS)], "--step=module:function"),
+    (["--plan_json=/no_such_dir/plans.json", "--", str(TWO_STEPS)],
+     "--plan_json=/no_such_dir/plans.json: the directory /no_such_dir does not exist"),
+    (["--plan_json=/proc/plans.json", "--", str(TWO_STEPS)],
+     "--plan_json=/proc/plans.json: cannot write there"),
+    ([f"--plan_json={os.path.dirname(TWO_STEPS)}", "--", str(TWO_STEPS)],
+     "expected a file name (e.g. plans.json), got a directory"),
 ])
 def test_a_bad_command_line_exits_2_naming_what(capsys, argv, says):
   assert launcher_lib.main(argv) == 2

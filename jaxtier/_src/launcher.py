@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import api
+from jaxtier._src import paths
 from jaxtier._src import rerun
 from jaxtier._src.errors import AdmissionError
 from jaxtier._src.options import OffloadOptions
@@ -1072,6 +1073,10 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
     if not os.path.exists(script[0]):
       raise ValueError(f"{_PREFIX}: no such script: {script[0]}")
     target = Target(path=script[0], module=None, argv=tuple(script[1:]))
+  if values.plan_json:
+    why = paths.why_unwritable(values.plan_json, example="plans.json")
+    if why:
+      raise ValueError(f"{_PREFIX}: --plan_json={values.plan_json}: {why}")
   options = RunOptions(policy=values.policy, device_budget=values.device_budget or None,
                        host_budget=values.host_budget or None, steps=tuple(values.step),
                        strict=values.strict,
