@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from jaxtier._src import launcher as launcher_lib
+from jaxtier._src.runtime import runner as runner_lib
 from jaxtier._src.units import format_bytes
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
@@ -159,6 +160,56 @@ def test_the_first_step_called_is_wrapped_and_said(capsys, two_steps_alone):
   assert err.count("jaxtier run: left two_steps:step_b to jax.jit: only the first train step "
                    "is wrapped (two_steps:step_a)") == 1, err
   np.testing.assert_allclose(_numbers(out), _numbers(two_steps_alone), rtol=1e-5)
+
+
+INTERRUPTED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, optax
+    adam = optax.adamw(1e-2)
+    def loss_fn(params, x):
+      return jnp.mean(jnp.tanh(x @ params["w"]) ** 2)
+    def step(state, x):
+      loss, grads = jax.value_and_grad(loss_fn)(state["params"], x)
+      updates, opt = adam.update(grads, state["opt"], state["params"])
+      return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+    train = jax.jit(step, donate_argnums=0)
+    params = {"w": jnp.full((256, 512), 0.01)}
+    state, x = {"params": params, "opt": adam.init(params)}, jnp.ones((8, 256))
+    for i in range(3):
+      try:
+        state, loss = train(state, x)
+      except KeyboardInterrupt as e:
+        print("NOTE", " ".join(getattr(e, "__notes__", [])))
+        state, loss = train.last_result
+      print("LOSS", repr(float(loss)))
+    """)
+
+
+def test_ctrl_c_inside_a_step_names_what_the_script_can_continue_from(capsys, tmp_path,
+                                                                      monkeypatch):
+  # A SIGINT held while the second step runs (its state donated) is raised once the step has
+  # ended: the note names the jitted function's `last_result`, and the script continues from
+  # it to the losses of a run not interrupted.
+  script = tmp_path / "interrupted.py"
+  script.write_text(INTERRUPTED)
+  policy = "--policy=optimizer_state_on_host"
+  code, calm, err = _run_here(capsys, policy, script=script, argv=())
+  assert code == 0 and "NOTE" not in calm, err
+  release, held = runner_lib.HeldInterrupt.release, [0]
+  def sigint_in_second_step(self, value=None, note=""):
+    if note:
+      held[0] += 1
+      self.pending = self.pending or held[0] == 2
+    return release(self, value, note)
+  monkeypatch.setattr(runner_lib.HeldInterrupt, "release", sigint_in_second_step)
+  code, out, err = _run_here(capsys, policy, script=script, argv=())
+  assert code == 0, err
+  notes = [l for l in out.splitlines() if l.startswith("NOTE")]
+  assert notes == ["NOTE jaxtier run: interrupted during a step of interrupted:step, after its "
+                   "inputs were donated: the step ran to its end, and what the call would have "
+                   "returned is the jitted function's `last_result`; continue from it (for `f = "
+                   "jax.jit(train_step, donate_argnums=0)`: `state, metrics = f.last_result`)"]
+  assert [l for l in out.splitlines() if l.startswith("LOSS")] == [
+      l for l in calm.splitlines() if l.startswith("LOSS")]
 
 
 def test_step_names_the_function_wrapped(capsys, tmp_path, two_steps_alone):

@@ -51,6 +51,7 @@ from jaxtier._src import paths
 from jaxtier._src import rerun
 from jaxtier._src.errors import AdmissionError
 from jaxtier._src.options import OffloadOptions
+from jaxtier._src.runtime import runner
 from jaxtier._src.vocab import NamedPolicy
 
 # Functions defined in these packages are the libraries' own jits (an optimizer's, a framework's
@@ -816,6 +817,7 @@ class Step:
     self._plan: Any = None
     self.called = False
     self.lowered_state: Any = None  # the state's parts `lower` planned for (shapes)
+    self.last_result: Any = None  # what an interrupted call would have returned
 
   def inputs(self, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     state, rest = self.layout.split(args)
@@ -827,16 +829,40 @@ class Step:
 
   def __call__(self, args: tuple[Any, ...]) -> Any:
     state, rest = self.inputs(args)
-    with self.launcher.passthrough():
-      new_state, aux = self.offloaded(state, *rest)
+    try:
+      with self.launcher.passthrough():
+        new_state, aux = self.offloaded(state, *rest)
+    except KeyboardInterrupt as e:
+      self._interrupted(e, args)
+      raise
     if not self.called:
       self.called = True
       if self in self.launcher.pending:
         self.launcher.pending.remove(self)
     self.show()
+    return self._result(args, new_state, aux)
+
+  def _result(self, args: tuple[Any, ...], new_state: Any, aux: Any) -> Any:
+    """What the script's jitted function returns for a call with `args`."""
     if self.layout.out_shardings is not None:
       aux = _put(aux, self.layout.out_shardings)
     return self.layout.join(args, new_state, aux)
+
+  def _interrupted(self, error: KeyboardInterrupt, args: tuple[Any, ...]) -> None:
+    """Ctrl-C after the step's inputs were donated, the step run to its end: what the call
+    would have returned becomes the jitted function's `last_result`, and the interrupt's note
+    names that (the script holds the jitted function, not the `OffloadedStep`)."""
+    notes = getattr(error, "__notes__", [])
+    if runner.INTERRUPTED_NOTE not in notes or self.offloaded.last_state is None:
+      return
+    self.last_result = self._result(args, self.offloaded.last_state,
+                                    self.offloaded.last_metrics)
+    notes.remove(runner.INTERRUPTED_NOTE)
+    error.add_note(
+        f"jaxtier run: interrupted during a step of {self.name}, after its inputs were "
+        "donated: the step ran to its end, and what the call would have returned is the "
+        "jitted function's `last_result`; continue from it (for `f = jax.jit(train_step, "
+        "donate_argnums=0)`: `state, metrics = f.last_result`)")
 
   def lower(self, args: tuple[Any, ...]) -> Any:
     state, rest = self.layout.split(args)
@@ -876,6 +902,13 @@ class Jitted:
     self._steps: dict[Any, Step] = {}
     self._unwrapped = not frontend.donates()  # runs the original from now on
     self._checked: set[Any] = set()  # argument signatures seen not to build a pending state
+    self._last: "Step | None" = None  # the step of the latest offloaded call
+
+  @property
+  def last_result(self) -> Any:
+    """What the latest offloaded call would have returned where Ctrl-C interrupted it after
+    its inputs were donated (the step ran to its end); None where none was."""
+    return None if self._last is None else self._last.last_result
 
   def __getattr__(self, name: str) -> Any:
     original = self.__dict__.get("_original")
@@ -904,6 +937,7 @@ class Jitted:
     if step is None:
       return self._run_original(args, kwargs)
     positional = _bind(self._frontend.fun, args, kwargs)
+    self._last, step.last_result = step, None
     if step.called:  # planned and run: an error now is the step's own
       return step(positional)
     try:
