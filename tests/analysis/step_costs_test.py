@@ -95,6 +95,33 @@ def test_on_the_cpu_the_device_only_step_is_run_and_its_time_is_the_compute():
   assert step_costs_lib.time_step(jax.jit(loop).lower(w, x).compile(), [w, x], looped) is None
 
 
+def test_a_later_process_reads_the_timed_step_from_the_figures_cache(monkeypatch):
+  # A calibrated CPU compiles the device-only step in full and runs it: a later process (the
+  # in-process caches emptied) reads both its figures and its time from disk, and neither
+  # lowers nor runs it.
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend runs the whole step")
+  w = jax.ShapeDtypeStruct((4, 64, 64), jnp.float32)
+  x = jax.ShapeDtypeStruct((128, 64), jnp.float32)
+  step = lambda w, x: (w - 0.1 * jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w[0])))(w, x),
+                       jnp.sum(w))
+  closed = jax.make_jaxpr(step)(w, x)
+  measure = lambda: step_costs_lib.measure_step(
+      closed, [w], [x], platform="cpu", state_device_bytes=4 * 64 * 64 * 4, time_scans=True)
+  first = measure()
+  step_costs_lib._COMPILED_FIGURES.clear()  # pylint: disable=protected-access
+  step_costs_lib._TIMED_STEPS.clear()  # pylint: disable=protected-access
+  monkeypatch.setattr(step_costs_lib, "time_step", lambda *a, **k: pytest.fail("timed again"))
+  monkeypatch.setattr(jax.stages.Lowered, "compile",
+                      lambda *a, **k: pytest.fail("compiled again"))
+  later = measure()
+  assert first.step_secs > 0 and later.step_secs == pytest.approx(first.step_secs, abs=1e-9)
+  assert later.transient_bytes == first.transient_bytes
+  assert "read from the figures cache" in later.transient_source
+  assert "with its time on this machine" in later.transient_source
+  assert "figures cache" not in first.transient_source
+
+
 def test_a_scan_body_too_large_to_time_leaves_the_others_timed():
   # The backward body also reads the forward's residuals: over the limit it stays analytic
   # while the forward body is timed.

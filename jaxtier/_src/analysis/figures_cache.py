@@ -5,7 +5,9 @@ compiled and of the compiler: the same program, compiled again by the same jax a
 same options for the same device kind, has the same figures. Planning reads them from the
 device-only step (`step_costs.measure_step`) and from each plan it compiles; the second run of
 a training script plans the same steps again. This cache keeps those figures under the user's
-cache directory, so that a later process reads them instead of compiling for them.
+cache directory, so that a later process reads them instead of compiling for them. On a
+calibrated CPU, where the device-only step is also run to time it, its time on this machine is
+kept beside its figures (the stored profile is this machine's measurement too).
 
 A key hashes the program's text (a plan's lowered compute program; the device-only step's
 jaxpr with its arguments' types and shardings, which is not lowered where found) with

@@ -474,6 +474,21 @@ def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
 
 
 _TIMED_STEPS: dict[Any, "float | None"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepTime:
+  """`time_step`'s result as `figures_cache` keeps it: nanoseconds, -1 for None (not timed)."""
+
+  nanos: int
+
+  @classmethod
+  def of(cls, secs: "float | None") -> "_StepTime":
+    return cls(nanos=-1 if secs is None else int(round(secs * 1e9)))
+
+  @property
+  def seconds(self) -> "float | None":
+    return None if self.nanos < 0 else self.nanos / 1e9
 # Whether a key's figures were read from `figures_cache` rather than compiled here.
 _FROM_DISK: dict[Any, bool] = {}
 
@@ -557,16 +572,19 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       fig = _COMPILED_FIGURES[key]
     else:
       fn = jex.core.jaxpr_as_fun(closed_jaxpr)
-      # Compiled to run only where it is timed; else only its memory figures are read, from
-      # an earlier process's compile where one is on disk (`figures_cache`), keyed by the
-      # jaxpr and the arguments' types and shardings (the same text in every process for the
-      # same step), so that a step found there is not even lowered.
+      # Compiled to run only where it is timed; else only its memory figures are read. An
+      # earlier process's figures (and time, where timed) are read from disk where there
+      # (`figures_cache`), keyed by the jaxpr and the arguments' types and shardings (the same
+      # text in every process for the same step), so that a step found there is not even
+      # lowered.
       options = {} if time_whole else figures_compile_options(here)
       digest = figures_cache.key("\n".join((key[0], *key[1], *key[2])), backend=here,
                                  options=options, extra=("device-only step",))
-      fig = None if time_whole else figures_cache.load(digest, MemoryFigures)
-      from_disk = fig is not None
-      if fig is None:
+      timed_digest = figures_cache.key(digest, backend=here, extra=("timed on this machine",))
+      fig = figures_cache.load(digest, MemoryFigures)
+      timed = figures_cache.load(timed_digest, _StepTime) if time_whole else None
+      from_disk = fig is not None and (timed is not None or not time_whole)
+      if not from_disk:
         lowered = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals)
         compiled = lowered.compile(compiler_options=options or None)
         fig = memory_figures(compiled)
@@ -577,9 +595,12 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
         _FROM_DISK.clear()
       _COMPILED_FIGURES[key] = fig
       _FROM_DISK[key] = from_disk
-      if time_whole:
+      if time_whole and from_disk:
+        _TIMED_STEPS[key] = timed.seconds
+      elif time_whole:
         _TIMED_STEPS[key] = time_step(compiled, avals, closed_jaxpr,
                                       peak_bytes=fig.peak_bytes if fig else None)
+        figures_cache.store(timed_digest, _StepTime.of(_TIMED_STEPS[key]))
         del compiled
     if time_whole:
       step_secs = _TIMED_STEPS[key]
@@ -591,7 +612,8 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
                  f"{here} backend reports no memory analysis)")
   where = "" if platform == here else f"; compiled for {here}, planning for {platform}: approximate"
   if _FROM_DISK.get(key):
-    where += f"; read from the figures cache ({figures_cache.directory()}), not compiled again"
+    where += (f"; read from the figures cache ({figures_cache.directory()})"
+              f"{' with its time on this machine' if time_whole else ''}, not compiled again")
   return costs(transient_bytes=max(0, fig.peak_bytes - int(state_device_bytes)),
                transient_source=f"the compiled device-only step's memory_analysis (peak "
                f"{fig.peak_bytes} bytes less the state's {int(state_device_bytes)}){where}")
