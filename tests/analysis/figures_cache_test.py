@@ -2,6 +2,7 @@
 compiler, read back whole or not at all."""
 
 import json
+import logging
 import os
 
 import jax
@@ -77,3 +78,20 @@ def test_the_oldest_entries_go_beyond_the_limit(monkeypatch):
   figures_cache._prune(figures_cache.directory())  # pylint: disable=protected-access
   kept = sorted(n[:-5] for n in os.listdir(figures_cache.directory()))
   assert kept == sorted(digests[2:]), kept
+
+
+def test_an_unwritable_folder_is_said_once_and_loses_nothing(monkeypatch, tmp_path, caplog):
+  text, fig = _figures()
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  monkeypatch.setenv("JAXTIER_FIGURES_CACHE", str(blocker / "figures"))
+  monkeypatch.setattr(figures_cache, "_WARNED", set())
+  with caplog.at_level(logging.WARNING, logger="jaxtier"):
+    for i in range(3):
+      figures_cache.store(figures_cache.key(text, backend="cpu", extra=(str(i),)), fig)
+  said = [r.getMessage() for r in caplog.records]
+  assert said == [f"jaxtier: cannot write the figures cache at {blocker / 'figures'} (Not a "
+                  "directory): a later process will compile what it could have read; set "
+                  "JAXTIER_FIGURES_CACHE to a writable folder, or to 0"], said
+  assert figures_cache.load(figures_cache.key(text, backend="cpu", extra=("0",)),
+                            step_costs.MemoryFigures) is None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from typing import Any, Iterable
@@ -34,6 +35,9 @@ MAX_ENTRIES = 2048
 # Bumped when the entries' content changes meaning.
 FORMAT_VERSION = 1
 _OFF = ("0", "off", "false", "no")
+# Folders found unwritable, each said once per process.
+_WARNED: set = set()
+log = logging.getLogger("jaxtier")
 
 
 def directory() -> "str | None":
@@ -99,7 +103,12 @@ def store(digest: str, figures: Any) -> None:
       json.dump({"format_version": FORMAT_VERSION, "figures": dataclasses.asdict(figures)}, f)
     os.replace(partial, os.path.join(folder, f"{digest}.json"))
     _prune(folder)
-  except OSError:
+  except OSError as e:
+    if folder not in _WARNED:
+      _WARNED.add(folder)
+      log.warning("jaxtier: cannot write the figures cache at %s (%s): a later process will "
+                  "compile what it could have read; set JAXTIER_FIGURES_CACHE to a writable "
+                  "folder, or to 0", folder, e.strerror or e)
     try:
       os.unlink(partial)  # pylint: disable=used-before-assignment
     except (OSError, NameError):
