@@ -94,6 +94,10 @@ def test_the_example_trainer_without_offload_trains_as_alone_its_state_built_on_
   assert _pinned_bytes(_wrapped(run.stderr)[name]) != "0 B", run.stderr
   assert (f"jaxtier run: built the state of {name} where its plan puts it "
           "(jaxtier.examples.train_state:state_initializer.<locals>.init)") in run.stderr
+  # The trainer says where its state was built, not what --offload=none asked.
+  said = " ".join(run.stdout.split())
+  assert re.search(r"offload: --offload=none \(jax\.jit\), yet \S+ MiB of the \S+ MiB of "
+                   r"state was built in pinned_host", said), said
   alone = json.loads((tmp_path / "alone.json").read_text())
   offloaded = json.loads((tmp_path / "run.json").read_text())
   assert alone["ended"] == offloaded["ended"] == "completed"

@@ -486,8 +486,14 @@ def run(
     # jaxtier refuses a plan (the refusal names the allocator fraction that admits it).
     jaxtier.admit(step.lower(shapes, first_batch))
     state = _restore_jitted(resumed.path, init_state) if resumed else jax.jit(init_state)()
-    _say(f"offload: all {jaxtier.format_bytes(state_bytes)} of state on the device, as "
-         "--offload=none asks (jax.jit)")
+    on_host = sum(x.nbytes for x in jax.tree.leaves(state)
+                  if getattr(x.sharding, "memory_kind", None) == "pinned_host")
+    if on_host:  # jitted by another's hand (python -m jaxtier run), which placed it
+      _say(f"offload: --offload=none (jax.jit), yet {jaxtier.format_bytes(on_host)} of the "
+           f"{jaxtier.format_bytes(state_bytes)} of state was built in pinned_host")
+    else:
+      _say(f"offload: all {jaxtier.format_bytes(state_bytes)} of state on the device, as "
+           "--offload=none asks (jax.jit)")
 
   tokens_per_step = batch_size * seq_len
   losses: list[float] = list(resumed.losses) if resumed else []
