@@ -336,7 +336,9 @@ def test_parse_splits_jaxtiers_flags_from_the_scripts():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--device_budget=lots", "--", str(TWO_STEPS)], "device_budget"),
+    (["--device_budget=lots", "--", str(TWO_STEPS)],
+     "jaxtier run: --device_budget: expected a size like 80GB"),
+    (["--host_budget=-5MB", "--", str(TWO_STEPS)], "jaxtier run: --host_budget: expected a size"),
     (["--policy=fast", "--", str(TWO_STEPS)], "policy"),
     (["--nope", "--", str(TWO_STEPS)], "nope"),
     (["--strict", "--"], "no script given"),

@@ -52,6 +52,7 @@ from jaxtier._src import rerun
 from jaxtier._src.errors import AdmissionError
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.runtime import runner
+from jaxtier._src.units import parse_bytes
 from jaxtier._src.vocab import NamedPolicy
 
 # Functions defined in these packages are the libraries' own jits (an optimizer's, a framework's
@@ -1107,6 +1108,9 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
     if not os.path.exists(script[0]):
       raise ValueError(f"{_PREFIX}: no such script: {script[0]}")
     target = Target(path=script[0], module=None, argv=tuple(script[1:]))
+  for size in ("device_budget", "host_budget"):
+    if getattr(values, size):
+      parse_bytes(getattr(values, size), f"{_PREFIX}: --{size}")  # (raises ValueError)
   if values.plan_json:
     why = paths.why_unwritable(values.plan_json, example="plans.json")
     if why:
