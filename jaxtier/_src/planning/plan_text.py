@@ -11,6 +11,7 @@ import re
 import shutil
 import textwrap
 
+from jaxtier._src.planning.admission import DEVICE_MARGIN
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import Placement, Role
 
@@ -208,7 +209,10 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
     budget = plan.device_budget
     limit = ("" if budget.usable is None else f"; budget {format_bytes(budget.given)}"
              if budget.given == budget.usable else f"; planned against "
-             f"{format_bytes(budget.usable)}")
+             f"{format_bytes(budget.usable)}" + (
+                 f" (of the {format_bytes(budget.given)} given: what JAX's allocator may use, "
+                 f"less {DEVICE_MARGIN:.0%}; XLA_PYTHON_CLIENT_MEM_FRACTION raises it)"
+                 if budget.source == "capped" and budget.given is not None else ""))
     lines += fit(f"peak {memory}: {', '.join(peak)}{limit}")
   lines += fit(f"activations: {plan.activation_policy}")
   tail = fit(f"(each leaf and all {len(plan.notes)} notes: {more})")
