@@ -178,7 +178,7 @@ def test_plan_budget_above_an_absent_gpus_memory_plans_against_the_device(tmp_pa
   assert "--device_budget" not in hint and "XLA_PYTHON_CLIENT_MEM_FRACTION=" in hint, hint
   # The summary says why the budget planned against is not the one given.
   assert ("planned against 100.04 GiB (of the 500.00 GiB given: what JAX's allocator may use, "
-          "less 5%; XLA_PYTHON_CLIENT_MEM_FRACTION raises it)") in _flat(out.stdout), out.stdout
+          "less a margin; XLA_PYTHON_CLIENT_MEM_FRACTION raises it)") in _flat(out.stdout), out.stdout
 
 
 @pytest.mark.slow

@@ -11,7 +11,6 @@ import re
 import shutil
 import textwrap
 
-from jaxtier._src.planning.admission import DEVICE_MARGIN
 from jaxtier._src.units import format_bytes
 from jaxtier._src.vocab import Placement, Role
 
@@ -211,7 +210,7 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
              if budget.given == budget.usable else f"; planned against "
              f"{format_bytes(budget.usable)}" + (
                  f" (of the {format_bytes(budget.given)} given: what JAX's allocator may use, "
-                 f"less {DEVICE_MARGIN:.0%}; XLA_PYTHON_CLIENT_MEM_FRACTION raises it)"
+                 "less a margin; XLA_PYTHON_CLIENT_MEM_FRACTION raises it)"
                  if budget.source == "capped" and budget.given is not None else ""))
     lines += fit(f"peak {memory}: {', '.join(peak)}{limit}")
   lines += fit(f"activations: {plan.activation_policy}")
