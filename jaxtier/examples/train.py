@@ -491,6 +491,9 @@ def run(
     if on_host:  # jitted by another's hand (python -m jaxtier run), which placed it
       _say(f"offload: --offload=none (jax.jit), yet {jaxtier.format_bytes(on_host)} of the "
            f"{jaxtier.format_bytes(state_bytes)} of state was built in pinned_host")
+    elif resumed:  # (restored on the device; what jits the step may place it elsewhere)
+      _say(f"offload: --offload=none (jax.jit); {jaxtier.format_bytes(state_bytes)} of state "
+           "restored on the device")
     else:
       _say(f"offload: all {jaxtier.format_bytes(state_bytes)} of state on the device, as "
            "--offload=none asks (jax.jit)")

@@ -165,6 +165,22 @@ def test_run_offload_none_says_budgets_are_not_used(corpus, capsys):
   assert "warning" not in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_run_offload_none_says_where_its_state_is_built_or_restored(corpus, tmp_path, capsys):
+  where = str(tmp_path / "run")
+  _run(corpus, steps=2, offload="none", checkpoint_dir=where, checkpoint_every=1)
+  said = " ".join(capsys.readouterr().out.split())
+  assert "of state on the device, as --offload=none asks (jax.jit)" in said, said
+  shutil.rmtree(f"{where}/step_00000002")
+  os.remove(f"{where}/step_00000002.json")
+  _run(corpus, steps=2, offload="none", checkpoint_dir=where, checkpoint_every=1)
+  said = " ".join(capsys.readouterr().out.split())
+  # Restored on the device: what jits the step (python -m jaxtier run) may move it.
+  assert re.search(r"offload: --offload=none \(jax\.jit\); \S+ \S+ of state restored on the "
+                   r"device", said), said
+  assert "as --offload=none asks" not in said, said
+
+
 def test_run_rejects_bad_arguments(corpus):
   with pytest.raises(ValueError, match="offload"):
     _run(corpus, offload="sometimes")
