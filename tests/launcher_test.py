@@ -339,6 +339,11 @@ def test_parse_splits_jaxtiers_flags_from_the_scripts():
     (["--device_budget=lots", "--", str(TWO_STEPS)],
      "jaxtier run: --device_budget: expected a size like 80GB"),
     (["--host_budget=-5MB", "--", str(TWO_STEPS)], "jaxtier run: --host_budget: expected a size"),
+    (["--device_budget=0", "--", str(TWO_STEPS)],
+     "jaxtier run: --device_budget: expected a size > 0 bytes, got '0'; leave --device_budget "
+     "out for no limit"),
+    ([f"--plan_json={TWO_STEPS}/plans.json", "--", str(TWO_STEPS)],
+     f"{TWO_STEPS} is a file, not a directory; pick another path"),
     (["--policy=fast", "--", str(TWO_STEPS)], "policy"),
     (["--nope", "--", str(TWO_STEPS)], "nope"),
     (["--strict", "--"], "no script given"),

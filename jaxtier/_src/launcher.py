@@ -1110,7 +1110,8 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
     target = Target(path=script[0], module=None, argv=tuple(script[1:]))
   for size in ("device_budget", "host_budget"):
     if getattr(values, size):
-      parse_bytes(getattr(values, size), f"{_PREFIX}: --{size}")  # (raises ValueError)
+      parse_bytes(getattr(values, size), f"{_PREFIX}: --{size}",  # (raises ValueError)
+                  no_limit=f"leave --{size} out for no limit")
   if values.plan_json:
     why = paths.why_unwritable(values.plan_json, example="plans.json")
     if why:

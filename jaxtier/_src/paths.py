@@ -16,6 +16,8 @@ def why_unwritable(path: str, example: str = "out.json") -> "str | None":
   folder = os.path.dirname(os.path.abspath(path))
   if os.path.isdir(path):
     return f"expected a file name (e.g. {example}), got a directory"
+  if os.path.exists(folder) and not os.path.isdir(folder):
+    return f"{folder} is a file, not a directory; pick another path"
   if not os.path.isdir(folder):
     return f"the directory {folder} does not exist; create it or pick another path"
   try:

@@ -14,7 +14,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | float | str | None, name: str = "parse_bytes") -> int | None:
+def parse_bytes(value: int | float | str | None, name: str = "parse_bytes",
+                no_limit: str = "pass None for no limit") -> int | None:
   """Bytes from an int/float (bytes) or a string like '80GB', '16GiB', '512MiB'; None = no limit.
 
   'GB', 'MB', 'KB', 'TB' are powers of 10; 'GiB', 'MiB', 'KiB', 'TiB' powers of 2; no unit (or
@@ -25,6 +26,8 @@ def parse_bytes(value: int | float | str | None, name: str = "parse_bytes") -> i
     value: the size, or None.
     name: what the size is, for the error message (e.g. 'jaxtier.offload: device_budget'); its
       last part (after ': ') is the error's `option`.
+    no_limit: how the caller asks for no limit, said where a size <= 0 is refused (a command
+      line: 'leave --device_budget out for no limit').
 
   Returns:
     The size in bytes (int), or None for None.
@@ -50,13 +53,13 @@ def parse_bytes(value: int | float | str | None, name: str = "parse_bytes") -> i
     nbytes = fractions.Fraction(int(value))
   elif isinstance(value, (float, np.floating)):
     if not math.isfinite(value):
-      raise refuse(f"expected a finite size, got {value!r}; pass None for no limit")
+      raise refuse(f"expected a finite size, got {value!r}; {no_limit}")
     nbytes = fractions.Fraction(float(value))
   else:
     raise refuse(f"expected bytes (int) or a size string, got {type(value).__name__} "
                  f"{value!r:.80}")
   if not nbytes > 0:
-    raise refuse(f"expected a size > 0 bytes, got {value!r}; pass None for no limit")
+    raise refuse(f"expected a size > 0 bytes, got {value!r}; {no_limit}")
   if nbytes.denominator != 1:
     raise refuse(f"expected a whole number of bytes, got {value!r} ({float(nbytes):g} bytes); "
                  f"give an int (e.g. {math.floor(nbytes) or 1}) or a size that is whole in its "
