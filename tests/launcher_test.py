@@ -252,6 +252,9 @@ def test_a_step_that_cannot_be_offloaded_runs_unwrapped_after_one_warning(capsys
       "jaxtier run: warning: two_steps:step_a runs unwrapped: PlanError: the state needs "
       "1.52 MiB")], err
   assert len(warnings) == 1, err
+  # The fix as this command line gives it, not the Python API's policy mapping.
+  assert warnings[0].endswith(" Fix: a larger --device_budget, or --policy=auto (the planner "
+                              "puts what it may on the host)"), warnings
   assert _wrapped(err) == {}, err  # nor step_b: the first step was step_a
   # The script's own jit runs it: on the CPU bit for bit as alone; on a GPU XLA's reductions
   # may sum in another order from run to run (xla_gpu_deterministic_ops is off by default).

@@ -49,11 +49,11 @@ import numpy as np
 from jaxtier._src import api
 from jaxtier._src import paths
 from jaxtier._src import rerun
-from jaxtier._src.errors import AdmissionError
+from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.runtime import runner
 from jaxtier._src.units import parse_bytes
-from jaxtier._src.vocab import NamedPolicy
+from jaxtier._src.vocab import NamedPolicy, is_named
 
 # Functions defined in these packages are the libraries' own jits (an optimizer's, a framework's
 # inner jit), never the script's step.
@@ -975,6 +975,11 @@ class Jitted:
       # XLA reads its settings when JAX starts: the command again, with them (as `train`).
       rerun.rerun_with(error.settings, allocated="the step had allocated nothing")
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if isinstance(error, PlanError) and " Fix: " in first:
+      # The fix as this command line gives it (the error's names the Python API's arguments).
+      first = first.split(" Fix: ")[0] + " Fix: a larger --device_budget" + (
+          "" if is_named(self._launcher.options.policy, NamedPolicy.AUTO) else
+          ", or --policy=auto (the planner puts what it may on the host)")
     why = f"{type(error).__name__}: {first.removeprefix('jaxtier: ')}"
     try:
       self._launcher.cannot(self._name, why)
