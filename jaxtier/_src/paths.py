@@ -1,9 +1,12 @@
-"""Output files the command line will write: checked before any work starts."""
+"""Files jaxtier writes: output paths checked before any work starts, and JSON written whole
+or not at all."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from typing import Any
 
 
 def why_unwritable(path: str, example: str = "out.json") -> "str | None":
@@ -28,3 +31,23 @@ def why_unwritable(path: str, example: str = "out.json") -> "str | None":
   except OSError as e:
     return f"cannot write there ({e.strerror or e}); pick a writable path"
   return None
+
+
+def write_json(path: str, obj: Any, *, indent: "int | None" = None) -> None:
+  """Writes `obj` as JSON to `path` whole or not at all: a temporary file beside it, renamed,
+  so that a process reading `path` meanwhile never reads half of it. Makes the folder.
+
+  Raises:
+    OSError: the folder or file cannot be written (nothing is left behind).
+  """
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, partial = tempfile.mkstemp(prefix=".jaxtier-", suffix=".json", dir=folder)
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(obj, f, indent=indent)
+    os.chmod(partial, 0o644)
+    os.replace(partial, path)
+  except BaseException:
+    os.unlink(partial)
+    raise

@@ -27,8 +27,9 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from typing import Any, Iterable
+
+from jaxtier._src import paths
 
 # Entries kept (each one file of about 300 bytes); beyond it the oldest are removed.
 MAX_ENTRIES = 2048
@@ -97,11 +98,8 @@ def store(digest: str, figures: Any) -> None:
   if folder is None or figures is None:
     return
   try:
-    os.makedirs(folder, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=".figures-", suffix=".json", dir=folder)
-    with os.fdopen(fd, "w") as f:
-      json.dump({"format_version": FORMAT_VERSION, "figures": dataclasses.asdict(figures)}, f)
-    os.replace(partial, os.path.join(folder, f"{digest}.json"))
+    paths.write_json(os.path.join(folder, f"{digest}.json"),
+                     {"format_version": FORMAT_VERSION, "figures": dataclasses.asdict(figures)})
     _prune(folder)
   except OSError as e:
     if folder not in _WARNED:
@@ -109,10 +107,6 @@ def store(digest: str, figures: Any) -> None:
       log.warning("jaxtier: cannot write the figures cache at %s (%s): a later process will "
                   "compile what it could have read; set JAXTIER_FIGURES_CACHE to a writable "
                   "folder, or to 0", folder, e.strerror or e)
-    try:
-      os.unlink(partial)  # pylint: disable=used-before-assignment
-    except (OSError, NameError):
-      pass
 
 
 def _prune(folder: str) -> None:

@@ -8,6 +8,7 @@ import math
 import os
 import re
 
+from jaxtier._src import paths
 from jaxtier._src.hardware.host import XLA_MEM_FRACTION_DEFAULT
 
 # Bytes of memory traffic per parameter of an AdamW update with an fp32 master, fp32 moments in
@@ -360,19 +361,7 @@ def save(profile: HardwareProfile, path: "str | None" = None) -> str:
   """Writes `profile` as JSON (default: `cache_path()`), with `PROFILE_FORMAT_VERSION` as
   "format_version"; returns the path. The file is written whole or not at all (a temporary
   file beside it, renamed), so that a process loading it meanwhile never reads half of it."""
-  import json  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
   path = path or cache_path()
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, partial = tempfile.mkstemp(prefix=".profile-", suffix=".json", dir=folder)
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump({"format_version": PROFILE_FORMAT_VERSION, **dataclasses.asdict(profile)}, f,
-                indent=1)
-    os.chmod(partial, 0o644)
-    os.replace(partial, path)
-  except BaseException:
-    os.unlink(partial)
-    raise
+  paths.write_json(path, {"format_version": PROFILE_FORMAT_VERSION,
+                          **dataclasses.asdict(profile)}, indent=1)
   return path
