@@ -476,16 +476,15 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], policy: Any,
     known = (figures_cache.load(digest, step_costs_lib.MemoryFigures)
              if skip_over is not None else None)
     if known is not None:
-      _, fig = verify_lib.verify(plan, known, host_argument_bytes=host,
-                                 device_argument_bytes=device_args)
+      ok, fig = verify_lib.verify(plan, known, host_argument_bytes=host,
+                                  device_argument_bytes=device_args)
       if fig is not None and fig.peak_bytes > skip_over:
-        over = _known_over(planned, fig, device_args, host)
-        budget = plan.device_budget.usable
-        return over, (None if refining or budget is None or fig.peak_bytes <= budget
-                      else _smaller_budget(plan, fig.peak_bytes, policy))
+        return _known_over(planned, fig, device_args, host), (
+            None if ok or refining else _smaller_budget(plan, fig.peak_bytes, policy))
     compiled = lowered.compile()
-    figures_cache.store(digest, step_costs_lib.memory_figures(compiled))
-    ok, fig = verify_lib.verify(plan, compiled, host_argument_bytes=host,
+    figures = step_costs_lib.memory_figures(compiled)
+    figures_cache.store(digest, figures)
+    ok, fig = verify_lib.verify(plan, figures, host_argument_bytes=host,
                                 device_argument_bytes=device_args)
   except Exception as e:  # pylint: disable=broad-except  (the first call compiles and reports)
     log.debug("jaxtier: compiling the planned step to verify it failed: %r", e)

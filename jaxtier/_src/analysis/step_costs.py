@@ -474,6 +474,8 @@ def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
 
 
 _TIMED_STEPS: dict[Any, "float | None"] = {}
+# Whether a key's figures were read from `figures_cache` rather than compiled here.
+_FROM_DISK: dict[Any, bool] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,8 +491,7 @@ class _StepTime:
   @property
   def seconds(self) -> "float | None":
     return None if self.nanos < 0 else self.nanos / 1e9
-# Whether a key's figures were read from `figures_cache` rather than compiled here.
-_FROM_DISK: dict[Any, bool] = {}
+
 
 # XLA options for a compile whose executable is never run, only read for its memory figures
 # (`figures_compile_options`), by backend. On the CPU, LLVM's code generation is most of a
@@ -580,10 +581,11 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       options = {} if time_whole else figures_compile_options(here)
       digest = figures_cache.key("\n".join((key[0], *key[1], *key[2])), backend=here,
                                  options=options, extra=("device-only step",))
-      timed_digest = figures_cache.key(digest, backend=here, extra=("timed on this machine",))
       fig = figures_cache.load(digest, MemoryFigures)
-      timed = figures_cache.load(timed_digest, _StepTime) if time_whole else None
-      from_disk = fig is not None and (timed is not None or not time_whole)
+      if time_whole:
+        timed_digest = figures_cache.key(digest, backend=here, extra=("timed on this machine",))
+        timed = figures_cache.load(timed_digest, _StepTime)
+      from_disk = fig is not None and (not time_whole or timed is not None)
       if not from_disk:
         lowered = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals)
         compiled = lowered.compile(compiler_options=options or None)
