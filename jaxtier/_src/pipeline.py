@@ -498,8 +498,7 @@ def _verify(planned: Planned, state: Any, args: Sequence[Any], policy: Any,
   # Judged again with the compiled step's peak: where only the prediction was over the device
   # budget, the compiler's figure, the one the allocator meets, may fit it.
   verdict = admission.judge(plan.verdict.findings, plan.device_budget, fig.peak_bytes)
-  said = (f"compiled step's memory_analysis: {fig.describe()} (the arguments by their "
-          f"shardings: device {device_args}, pinned_host {host} bytes)",)
+  said = (_figures_note(fig, device_args, host),)
   if verdict != plan.verdict:
     said += verdict.overruled
   plan = dataclasses.replace(
@@ -539,10 +538,16 @@ def _known_over(planned: Planned, fig: Any, device_args: int, host: int) -> Plan
            format_bytes(fig.peak_bytes))
   return dataclasses.replace(planned, plan=dataclasses.replace(
       plan, compiler_peak_hbm_bytes=fig.peak_bytes, compiled_from_cache=True,
-      notes=plan.notes + (f"compiled step's memory_analysis, as an earlier compile of the "
-                          f"same program recorded it (figures cache; not compiled again): "
-                          f"{fig.describe()} (the arguments by their shardings: device "
-                          f"{device_args}, pinned_host {host} bytes)",)))
+      notes=plan.notes + (_figures_note(fig, device_args, host, ", as an earlier compile of "
+                                        "the same program recorded it (figures cache; not "
+                                        "compiled again)"),)))
+
+
+def _figures_note(fig: Any, device_args: int, host: int, source: str = "") -> str:
+  """The plan's note of its compiled step's memory figures (`source`: where they came from,
+  where not this compile)."""
+  return (f"compiled step's memory_analysis{source}: {fig.describe()} (the arguments by their "
+          f"shardings: device {device_args}, pinned_host {host} bytes)")
 
 
 def _schedule_notes(plan: Plan) -> tuple[str, ...]:
