@@ -22,6 +22,9 @@ neither side pays JAX's warm-up), timing one side:
                             its creation to ready-to-run: `place(state, batch)` (tracing,
                             planning, every compile it does) plus its first call less its
                             second (a compile at the first call counts)
+  auto                      the same with policy='auto' and no budget, as
+                            `jaxtier.offload(step)` plans by default (on the CPU backend: no
+                            device limit, every leaf on the device)
   auto_budget               the same with policy='auto' and a device budget between the
                             compiled peak of optimizer_state_on_host's plan and that of the
                             all-device step (found by a probe process per case): auto must
@@ -70,7 +73,7 @@ ROOT = os.path.dirname(HERE)
 OUT_DIR = os.path.join(HERE, "results", "planning_cost")
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CASES = ("gemma", "nnx_cnn", "nnx_gpt", "equinox", "maxtext")
-SIDES = ("jit", "optimizer_state_on_host", "auto_budget", "auto_budget_warm")
+SIDES = ("jit", "optimizer_state_on_host", "auto", "auto_budget", "auto_budget_warm")
 # What each case imports, and how to install it where it is absent.
 NEEDS = {
     "gemma": ("gemma", "python3.11 -m venv gemma && gemma/bin/pip install jax==0.10.2 "
@@ -405,8 +408,9 @@ def _maxtext_ready(side: str, budget) -> tuple[float, dict]:
         pass
     else:
       from jaxtier._src import launcher  # pylint: disable=g-import-not-at-top
-      flags = (["--policy=optimizer_state_on_host"] if side == "optimizer_state_on_host"
-               else ["--policy=auto", f"--device_budget={budget}"])
+      flags = {"optimizer_state_on_host": ["--policy=optimizer_state_on_host"],
+               "auto": ["--policy=auto"]}.get(side, ["--policy=auto",
+                                                     f"--device_budget={budget}"])
       launcher.main([*flags, "--", "-m", MAXTEXT_TRAIN, *args])
   calls = record.get("call_secs", [])
   if len(calls) < 2 or "lower_compile_secs" not in record:

@@ -86,6 +86,26 @@ def test_auto_compiles_the_device_only_step_for_its_memory_figures_only(monkeypa
   assert step.plan.planning.compiles == 3
 
 
+def test_auto_without_a_device_limit_compiles_the_step_once(monkeypatch):
+  # On the CPU backend with no budget, auto keeps every leaf on the device whatever the
+  # device-only step's figures say: the device-only step is not compiled (its program is the
+  # plan's), only the plan's compute program, and the calls reuse it.
+  monkeypatch.setenv("JAXTIER_TIME_SCANS", "1")  # even where the CPU's step would be timed
+  step_costs._COMPILED_FIGURES.clear()  # pylint: disable=protected-access
+  step = jaxtier.offload(STEP, policy="auto")
+  planning, calls = _run(step, mlp_state(), toy_batch())
+  assert planning == ["jit(compute)"], planning
+  assert calls == [], calls
+  assert step.plan.pinned_bytes == 0 and step.plan.compiler_peak_hbm_bytes > 0
+  assert any(n.startswith("transient device bytes") and "device-only step not compiled" in n
+             for n in step.plan.notes), step.plan.notes
+  # With a budget, the same step compiles the device-only step for its figures first.
+  step_costs._COMPILED_FIGURES.clear()  # pylint: disable=protected-access
+  budgeted = jaxtier.offload(STEP, policy="auto", device_budget=1 << 30)
+  planning, _ = _run(budgeted, mlp_state(), toy_batch(), calls=1)
+  assert planning[0] == "jit(jaxpr_as_fun)" and "jit(compute)" in planning, planning
+
+
 def test_a_later_process_reads_the_device_only_steps_figures_from_disk(monkeypatch):
   # The same step planned again with the process's own caches emptied, as a new process plans
   # it: the device-only step's figures are read from the figures cache, not compiled, and the

@@ -215,7 +215,8 @@ def _plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args
   platform = jc.platform_of(leaves[0]) if leaves else jax.default_backend()
   blocked = _stream_blocked(state)
   with clock.phase("step costs"):
-    costs = _step_costs(inv, state, args, platform, options.policy)
+    costs = _step_costs(inv, state, args, platform, options.policy,
+                        limited=options.device_budget is not None or platform != "cpu")
   with clock.phase("plan"):
     device_budget = DeviceBudget.of(options.device_budget)
     # The same for every (re-)plan of this trace.
@@ -965,18 +966,28 @@ def signature(state: Any, args: Sequence[Any]) -> Any:
 
 
 def _step_costs(inv: inv_lib.Inventory, state: Any, args: Sequence[Any], platform: str,
-                policy: Any, always: bool = False) -> "step_costs_lib.StepCosts":
+                policy: Any, always: bool = False, limited: bool = True
+                ) -> "step_costs_lib.StepCosts":
   """FLOPs and transient bytes of the device-only step (compiled when the solver runs, or
-  `always`: `jaxtier.plan` predicts for every policy)."""
+  `always`: `jaxtier.plan` predicts for every policy).
+
+  `limited`: whether the plan has a device limit (a budget given, or a GPU's memory). Without
+  one (the CPU backend, no budget) the solver keeps every leaf on the device whatever the
+  transient bytes and the step's time, and the plan's own compile gives its peak: the
+  device-only step is not compiled (a second compile of the same program), and the step's
+  time is predicted from its FLOPs and bytes at the profile's rates.
+  """
   leaves = jax.tree_util.tree_leaves(state)
   solves = always or not is_named(policy, *_FIXED)
+  timed = (solves or is_named(policy, NamedPolicy.OPTIMIZER_STATE_ON_HOST)) and _time_scans(
+      platform)
   return step_costs_lib.measure_step(
       inv.closed_jaxpr, leaves, jax.tree_util.tree_leaves(args), platform=platform,
-      state_device_bytes=sum(l.nbytes for l in inv.leaves), compile_step=solves,
+      state_device_bytes=sum(l.nbytes for l in inv.leaves),
+      compile_step=solves and (limited or always),
       # Also under optimizer_state_on_host: whether its layered updates hide under the
       # backward pass, and so their executor, rests on the compute's time.
-      time_scans=(solves or is_named(policy, NamedPolicy.OPTIMIZER_STATE_ON_HOST))
-      and _time_scans(platform))
+      time_scans=timed)
 
 
 def _meshed(state: Any) -> frozenset[int]:
