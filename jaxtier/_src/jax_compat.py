@@ -256,3 +256,35 @@ def _forward_scan_passthrough(eqn: Any, invals: list[Any], outs: list[Any]) -> l
 def memory_kind_of(x: Any) -> "str | None":
   """The memory kind of an array's (or aval's) sharding, None if it has none."""
   return getattr(getattr(x, "sharding", None), "memory_kind", None)
+
+
+# XLA options the installed jaxlib refused by name ("No such compile option"): an XLA flag is
+# renamed or removed between releases (jax 0.11's CPU backend has no
+# `xla_cpu_use_fusion_emitters`, which jax 0.10's has).
+_UNKNOWN_COMPILE_OPTIONS: set[str] = set()
+
+
+def known_compile_options(options: dict[str, Any]) -> dict[str, Any]:
+  """`options` less those this jaxlib's XLA refused by name earlier in this process."""
+  return {k: v for k, v in options.items() if k not in _UNKNOWN_COMPILE_OPTIONS}
+
+
+def compile_with_options(lowered: Any, options: dict[str, Any]) -> Any:
+  """`lowered.compile(compiler_options=options)`, dropping each option this jaxlib's XLA does
+  not know (said by its INVALID_ARGUMENT error "No such compile option: 'name'") and trying
+  again; later calls leave it out from the start (`known_compile_options`).
+
+  Raises:
+    whatever `Lowered.compile` raises for any other reason.
+  """
+  import re  # pylint: disable=g-import-not-at-top
+  options = known_compile_options(options)
+  while True:
+    try:
+      return lowered.compile(compiler_options=options or None)
+    except Exception as e:  # pylint: disable=broad-except  (jaxlib's error types vary)
+      unknown = re.search(r"No such compile option: '([^']+)'", str(e))
+      if unknown is None or unknown.group(1) not in options:
+        raise
+      _UNKNOWN_COMPILE_OPTIONS.add(unknown.group(1))
+      options = known_compile_options(options)

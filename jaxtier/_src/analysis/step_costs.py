@@ -507,8 +507,8 @@ FIGURES_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
 def figures_compile_options(backend: str) -> dict[str, Any]:
   """The `compiler_options` of a compile read only for its memory figures on `backend`
   ({} where none: a GPU compiles as it will run, its figures resting on its autotuned
-  kernels)."""
-  return dict(FIGURES_COMPILE_OPTIONS.get(backend, {}))
+  kernels), less those the installed XLA refused (`jax_compat.compile_with_options`)."""
+  return jc.known_compile_options(FIGURES_COMPILE_OPTIONS.get(backend, {}))
 
 
 def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *,
@@ -544,7 +544,17 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
   num_devices = mesh.size if mesh is not None else 1
   flops, ew = jaxpr_costs(closed_jaxpr)
   here = jax.default_backend()
-  time_whole = time_scans and num_devices == 1 and compile_step and platform == here == "cpu"
+  # A plan for the CPU on a machine with a GPU is compiled for the CPU backend, which JAX
+  # always has: its figures are the CPU's, as on a machine without a GPU.
+  device = None
+  if platform == "cpu" != here and mesh is None:
+    try:
+      device = jax.devices("cpu")[0]
+      here = "cpu"
+    except RuntimeError:
+      pass
+  time_whole = (time_scans and num_devices == 1 and compile_step and device is None
+                and platform == here == "cpu")
   step_secs = None
 
   def costs(**kwargs) -> StepCosts:
@@ -559,7 +569,8 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
   key = None
   try:
     def spec(x, kind):
-      sharding = jc.named_sharding(x, kind, mesh) if mesh is not None else None
+      sharding = (jc.named_sharding(x, kind, mesh) if mesh is not None else
+                  None if device is None else jax.sharding.SingleDeviceSharding(device))
       # A Python scalar argument has no dtype: JAX's own for it (x64 off: float32, int32).
       dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.asarray(x).dtype
       return jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=sharding)
@@ -588,7 +599,7 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
       from_disk = fig is not None and (not time_whole or timed is not None)
       if not from_disk:
         lowered = jax.jit(fn, donate_argnums=tuple(range(len(state)))).lower(*avals)
-        compiled = lowered.compile(compiler_options=options or None)
+        compiled = jc.compile_with_options(lowered, options)
         fig = memory_figures(compiled)
         figures_cache.store(digest, fig)
       if len(_COMPILED_FIGURES) > 16:
