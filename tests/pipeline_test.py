@@ -38,12 +38,20 @@ def test_offload_refines_its_plan_with_the_compiled_peak_and_keeps_it_within_bud
                       jnp.int32)
   full = jaxtier.plan(step_fn, state, batch, policy="none")
   rule = jaxtier.plan(step_fn, state, batch, policy="optimizer_state_on_host")
-  budget = (full.predicted_peak_hbm_bytes + rule.predicted_peak_hbm_bytes) // 2
+  # A budget between the two under which auto's own plan puts optimizer state on the host and
+  # its compiled step fits (where it is over, auto escalates instead of refining: how far the
+  # solver's packed plan compiles over its prediction depends on the card's compiler).
   monkeypatch.setattr(pipeline, "REFINE_CREDIT_SHARES", ())
-  first = jaxtier.offload(step_fn, device_budget=budget)
-  first.place(state, batch)
-  first_plan = first.plan
+  low, high = rule.predicted_peak_hbm_bytes, full.predicted_peak_hbm_bytes
+  for share in (0.5, 0.25, 0.75):
+    budget = int(low + share * (high - low))
+    first = jaxtier.offload(step_fn, device_budget=budget)
+    first.place(state, batch)
+    first_plan = first.plan
+    if first_plan.escalation is None and first_plan.pinned_bytes > 0:
+      break
   monkeypatch.undo()
+  assert first_plan.escalation is None, first_plan.escalation
   assert first_plan.compiler_peak_hbm_bytes < first_plan.predicted_peak_hbm_bytes
   # How far the prediction overestimates depends on the card's compiler (over 2% of this
   # budget on an H200, under it on an H100): any overestimate is to be tried here.

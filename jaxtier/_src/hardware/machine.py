@@ -60,7 +60,7 @@ def _auto_calibrated(path: str) -> "HardwareProfile | None":
   try:
     measured = calibration.quick_calibrate()
   except Exception as e:  # pylint: disable=broad-except  (a plan is made with the defaults then)
-    _, named = _builtin_here()
+    _, named = builtin_here()
     log.warning("jaxtier: no hardware profile at %s, and measuring this machine failed (%s: %s); "
                 "planning with %s, so the plan's times are not this machine's. Run `python -m "
                 "jaxtier calibrate`.", path, type(e).__name__, e, named)
@@ -78,7 +78,7 @@ def _auto_calibrated(path: str) -> "HardwareProfile | None":
   return prof
 
 
-def _builtin_here() -> "tuple[HardwareProfile, str]":
+def builtin_here() -> "tuple[HardwareProfile, str]":
   """(the profile, how the warnings name it) used where this machine has no stored profile:
   on a GPU the built-in profile of its card (`builtin_profile`), else the defaults."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -152,7 +152,7 @@ def load(path: "str | None" = None, *, platform: "str | None" = None,
     measured = None if given else _auto_calibrated(path)
     if measured is not None:
       return measured
-    fallback, named = _builtin_here()
+    fallback, named = builtin_here()
     if warn and path not in _WARNED and (why is not None or jax.default_backend() == "gpu"):
       _WARNED.add(path)
       if why is None:
