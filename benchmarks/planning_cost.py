@@ -38,9 +38,9 @@ Every other side runs with an empty figures cache of its own.
 The ratio is the median of the offloaded side over the median of jit (`--reps` processes
 each, sides alternated). Backend compiles are counted from JAX's
 '/jax/core/compile/backend_compile_duration' events; jaxtier's own phase times are the plan's
-`planning` record. Planning runs with the built-in H200 profile (JAXTIER_AUTO_CALIBRATE=0,
-as the tests run): with a calibrated profile on the CPU, 'auto' also compiles and runs the
-device-only step to time it (`step_costs.time_step`).
+`planning` record. Planning runs with the built-in H200 profile (JAXTIER_AUTO_CALIBRATE=0 and
+an empty XDG_CACHE_HOME, as the tests run): with a calibrated profile on the CPU, 'auto' also
+compiles and runs the device-only step to time it (`step_costs.time_step`).
 
 Cases whose package is absent in their Python are reported as skipped with the install
 command. Gemma and MaxText run in Pythons of their own (`--gemma_python`, `--maxtext_python`),
@@ -462,6 +462,8 @@ def _run_worker(python: str, case: str, side: str, budget, log,
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       filter(None, [JAXTIER_ROOT[0], ROOT, os.environ.get("PYTHONPATH")])),
       JAXTIER_AUTO_CALIBRATE="0",
+      # No stored profile either (a calibrated CPU's would have auto time the whole step).
+      XDG_CACHE_HOME=tempfile.mkdtemp(prefix="xdg-cache-"),
       JAXTIER_FIGURES_CACHE=figures_cache or tempfile.mkdtemp(prefix="figures-cold-"))
   cmd = [python, os.path.abspath(__file__), "--worker", f"--case={case}", f"--side={side}"]
   if budget is not None:
