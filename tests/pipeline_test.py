@@ -38,26 +38,21 @@ def test_offload_refines_its_plan_with_the_compiled_peak_and_keeps_it_within_bud
                       jnp.int32)
   full = jaxtier.plan(step_fn, state, batch, policy="none")
   rule = jaxtier.plan(step_fn, state, batch, policy="optimizer_state_on_host")
-  # A budget between the two under which auto's own plan puts optimizer state on the host and
-  # its compiled step fits (where it is over, auto escalates instead of refining: how far the
-  # solver's packed plan compiles over its prediction depends on the card's compiler).
+  budget = (full.predicted_peak_hbm_bytes + rule.predicted_peak_hbm_bytes) // 2
   monkeypatch.setattr(pipeline, "REFINE_CREDIT_SHARES", ())
-  low, high = rule.predicted_peak_hbm_bytes, full.predicted_peak_hbm_bytes
-  for share in (0.5, 0.25, 0.75):
-    budget = int(low + share * (high - low))
-    first = jaxtier.offload(step_fn, device_budget=budget)
-    first.place(state, batch)
-    first_plan = first.plan
-    if first_plan.escalation is None and first_plan.pinned_bytes > 0:
-      break
-    # Escalated: the plan kept fits the budget compiled, as escalation promises.
-    assert first_plan.escalation.fits and first_plan.compiler_peak_hbm_bytes <= budget
+  first = jaxtier.offload(step_fn, device_budget=budget)
+  first.place(state, batch)
+  first_plan = first.plan
   monkeypatch.undo()
   if first_plan.escalation is not None:
-    # (On an H100 auto's own plan of this step compiles some 6% over its prediction at each
-    # of these budgets: the solver's packed plan is never within its budget, so never refined.)
-    pytest.skip("auto's own plan compiled over each budget tried, and escalated: "
+    # Where auto's own plan compiles over the budget it escalates instead of refining: on an
+    # H100 this step's packed plan compiled 5.9% over its prediction (142,857,136 bytes
+    # against 134,941,416, benchmarks/results/tests/all_h100.log). The plan escalation kept
+    # fits, as it promises.
+    assert first_plan.escalation.fits and first_plan.compiler_peak_hbm_bytes <= budget
+    pytest.skip("auto's own plan compiled over the budget and escalated: "
                 f"{first_plan.escalation.tried_text()}")
+  assert first_plan.pinned_bytes > 0, first_plan.table()
   assert first_plan.compiler_peak_hbm_bytes < first_plan.predicted_peak_hbm_bytes
   # How far the prediction overestimates depends on the card's compiler (over 2% of this
   # budget on an H200, under it on an H100): any overestimate is to be tried here.
