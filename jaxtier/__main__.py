@@ -326,22 +326,9 @@ def main(argv: list[str]) -> None:
     try:
       train_lib.main(argv[:1])
     except KeyboardInterrupt as e:
-      # Ctrl-C ends the command (--json_out is written); a traceback through the training loop
-      # would say nothing more. With --checkpoint_dir the run was saved at its step's end.
-      if not isinstance(e, train_lib.Interrupted):  # before the training loop
-        said = "interrupted (Ctrl-C) before training: nothing was saved"
-      elif e.checkpoint:
-        said = (f"interrupted at step {e.step} (Ctrl-C): the newest checkpoint is "
-                f"{e.checkpoint}; the same command resumes from it")
-      else:
-        said = (f"interrupted at step {e.step} (Ctrl-C): nothing was saved (--checkpoint_dir "
-                "keeps the run)")
-      print(f"\n{said}", file=sys.stderr)
-      # Exit at once: the interpreter's teardown, with XLA's threads still mid-compile or
-      # mid-step, can crash (a segfault after this line).
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(130)
+      # Ctrl-C ends the command (--json_out is written). With --checkpoint_dir the run was
+      # saved at its step's end.
+      train_lib.exit_interrupted(e)
     except train_lib.OverBudgetError as e:
       print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
       sys.exit(1)

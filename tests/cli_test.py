@@ -903,6 +903,33 @@ def test_train_interrupted_then_run_again_resumes_with_an_uninterrupted_runs_los
       f"step_{n:08d}{ext}" for n in (100, 150, 200) for ext in ("", ".json")]
 
 
+@pytest.mark.slow
+def test_the_example_run_as_a_module_ends_a_ctrl_c_as_train_does(tmp_path):
+  # `python -m jaxtier.examples.train` (as `python -m jaxtier run` starts it too): Ctrl-C in
+  # the training loop says at which step and what was kept, and exits 130, no traceback.
+  text = tmp_path / "text.txt"
+  text.write_text(json.__doc__ * 40)
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+             PYTHONUNBUFFERED="1")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxtier.examples.train", "--config=tiny", "--steps=2000",
+       "--batch_size=2", "--seq_len=16", f"--data={text}", "--log_every=1",
+       f"--json_out={tmp_path / 'out.json'}"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+  for line in proc.stdout:
+    if line.startswith(f"step {3:>6}/"):
+      proc.send_signal(signal.SIGINT)
+      break
+  _, stderr = proc.communicate(timeout=120)
+  assert proc.returncode == 130, stderr[-2000:]
+  said = json.loads((tmp_path / "out.json").read_text())
+  stopped = len(said["losses"])
+  assert said["ended"] == "interrupted" and 3 <= stopped < 2000, said
+  assert (f"interrupted at step {stopped} (Ctrl-C): nothing was saved (--checkpoint_dir keeps "
+          "the run)") in stderr, stderr[-2000:]
+  assert "Traceback" not in stderr, stderr[-2000:]
+
+
 def test_train_refuses_a_batch_that_cannot_fit_before_compiling_it(tmp_path):
   # --batch_size=100000 on the CPU: refused only after 130 s of XLA's constant folding. Now
   # from the shapes: the layers' inputs and the logits alone are 100000 x 128 x (2 x 128 + 256)

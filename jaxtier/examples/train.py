@@ -21,7 +21,9 @@ from collections.abc import Sequence
 import contextlib
 import dataclasses
 import math
+import os
 import shutil
+import sys
 import textwrap
 import time
 from typing import Any
@@ -879,5 +881,28 @@ def _write_json_out(result: dict[str, Any], ended: str, error: "BaseException | 
     json.dump(out, f, indent=1)
 
 
+def exit_interrupted(e: KeyboardInterrupt) -> None:
+  """Says on stderr how Ctrl-C ended the run (`e`: an `Interrupted` from the training loop,
+  else before it) and what it saved, then exits with status 130 at once: the interpreter's
+  teardown, with XLA's threads still mid-compile or mid-step, can crash (a segfault), and a
+  traceback through the training loop would say nothing more. --json_out is written by `main`
+  before this."""
+  if not isinstance(e, Interrupted):
+    said = "interrupted (Ctrl-C) before training: nothing was saved"
+  elif e.checkpoint:
+    said = (f"interrupted at step {e.step} (Ctrl-C): the newest checkpoint is "
+            f"{e.checkpoint}; the same command resumes from it")
+  else:
+    said = (f"interrupted at step {e.step} (Ctrl-C): nothing was saved (--checkpoint_dir "
+            "keeps the run)")
+  print(f"\n{said}", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(130)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  try:
+    app.run(main)
+  except KeyboardInterrupt as interrupt:
+    exit_interrupted(interrupt)
