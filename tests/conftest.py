@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="jaxtier-tests-cache-")
@@ -44,6 +45,12 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 # terminal (or pytest-xdist, which sets COLUMNS=80) says. A test that checks the wrapping sets
 # its own COLUMNS.
 os.environ["COLUMNS"] = "160"
+# Ctrl-C as in a terminal, however the tests were started: a process started in the
+# background (`nohup ... &`) inherits SIGINT ignored, and Python then installs no
+# KeyboardInterrupt for it, nor do the CLI's subprocesses, which inherit the disposition. The
+# tests of what jaxtier does on Ctrl-C need Python's default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import jax
 import optax
