@@ -74,6 +74,20 @@ def complete(directory: str) -> list[Checkpoint]:
   return sorted(found, key=lambda c: c.step)
 
 
+def incomplete(directory: str) -> list[str]:
+  """The paths of the checkpoints in `directory` whose state was not finished (a state
+  directory without its ``.json``: a save stopped midway), oldest first; [] when none."""
+  if not os.path.isdir(directory):
+    return []
+  found = []
+  for name in os.listdir(directory):
+    m = _NAME.fullmatch(name)
+    path = os.path.join(os.path.abspath(directory), name)
+    if m and os.path.isdir(path) and not os.path.isfile(path + ".json"):
+      found.append((int(m.group(1)), path))
+  return [path for _, path in sorted(found)]
+
+
 def check_resumable(checkpoint: Checkpoint, settings: dict[str, Any]) -> None:
   """Raises ValueError where `settings` (this run's) differ from `checkpoint`'s run in one of
   `SHARED_SETTINGS`, naming each, or where the checkpoint is at or past this run's last step."""

@@ -107,13 +107,18 @@ class Interrupted(KeyboardInterrupt):
 
   Attributes:
     step: the steps completed and saved (with a checkpoint), else those whose loss was read.
-    checkpoint: the checkpoint's path, or None (no ``checkpoint_dir``).
+    checkpoint: the newest complete checkpoint's path, or None (none written yet, or no
+      ``checkpoint_dir``).
     result: what `run` returns, for the steps in ``result["losses"]``.
+    unfinished: the path of the checkpoint a second Ctrl-C stopped being written (incomplete:
+      a resumed run skips it), else None.
   """
 
-  def __init__(self, *, step: int, checkpoint: "str | None", result: dict[str, Any]):
+  def __init__(self, *, step: int, checkpoint: "str | None", result: dict[str, Any],
+               unfinished: "str | None" = None):
     super().__init__(step, checkpoint)
     self.step, self.checkpoint, self.result = step, checkpoint, result
+    self.unfinished = unfinished
 
 
 def _check_host_memory(config: llama.LlamaConfig, config_name: str,
@@ -424,6 +429,11 @@ def run(
        f"offload={offload}")
   if resumed:
     _say(f"resuming from {resumed.path} (step {start} of {steps})")
+  unfinished = checkpoints_lib.incomplete(checkpoint_dir) if checkpoint_dir else []
+  if unfinished:
+    _say(f"skipping {len(unfinished)} incomplete checkpoint{'s' if len(unfinished) > 1 else ''} "
+         f"(a save stopped midway): {', '.join(unfinished)}"
+         + ("" if resumed else f"; no complete one in {checkpoint_dir}: starting at step 0"))
   _check_step_memory(config, batch_size, seq_len, state_bytes)
 
   first_batch = jnp.asarray(next(batch_iter))
@@ -549,11 +559,17 @@ def run(
                ", or pass --clip (gradients clipped to norm 1.0)"),
             step=len(losses), loss=losses[-1], result=result())
 
+  writing = None  # the step whose checkpoint is being written
+
   def save(done: int) -> str:
+    nonlocal writing
     read(0)
     write = ((lambda path: step.save(path, state)) if offload != "none" else
              (lambda path: _save_jitted(path, state)))
-    return checkpoints_lib.save(checkpoint_dir, done, losses, settings, write, keep_checkpoints)
+    writing = done
+    path = checkpoints_lib.save(checkpoint_dir, done, losses, settings, write, keep_checkpoints)
+    writing = None
+    return path
 
   batch = first_batch
   try:
@@ -592,8 +608,10 @@ def run(
   except KeyboardInterrupt as e:
     if isinstance(e, Interrupted):
       raise
-    # Mid-step: the losses read so far, and the newest checkpoint (if any) as it was.
-    raise Interrupted(step=len(losses), checkpoint=saved, result=result()) from None
+    # Mid-step, or a second Ctrl-C mid-save: the losses read so far, and the newest complete
+    # checkpoint (if any) as it was.
+    raise Interrupted(step=len(losses), checkpoint=saved, result=result(), unfinished=(
+        None if writing is None else checkpoints_lib.path_of(checkpoint_dir, writing))) from None
   finally:
     bar.close()
   total_secs = time.perf_counter() - t_start
@@ -889,6 +907,11 @@ def exit_interrupted(e: KeyboardInterrupt) -> None:
   before this."""
   if not isinstance(e, Interrupted):
     said = "interrupted (Ctrl-C) before training: nothing was saved"
+  elif e.unfinished:
+    said = (f"interrupted at step {e.step} (Ctrl-C twice): the second stopped the checkpoint "
+            f"{e.unfinished} being written; it is incomplete, and a resumed run skips it. "
+            + (f"The newest complete checkpoint is {e.checkpoint}; the same command resumes "
+               "from it" if e.checkpoint else "No complete checkpoint was saved"))
   elif e.checkpoint:
     said = (f"interrupted at step {e.step} (Ctrl-C): the newest checkpoint is "
             f"{e.checkpoint}; the same command resumes from it")

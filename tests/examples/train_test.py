@@ -343,6 +343,43 @@ def test_run_warns_when_the_warmup_is_not_under_the_steps(corpus, capsys):
 
 
 @pytest.mark.slow
+def test_a_ctrl_c_that_stops_a_checkpoint_midway_is_said_and_a_resume_skips_it(
+    corpus, tmp_path, capsys, monkeypatch):
+  # A second Ctrl-C while the checkpoint of step 6 is being written (its state directory made,
+  # its .json not yet): the run names that checkpoint as incomplete and step 3's as the newest
+  # complete one; the same run again resumes from step 3 and says it skips step 6's.
+  where = str(tmp_path / "run")
+  save = train.checkpoints_lib.save
+
+  def stopped_at_6(directory, step, *args, **kwargs):
+    if step == 6:
+      os.makedirs(train.checkpoints_lib.path_of(directory, step))
+      raise KeyboardInterrupt  # as the deferred handler raises on a second Ctrl-C
+    return save(directory, step, *args, **kwargs)
+  monkeypatch.setattr(train.checkpoints_lib, "save", stopped_at_6)
+  with pytest.raises(train.Interrupted) as stopped:
+    _run(corpus, steps=9, checkpoint_dir=where, checkpoint_every=3, log_every=3)
+  three, six = f"{where}/step_00000003", f"{where}/step_00000006"
+  assert (stopped.value.step, stopped.value.checkpoint, stopped.value.unfinished) == (
+      6, three, six)
+  monkeypatch.undo()
+  capsys.readouterr()
+  again = _run(corpus, steps=9, checkpoint_dir=where, checkpoint_every=3, log_every=3)
+  out = capsys.readouterr().out
+  assert f"resuming from {three} (step 3 of 9)" in out
+  assert f"skipping 1 incomplete checkpoint (a save stopped midway): {six}" in out, out
+  assert again["resumed_from"] == 3 and again["checkpoint"] == f"{where}/step_00000009"
+  assert os.path.isfile(six + ".json")  # written whole this time
+  # What the command line says of it (and its exit status, 130).
+  monkeypatch.setattr(train.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+  with pytest.raises(SystemExit, match="130"):
+    train.exit_interrupted(stopped.value)
+  said = capsys.readouterr().err
+  assert (f"interrupted at step 6 (Ctrl-C twice): the second stopped the checkpoint {six} "
+          "being written; it is incomplete, and a resumed run skips it. The newest complete "
+          f"checkpoint is {three}; the same command resumes from it") in said, said
+
+
 def test_run_resumes_from_its_newest_checkpoint_with_an_uninterrupted_runs_losses(
     corpus, tmp_path, capsys):
   # Checkpoints at steps 3 and 6; with the last one gone (as if the run had stopped after step
