@@ -150,13 +150,13 @@ CONFIGS: dict[str, LlamaConfig] = {
     "8b": LlamaConfig(
         d_model=4096, num_layers=32, num_heads=32, d_ff=14336, max_seq_len=2048,
         dtype=jnp.bfloat16, remat_policy="nothing_saveable"),
-    # Llama-2-13B shapes, vocab 256: ~12.7e9 params.
-    "13b": LlamaConfig(num_layers=40, **_LLAMA2_13B_LAYER),
     # Capacity configs: Llama-2-13B layers, stacked shallower or deeper, toward what one GPU
     # and its host hold at 16 B/param (fp32 params, gradients, m and v; an H100 with 125 GiB
-    # of host about 13.3e9, an H200 about 17.9e9): ~11.7e9, ~14.3e9, ~15.2e9, ~16.5e9, ~17.1e9
-    # params.
+    # of host about 13.3e9, an H200 about 17.9e9): ~11.7e9, ~12.7e9 (13b: Llama-2-13B's
+    # shapes, vocab 256), ~14.3e9, ~15.2e9, ~16.5e9, ~17.1e9 params, in the order of their
+    # size.
     "12b": LlamaConfig(num_layers=37, **_LLAMA2_13B_LAYER),
+    "13b": LlamaConfig(num_layers=40, **_LLAMA2_13B_LAYER),
     "14b": LlamaConfig(num_layers=45, **_LLAMA2_13B_LAYER),
     "15b": LlamaConfig(num_layers=48, **_LLAMA2_13B_LAYER),
     "16b": LlamaConfig(num_layers=52, **_LLAMA2_13B_LAYER),
