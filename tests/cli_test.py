@@ -195,6 +195,25 @@ def test_plan_json_over_budget_not_refused_exits_1(tmp_path):
   assert missed["need_bytes"] > 8 * 2**20 and not missed["binding"], missed
 
 
+def test_plan_without_a_budget_names_the_cpu_budget_train_plans_against(tmp_path):
+  # `train --offload=auto` on the CPU sets a budget of its own so that the example offloads;
+  # `plan` with none keeps all on the device, and says which budget train plans against:
+  # the all-device peak less half the state (`budgets.cpu_budget_of`).
+  out = _cli(tmp_path, "plan", "--config=tiny", "--json")
+  plan = json.loads(out.stdout)
+  text = _cli(tmp_path, "plan", "--config=tiny")
+  assert text.returncode == 0, text.stderr[-2000:]
+  note = _said(text.stdout, "note: with no --device_budget")
+  budget = int(re.search(r"\((\d+) bytes: this plan's peak less half the state", note).group(1))
+  assert budget == plan["predicted_peak_hbm_bytes"] - (plan["device_bytes"]
+                                                       + plan["pinned_bytes"]) // 2, note
+  assert plan["pinned_bytes"] == 0 and "`train` on the CPU plans against a device budget" in note
+  # Given a budget, or under another policy, nothing to say.
+  for flags in (["--device_budget=1GiB"], ["--offload=optimizer_state_on_host"]):
+    assert "note: with no --device_budget" not in _cli(tmp_path, "plan", "--config=tiny",
+                                                       *flags).stdout
+
+
 def test_plan_json_fitting_exits_0(tmp_path):
   out = _cli(tmp_path, "plan", "--config=tiny", "--json")
   assert out.returncode == 0, out.stderr[-2000:]
