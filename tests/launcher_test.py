@@ -280,6 +280,22 @@ def test_strict_stops_where_a_named_step_is_never_wrapped(capsys):
       "step (one that donates a state and returns it) and called"), err
 
 
+def test_a_step_in_no_importable_module_is_said_before_the_script_runs(capsys):
+  # A mistyped module in --step: said before the script runs (not after all its steps); under
+  # --strict the run stops there. The script's own module is named as the script.
+  code, out, err = _run_here(capsys, "--step=nosuch:step_a", "--strict")
+  assert (code, out) == (1, "")
+  assert err.strip() == (
+      "jaxtier run: --step=nosuch:step_a: no such module can be imported (the script's own "
+      "functions are named two_steps:function); --strict: stopped before the script ran"), err
+  code, out, err = _run_here(capsys, "--step=nosuch:step_a", "--step=two_steps:step_b")
+  assert code == 0 and "step 0" in out, err
+  assert err.startswith("jaxtier run: --step=nosuch:step_a: no such module can be imported "
+                        "(the script's own functions are named two_steps:function); the script "
+                        "runs, and what it wraps is said at its end\n"), err
+  assert "two_steps:step_b" in err  # wrapped, as asked
+
+
 LOWERED_FIRST = textwrap.dedent("""
     # As the example trainer: the step lowered on shapes, then the state built by a jit.
     import jax, jax.numpy as jnp, optax

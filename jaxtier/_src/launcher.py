@@ -1129,6 +1129,25 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
   return options, target
 
 
+def unimportable_steps(options: RunOptions, target: Target) -> list[str]:
+  """The --step specs whose module is neither the script's own (`Target.name`, '__main__')
+  nor importable now (`importlib.util.find_spec`): most likely mistyped. (A module the script
+  makes importable later, by changing sys.path, is among them too: hence a warning, and an
+  error only under --strict.)"""
+  absent = []
+  for spec in options.steps:
+    module = spec.rpartition(":")[0]
+    if not module or module in ("__main__", target.name):
+      continue
+    try:
+      found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is absent
+      found = False
+    if not found:
+      absent.append(spec)
+  return absent
+
+
 def _flag_values() -> Any:
   """`run`'s own flags, in a `FlagValues` of their own (absl's global one is the script's)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -1167,6 +1186,14 @@ def main(argv: Sequence[str]) -> int:
   except ValueError as e:
     print(f"{e}\n{USAGE}", file=sys.stderr)
     return 2
+  absent = unimportable_steps(options, target)
+  if absent:
+    said = (f"{_PREFIX}: --step={', --step='.join(absent)}: no such module can be imported "
+            f"(the script's own functions are named {target.name}:function)")
+    if options.strict:
+      print(f"{said}; --strict: stopped before the script ran", file=sys.stderr)
+      return 1
+    print(f"{said}; the script runs, and what it wraps is said at its end", file=sys.stderr)
   # jaxtier's INFO lines (the compiled peak, re-plans) would be the script's to print: its own
   # logging set-up (absl's) shows them by default. Its warnings stay.
   logger = logging.getLogger("jaxtier")
