@@ -28,7 +28,6 @@ Commands:
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
@@ -302,14 +301,9 @@ def _unused_flags(command: str) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-  # JAX logs at INFO that it found no TPU; the commands' own output is what matters here.
-  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-  # jaxtier's own INFO lines (the compiled peak, re-plans) are for --verbosity=0 and up; absl
-  # would print them by default, mixed into the commands' output.
-  if not flags.FLAGS["verbosity"].present:
-    logging.getLogger("jaxtier").setLevel(logging.WARNING)
-    # Nor orbax's (through absl's logger): some twenty lines per checkpoint saved.
-    logging.getLogger("absl").setLevel(logging.WARNING)
+  # The commands' own output is what matters here: the libraries' INFO lines only with
+  # --verbosity.
+  train_lib.quiet_library_logs()
   if len(argv) < 2:
     got = "no command given"
   elif argv[1] not in COMMANDS:
