@@ -35,6 +35,7 @@ from absl import app, flags
 
 import jaxtier  # (imports jax first)
 # `train` runs itself again with the XLA settings that fit its plan (at most MAX_RERUNS times).
+from jaxtier._src import logs
 from jaxtier._src.rerun import MAX_RERUNS, rerun_with as _rerun_with
 
 if __name__ == "__main__" and sys.argv[1:2] == ["run"]:
@@ -303,7 +304,7 @@ def _unused_flags(command: str) -> list[str]:
 def main(argv: list[str]) -> None:
   # The commands' own output is what matters here: the libraries' INFO lines only with
   # --verbosity.
-  train_lib.quiet_library_logs()
+  logs.quiet_library_logs()
   if len(argv) < 2:
     got = "no command given"
   elif argv[1] not in COMMANDS:

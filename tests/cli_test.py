@@ -513,9 +513,11 @@ def test_plan_summary_fits_the_terminal_and_details_show_reasons(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert max(len(l) for l in out.stdout.splitlines()) <= 90, out.stdout
   lines = summary.stdout.splitlines()
-  assert len(lines) <= 21, summary.stdout  # the config line and the summary
+  # The config line, the summary, and the note of the CPU budget `train` would plan against.
+  assert len(lines) <= 24, summary.stdout
   assert lines[1] == "jaxtier plan (cpu): fits; 0 fused host updates/step"
-  assert lines[-1] == "(each leaf and all 3 notes: python -m jaxtier plan --details)"
+  hint = lines.index("(each leaf and all 3 notes: python -m jaxtier plan --details)")
+  assert lines[hint + 1].startswith("note: with no --device_budget, `train` on the CPU"), lines
   assert "reason" not in summary.stdout and "['layers']" not in summary.stdout
   rows = lambda out: [l for l in out.splitlines() if l.startswith("[")]
   # (--verbose is --details; pinnable memory moves with the host's free memory.)

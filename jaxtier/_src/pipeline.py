@@ -740,8 +740,8 @@ def _escalated(planned: Planned, limit: "int | None", replan_budget: "DeviceBudg
       plan, refusal = e.plan, e
     same = compiled.get(_layout(plan))
     if same is not None:
-      tried.append(Attempt(name=str(name), why=f"the memory kinds of {same}'s plan: not "
-                           "compiled again"))
+      tried.append(Attempt(name=str(name), why=f"the same memory kinds as {same}'s plan: "
+                           "not compiled again"))
       continue
     compiled[_layout(plan)] = str(name)
     candidate, _ = _verify(c.lower(plan), c.state, c.args, policy, refining=True,

@@ -75,10 +75,12 @@ def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "st
     fixes.append("larger budgets")
   if not problems:
     return None
-  # Under auto, the plans it tried with more state on the host once its own was over.
+  # Under auto, the plans it tried with more state on the host once its own was over (their
+  # peaks are in the plan's notes, printed before this).
   tried = getattr(plan, "escalation", None)
   if tried is not None:
-    problems.append(tried.tried_text())
+    problems.append(f"auto also tried {', '.join(a.name for a in tried.tried[1:])}, none "
+                    "within it (the plan's notes list their peaks)")
   if device_over:
     more_on_host = {
         "optimizer_state_on_host": "--offload=auto or --offload=stream (more state in "
@@ -140,7 +142,7 @@ def placement_line(plan, why: str) -> str:
   escalated = getattr(plan, "escalation", None)
   if escalated is not None and escalated.kept not in ("auto", "auto re-planned"):
     own = escalated.tried[0].compiler_peak_hbm_bytes
-    why += (f"; policy {escalated.kept}: auto's own plan compiles to "
+    why += (f"; planned as {escalated.kept}: auto's own plan compiles to "
             f"{jaxtier.format_bytes(own)}, over the {jaxtier.format_bytes(escalated.limit_bytes)}"
             " limit")
   if not pinned:

@@ -225,6 +225,8 @@ def _offload_step(train_step, *, device_budget, host_budget, policy="auto",
 
 def _show_plan(plan, why: str, plan_details: bool) -> None:
   """Prints where `plan` puts the state (`why`: what decided it) and the plan itself."""
+  if not plan.fits and why.startswith("to fit "):
+    why = f"aiming at {why.removeprefix('to fit ')}, which it does not fit (below)"
   _say(placement_line(plan, why))
   if plan_details:
     print(plan.table(reasons=True))
@@ -850,23 +852,15 @@ def _valid_json_out(value: str) -> bool:
 flags.register_validator("json_out", _valid_json_out)
 
 
-def quiet_library_logs() -> None:
-  """Keeps the libraries' INFO lines out of the run's output unless --verbosity is given
-  (absl prints INFO by default): JAX's that it found no TPU, jaxtier's own (the compiled
-  peak, re-plans), orbax's (some twenty lines per checkpoint saved, through absl's logger)."""
-  import logging as std_logging  # pylint: disable=g-import-not-at-top
-  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
-  if not flags.FLAGS["verbosity"].present:
-    std_logging.getLogger("jaxtier").setLevel(std_logging.WARNING)
-    std_logging.getLogger("absl").setLevel(std_logging.WARNING)
-
-
 def main(argv: Sequence[str]) -> None:
   """Runs `run` with the flags; writes --json_out however it ends, then re-raises what ended
   it (the command line turns that into its message and exit status)."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  quiet_library_logs()
+  # absl prints INFO by default: JAX's that it found no TPU, orbax's per checkpoint. The run's
+  # own lines are printed; --verbosity brings the libraries' back.
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)
   try:
     result = run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
         seq_len=_SEQ_LEN.value, offload=_OFFLOAD.value, data=_DATA.value,

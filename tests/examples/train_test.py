@@ -259,9 +259,9 @@ def test_the_summary_line_names_the_policy_auto_escalated_to():
   plan = type("Plan", (), dict(leaves=(leaf,), pinned_bytes=58 * 2**30, device_bytes=29 * 2**30,
                                escalation=escalation))()
   line = budgets.placement_line(plan, "as it fits there")
-  assert line == ("offload: optimizer_state 58.00 GiB in pinned_host, as it fits there; policy "
-                  "optimizer_state_on_host: auto's own plan compiles to 72.06 GiB, over the "
-                  "71.46 GiB limit"), line
+  assert line == ("offload: optimizer_state 58.00 GiB in pinned_host, as it fits there; "
+                  "planned as optimizer_state_on_host: auto's own plan compiles to 72.06 GiB, "
+                  "over the 71.46 GiB limit"), line
   assert "\n" not in line
   plan.escalation = dataclasses.replace(escalation, kept="auto re-planned")
   assert budgets.placement_line(plan, "as it fits there") == (
