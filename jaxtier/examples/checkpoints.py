@@ -58,34 +58,35 @@ def path_of(directory: str, step: int) -> str:
   return os.path.join(os.path.abspath(directory), f"step_{step:08d}")
 
 
-def complete(directory: str) -> list[Checkpoint]:
-  """The complete checkpoints in `directory`, oldest first; [] when it does not exist."""
+def _state_dirs(directory: str) -> list[tuple[int, str, bool]]:
+  """(step, path, complete) of each checkpoint state directory in `directory`, oldest first
+  ([] when it does not exist); complete: its ``.json`` is there too."""
   if not os.path.isdir(directory):
     return []
   found = []
   for name in os.listdir(directory):
     m = _NAME.fullmatch(name)
     path = os.path.join(os.path.abspath(directory), name)
-    if not m or not os.path.isdir(path) or not os.path.isfile(path + ".json"):
-      continue
-    with open(path + ".json") as f:
-      record = json.load(f)
-    found.append(Checkpoint(path, int(m.group(1)), tuple(record["losses"]), record["settings"]))
-  return sorted(found, key=lambda c: c.step)
+    if m and os.path.isdir(path):
+      found.append((int(m.group(1)), path, os.path.isfile(path + ".json")))
+  return sorted(found)
+
+
+def complete(directory: str) -> list[Checkpoint]:
+  """The complete checkpoints in `directory`, oldest first; [] when it does not exist."""
+  found = []
+  for step, path, whole in _state_dirs(directory):
+    if whole:
+      with open(path + ".json") as f:
+        record = json.load(f)
+      found.append(Checkpoint(path, step, tuple(record["losses"]), record["settings"]))
+  return found
 
 
 def incomplete(directory: str) -> list[str]:
   """The paths of the checkpoints in `directory` whose state was not finished (a state
   directory without its ``.json``: a save stopped midway), oldest first; [] when none."""
-  if not os.path.isdir(directory):
-    return []
-  found = []
-  for name in os.listdir(directory):
-    m = _NAME.fullmatch(name)
-    path = os.path.join(os.path.abspath(directory), name)
-    if m and os.path.isdir(path) and not os.path.isfile(path + ".json"):
-      found.append((int(m.group(1)), path))
-  return [path for _, path in sorted(found)]
+  return [path for _, path, whole in _state_dirs(directory) if not whole]
 
 
 def check_resumable(checkpoint: Checkpoint, settings: dict[str, Any]) -> None:
