@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _NAME = re.compile(r"step_(\d{8})")
+# Orbax writes a state into a temporary directory beside its own, renamed when it is complete.
+_TMP = re.compile(r"step_(\d{8})\.orbax-checkpoint-tmp.*")
 
 # The settings a resumed run must share with its checkpoint's run: they fix the state's
 # structure, the data and the batch order (`--steps` may differ: the schedule then follows it).
@@ -59,17 +61,27 @@ def path_of(directory: str, step: int) -> str:
 
 
 def _state_dirs(directory: str) -> list[tuple[int, str, bool]]:
-  """(step, path, complete) of each checkpoint state directory in `directory`, oldest first
-  ([] when it does not exist); complete: its ``.json`` is there too."""
+  """(step, path, complete) of each checkpoint state directory in `directory` (orbax's
+  temporary ones too), oldest first ([] when it does not exist); complete: not temporary, and
+  its ``.json`` is there too."""
   if not os.path.isdir(directory):
     return []
   found = []
   for name in os.listdir(directory):
-    m = _NAME.fullmatch(name)
+    m, tmp = _NAME.fullmatch(name), _TMP.fullmatch(name)
     path = os.path.join(os.path.abspath(directory), name)
-    if m and os.path.isdir(path):
-      found.append((int(m.group(1)), path, os.path.isfile(path + ".json")))
+    if (m or tmp) and os.path.isdir(path):
+      found.append((int((m or tmp).group(1)), path,
+                    m is not None and os.path.isfile(path + ".json")))
   return sorted(found)
+
+
+def unfinished_state(directory: str, step: int) -> "str | None":
+  """The path of what a save stopped midway left of the checkpoint after `step` steps (its
+  state directory without its ``.json``, or orbax's temporary one), None where it left
+  nothing."""
+  return next((path for s, path, whole in _state_dirs(directory) if s == step and not whole),
+              None)
 
 
 def complete(directory: str) -> list[Checkpoint]:
@@ -81,6 +93,11 @@ def complete(directory: str) -> list[Checkpoint]:
         record = json.load(f)
       found.append(Checkpoint(path, step, tuple(record["losses"]), record["settings"]))
   return found
+
+
+def _step_of(path: str) -> int:
+  return int((_NAME.fullmatch(os.path.basename(path)) or _TMP.fullmatch(
+      os.path.basename(path))).group(1))
 
 
 def incomplete(directory: str) -> list[str]:
@@ -136,6 +153,9 @@ def save(directory: str, step: int, losses: list[float], settings: dict[str, Any
   for old in complete(directory)[:-keep]:
     os.remove(old.path + ".json")  # incomplete first, then gone
     shutil.rmtree(old.path, ignore_errors=True)
+  for older in incomplete(directory):  # saves stopped midway before this one: never resumed
+    if _step_of(older) < step:
+      shutil.rmtree(older, ignore_errors=True)
   return path
 
 

@@ -613,7 +613,8 @@ def run(
     # Mid-step, or a second Ctrl-C mid-save: the losses read so far, and the newest complete
     # checkpoint (if any) as it was.
     raise Interrupted(step=len(losses), checkpoint=saved, result=result(), unfinished=(
-        None if writing is None else checkpoints_lib.path_of(checkpoint_dir, writing))) from None
+        None if writing is None else checkpoints_lib.unfinished_state(checkpoint_dir, writing))
+                      ) from None
   finally:
     bar.close()
   total_secs = time.perf_counter() - t_start
