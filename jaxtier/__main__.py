@@ -164,12 +164,16 @@ def plan_main() -> None:
   # given, so that the example offloads (`cpu_device_budget`): say which, as this plan has none.
   if (flags.FLAGS.offload == "auto" and platform == "cpu" == jax.default_backend()
       and not flags.FLAGS.device_budget and refused is None and not plan.pinned_bytes):
-    demo = train_lib.cpu_budget_of(plan)
-    if demo is not None and demo > 0:
+    # As train computes it: from the all-device plan of the step as the model runs it (its
+    # own activation policy), which this plan's solver may have chosen otherwise.
+    figures = train_lib.cpu_device_budget(step, state, tokens,
+                                          overlap_update=flags.FLAGS.overlap_update)
+    if figures is not None and figures[0] > 0:
+      demo = figures[0]
       say(f"note: with no --device_budget, `train` on the CPU plans against a device "
-          f"budget of {jaxtier.format_bytes(demo)} ({demo} bytes: this plan's peak less half "
-          "the state, so that the example offloads), and runs the model's activation "
-          "policy; this plan has no device budget")
+          f"budget of {jaxtier.format_bytes(demo)} ({demo} bytes: its all-device step's peak "
+          "less half the state, so that the example offloads), and runs the model's "
+          "activation policy; this plan has no device budget")
   # The planner may pick another activation policy than the model's (to fit, or for speed):
   # `train` runs the model's unless told (its fit is checked against the step it compiles).
   other = plan.assumed_checkpoint_policy

@@ -37,6 +37,14 @@ class OverBudgetError(ValueError):
   """
 
 
+def _flag_size(nbytes: int) -> str:
+  """`nbytes` rounded up to a whole MiB (GiB from 10 GiB), as a size flag takes it: 91MiB."""
+  import math  # pylint: disable=g-import-not-at-top
+  if nbytes >= 10 * 2**30:
+    return f"{math.ceil(nbytes / 2**30)}GiB"
+  return f"{math.ceil(nbytes / 2**20)}MiB"
+
+
 def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "str | None":
   """Why `plan` misses the device / host budget it was given, with the fix; None if it fits.
 
@@ -64,7 +72,7 @@ def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "st
     problems.append(f"peak device memory {figures}, over the --device_budget of "
                     f"{jaxtier.format_bytes(given)}")
     # The compiled step's peak is what runs (the prediction may be above it).
-    fixes.append(f"a larger --device_budget (at least {jaxtier.format_bytes(peak)})")
+    fixes.append(f"a larger --device_budget (at least {_flag_size(peak)})")
   host_over = plan.host_budget is not None and plan.pinned_bytes > plan.host_budget
   if host_over:
     problems.append(f"pinned host memory {jaxtier.format_bytes(plan.pinned_bytes)}, over the "
@@ -79,8 +87,8 @@ def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "st
   # peaks are in the plan's notes, printed before this).
   tried = getattr(plan, "escalation", None)
   if tried is not None:
-    problems.append(f"auto also tried {', '.join(a.name for a in tried.tried[1:])}, none "
-                    "within it (the plan's notes list their peaks)")
+    problems.append(f"no plan auto tried fits it ({', '.join(a.name for a in tried.tried)}: "
+                    "the 'escalated' line above gives each one's peak)")
   if device_over:
     more_on_host = {
         "optimizer_state_on_host": "--offload=auto or --offload=stream (more state in "
