@@ -1102,11 +1102,7 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
   if not script or script == ["-m"]:
     raise ValueError(f"{_PREFIX}: no script given")
   if script[0] == "-m":
-    try:
-      found = importlib.util.find_spec(script[1]) is not None
-    except (ImportError, ValueError):  # a parent package that is absent, or an empty name
-      found = False
-    if not found:
+    if not _importable(script[1]):
       raise ValueError(f"{_PREFIX}: no module named {script[1]!r}")
     target = Target(path=None, module=script[1], argv=tuple(script[2:]))
   else:
@@ -1137,15 +1133,17 @@ def unimportable_steps(options: RunOptions, target: Target) -> list[str]:
   absent = []
   for spec in options.steps:
     module = spec.rpartition(":")[0]
-    if not module or module in ("__main__", target.name):
-      continue
-    try:
-      found = importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package that is absent
-      found = False
-    if not found:
+    if module and module not in ("__main__", target.name) and not _importable(module):
       absent.append(spec)
   return absent
+
+
+def _importable(module: str) -> bool:
+  """Whether `module` can be imported now (`importlib.util.find_spec`), without importing it."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except (ImportError, ValueError):  # a parent package that is absent, or an empty name
+    return False
 
 
 def _flag_values() -> Any:

@@ -130,17 +130,10 @@ def cpu_device_budget(train_step, state, *args, overlap_update: bool = True
     (budget, all-device peak), bytes per device; None where the plan predicts no peak.
   """
   plan = jaxtier.plan(train_step, state, *args, overlap_update=overlap_update)
-  budget = cpu_budget_of(plan)
-  return None if budget is None else (budget, plan.predicted_peak_hbm_bytes)
-
-
-def cpu_budget_of(plan) -> "int | None":
-  """`cpu_device_budget`'s budget from the all-device `plan` (bytes per device): its predicted
-  peak less CPU_OFFLOAD_SHARE of the state's bytes; None where it predicts no peak."""
   peak = plan.predicted_peak_hbm_bytes
   if peak is None:
     return None
-  return peak - int(CPU_OFFLOAD_SHARE * (plan.device_bytes + plan.pinned_bytes))
+  return peak - int(CPU_OFFLOAD_SHARE * (plan.device_bytes + plan.pinned_bytes)), peak
 
 
 def placement_line(plan, why: str) -> str:

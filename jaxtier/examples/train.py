@@ -40,8 +40,8 @@ from . import checkpoints as checkpoints_lib
 from . import data as data_lib
 from . import llama
 from . import tokenizer as tokenizer_lib
-from .budgets import (OFFLOAD_MODES, OverBudgetError, cpu_budget_of, cpu_device_budget,
-                      over_budget, placement_line, stream_layers_policy, verdicts_printed)
+from .budgets import (OFFLOAD_MODES, OverBudgetError, cpu_device_budget, over_budget,
+                      placement_line, stream_layers_policy, verdicts_printed)
 from .train_state import (OptimizerConfig, lookup_config, make_optimizer, make_train_state,
                           state_initializer)
 
