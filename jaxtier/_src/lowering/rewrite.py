@@ -259,6 +259,13 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   kept_vars = [v for v in feed_vars if v not in donated_vars]
 
   layered_scans = ov.scans
+  # The serial lowering of a plan that speculates unrolls the guarded components' scans as
+  # the speculative lowering does, with no calls: a missed guess reruns the serial programs,
+  # and their gradients must be the guessed step's, bit for bit (a rolled loop compiles apart
+  # from an unrolled one and may round a gradient otherwise on a GPU).
+  unrolled = set(layered_scans) | (
+      {s.loop for s in plan.schedule if s.guarded and s.mode == update_schedule.Mode.LAYERED}
+      if not speculate and plan.speculation is not None and plan.speculation.enabled else set())
   # Gradient buffers kept zero between steps: their tables' updates zero the rows they read.
   kept_zero = {u.rows.scratch for u in ov.tables}
 
@@ -307,7 +314,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
                                      read(eqn.invars[2]), zeroed=s in kept_zero)
         outs = [scratch[s]]
         layers.touched_rows(k, read, scratch)
-      elif k in stream.scans or k in layered_scans:
+      elif k in stream.scans or k in unrolled:
         # A layer loop over host_stream leaves (unrolled, streamed) or one whose gradients
         # feed per-layer host updates (unrolled, the updates issued as it goes).
         outs = streaming.run_scan(
