@@ -4,6 +4,11 @@ The public API is what this module exports; everything under `jaxtier._src` may 
 `jaxtier.experimental` holds mechanisms `offload` does not reach yet.
 """
 
+# First: `python -m jaxtier` and `python -m jaxtier.examples.train` end a Ctrl-C while they
+# import in one line, not a traceback (other code importing jaxtier keeps its SIGINT handler).
+from jaxtier._src import early_interrupt as _early_interrupt
+_early_interrupt.install_for_main_module()
+
 import jax as _jax  # noqa: F401  (before jaxtier's extension: the other order crashed in ml_dtypes)
 
 from jaxtier._src.analysis.inventory import LeafInfo as LeafInfo

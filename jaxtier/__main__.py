@@ -31,6 +31,10 @@ from __future__ import annotations
 import os
 import sys
 
+if __name__ == "__main__":  # Ctrl-C while the command starts: one line, exit 130
+  from jaxtier._src import early_interrupt  # pylint: disable=g-import-not-at-top
+  early_interrupt.install(early_interrupt.said_for("jaxtier", sys.argv))
+
 from absl import app, flags
 
 import jaxtier  # (imports jax first)

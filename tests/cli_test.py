@@ -23,6 +23,9 @@ import jax
 import pytest
 
 import jaxtier
+from jaxtier._src import early_interrupt
+
+import _early_ctrl_c
 
 # The forking process: imports the example trainer (jax, flax, optax; no backend is started),
 # then per request line forks a child that runs `python -m jaxtier <args>` and answers with the
@@ -957,6 +960,46 @@ def test_the_example_run_as_a_module_ends_a_ctrl_c_as_train_does(tmp_path):
   assert (f"interrupted at step {stopped} (Ctrl-C): nothing was saved (--checkpoint_dir keeps "
           "the run)") in stderr, stderr[-2000:]
   assert "Traceback" not in stderr, stderr[-2000:]
+
+
+# Where a Ctrl-C lands while `train` starts: after the import of a module (`-X importtime`
+# says when each ends), a number of imports after it, and seconds after that. First, right
+# after jaxtier's first lines and on during the imports; then in JAX's import once its garbage
+# collector callback is in (a KeyboardInterrupt raised in that callback was ignored, and the
+# run went on); once JAX, Flax and the trainer are imported.
+_STARTING = [("jaxtier._src.early_interrupt", 1, delay) for delay in (0, 0.05, 0.3, 1, 2)] + [
+    ("jax._src.lib", 0, 0), ("jax._src.lib", 0, 0.1), ("jax", 0, 0), ("flax.nnx", 0, 0),
+    ("jaxtier.examples.train", 0, 0)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after,lines,delay", _STARTING)
+def test_train_ctrl_c_while_starting_ends_in_its_line_and_130(tmp_path, after, lines, delay):
+  # Nothing has started: one line says so, exit status 130; no traceback, and never ignored.
+  text = tmp_path / "text.txt"
+  text.write_text(json.__doc__ * 40)
+  out = _early_ctrl_c.ctrl_c_while_starting(
+      ["-m", "jaxtier", "train", "--config=tiny", "--steps=2000", "--batch_size=2",
+       "--seq_len=16", f"--data={text}", f"--json_out={tmp_path / 'out.json'}"],
+      after=after, lines=lines, delay=delay, cwd=tmp_path)
+  assert out.returncode == 130, out.stderr[-3000:]
+  assert out.stderr.split("\n") == ["", early_interrupt.BEFORE_TRAINING, ""], out.stderr[-3000:]
+  assert not any(l.startswith("step ") for l in out.stdout.splitlines()), out.stdout[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after,lines,delay", [
+    ("jaxtier._src.early_interrupt", 1, 0.05), ("jax._src.lib", 0, 0), ("flax.nnx", 0, 0),
+    ("jaxtier.examples.llama", 0, 0)])
+def test_the_example_run_as_a_module_ends_a_ctrl_c_while_starting_as_train_does(
+    tmp_path, after, lines, delay):
+  text = tmp_path / "text.txt"
+  text.write_text(json.__doc__ * 40)
+  out = _early_ctrl_c.ctrl_c_while_starting(
+      ["-m", "jaxtier.examples.train", "--config=tiny", "--steps=2000", "--batch_size=2",
+       "--seq_len=16", f"--data={text}"], after=after, lines=lines, delay=delay, cwd=tmp_path)
+  assert out.returncode == 130, out.stderr[-3000:]
+  assert out.stderr.split("\n") == ["", early_interrupt.BEFORE_TRAINING, ""], out.stderr[-3000:]
 
 
 def test_train_refuses_a_batch_that_cannot_fit_before_compiling_it(tmp_path):

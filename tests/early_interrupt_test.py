@@ -1,5 +1,8 @@
 """Ctrl-C while a command line entry point starts (`early_interrupt`): which processes install
 the handler, and what it does where Python's default handler would lose the interrupt.
+
+The entry points themselves, interrupted while they import, are tested in cli_test.py and
+launcher_test.py.
 """
 
 import os

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtier._src import early_interrupt
 from jaxtier._src import launcher as launcher_lib
 from jaxtier._src.runtime import runner as runner_lib
 from jaxtier._src.units import format_bytes
+
+import _early_ctrl_c
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 WRAPPED = re.compile(r"^jaxtier run: wrapped (\S+): (.*)$", re.M)
@@ -127,6 +131,53 @@ def test_the_shardings_a_script_gives_are_kept(tmp_path):
   assert "pinned_host" in kinds.values(), kinds
   assert {kind for _, kind in alone_out["state"].values()} == {"device"}
   np.testing.assert_allclose(_losses(run.stdout), _losses(alone.stdout), rtol=1e-5)
+
+
+# A script that says whether it has Python's default SIGINT handler, then waits for a Ctrl-C.
+SIGINT_SEEN = textwrap.dedent("""
+    import signal, sys, time
+    print("default handler:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    try:
+      time.sleep(60)
+    except KeyboardInterrupt:
+      print("KeyboardInterrupt in the script")
+      sys.exit(3)
+    """)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after,lines,delay", [
+    ("jaxtier._src.early_interrupt", 1, 0), ("jaxtier._src.early_interrupt", 1, 0.05),
+    ("jaxtier._src.early_interrupt", 1, 0.3), ("jax._src.lib", 0, 0),
+    ("jaxtier._src.launcher", 0, 0), ("flax", 0, 0)])
+def test_ctrl_c_before_the_script_starts_ends_the_run_in_a_line_and_130(tmp_path, after,
+                                                                         lines, delay):
+  # In the imports (JAX's, the launcher's, Flax's for its patch of nnx.jit): the script never
+  # runs, one line says so, exit status 130; no traceback, and never ignored.
+  (tmp_path / "script.py").write_text(SIGINT_SEEN)
+  out = _early_ctrl_c.ctrl_c_while_starting(["-m", "jaxtier", "run", "--", "script.py"],
+                                            after=after, lines=lines, delay=delay, cwd=tmp_path)
+  assert out.returncode == 130, out.stderr[-3000:]
+  assert out.stderr.split("\n") == ["", early_interrupt.BEFORE_SCRIPT, ""], out.stderr[-3000:]
+  assert out.stdout == ""
+
+
+@pytest.mark.slow
+def test_the_script_has_pythons_ctrl_c(tmp_path):
+  # The launcher's own handler is gone before the script starts: a Ctrl-C in the script is its
+  # KeyboardInterrupt, as under `python script.py`.
+  (tmp_path / "script.py").write_text(SIGINT_SEEN)
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+             PYTHONUNBUFFERED="1")
+  proc = subprocess.Popen([sys.executable, "-m", "jaxtier", "run", "--", "script.py"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=tmp_path)
+  assert proc.stdout.readline() == "default handler: True\n"
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 3, err[-3000:]
+  assert out == "KeyboardInterrupt in the script\n"
+  assert "Traceback" not in err and "interrupted" not in err, err[-3000:]
 
 
 # -- the launcher's choices, in this process ----------------------------------------------------

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import api
+from jaxtier._src import early_interrupt
 from jaxtier._src import paths
 from jaxtier._src import rerun
 from jaxtier._src.errors import AdmissionError, PlanError
@@ -223,6 +224,8 @@ class Launcher:
     code: Any = 0
     try:
       with self.patched():
+        # The script's Ctrl-C is Python's (KeyboardInterrupt); until now it ended the command.
+        early_interrupt.restore()
         try:
           if target.module:
             sys.argv = [target.module, *target.argv]

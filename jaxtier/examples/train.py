@@ -17,6 +17,10 @@ Usage::
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C while the trainer imports: one line, exit 130
+  from jaxtier._src import early_interrupt  # pylint: disable=g-import-not-at-top
+  early_interrupt.install(early_interrupt.BEFORE_TRAINING)
+
 from collections.abc import Sequence
 import contextlib
 import dataclasses
@@ -35,6 +39,7 @@ import numpy as np
 import tqdm
 
 import jaxtier
+from jaxtier._src import early_interrupt
 
 from . import checkpoints as checkpoints_lib
 from . import data as data_lib
@@ -863,6 +868,9 @@ def main(argv: Sequence[str]) -> None:
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   try:
+    # From here a Ctrl-C raises KeyboardInterrupt (--json_out is written below); until now it
+    # ended the process at once.
+    early_interrupt.restore()
     result = run(config_name=_CONFIG.value, steps=_STEPS.value, batch_size=_BATCH_SIZE.value,
         seq_len=_SEQ_LEN.value, offload=_OFFLOAD.value, data=_DATA.value,
         seed=_SEED.value, learning_rate=_LEARNING_RATE.value,
@@ -913,7 +921,7 @@ def exit_interrupted(e: KeyboardInterrupt) -> None:
   traceback through the training loop would say nothing more. --json_out is written by `main`
   before this."""
   if not isinstance(e, Interrupted):
-    said = "interrupted (Ctrl-C) before training: nothing was saved"
+    said = early_interrupt.BEFORE_TRAINING  # as a Ctrl-C while the trainer starts
   elif e.unfinished:
     said = (f"interrupted at step {e.step} (Ctrl-C twice): the second stopped the checkpoint "
             f"{e.unfinished} being written; it is incomplete, and a resumed run skips it. "
