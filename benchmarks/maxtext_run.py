@@ -86,7 +86,9 @@ def run_one(name: str, steps: int, work: str, timeout: int) -> dict:
   command = " ".join([shown, "python", *launcher, "-m", TRAIN, BASE_YML, *maxtext_args]).strip()
   command = command.replace(work, "<tmp>")
   rec = {"command": command, "returncode": out.returncode,
-         "jaxtier": [line.replace(work, "<tmp>") for line in WRAPPED.findall(text)],
+         # (A line wrapped to the terminal's width, its indented lines joined to it.)
+         "jaxtier": [line.replace(work, "<tmp>")
+                     for line in WRAPPED.findall(re.sub(r"\n  (?=\S)", " ", text))],
          "steps": STEP_LINE.findall(text)}
   if out.returncode != 0:
     rec["error"] = text[-4000:].replace(work, "<tmp>")

@@ -22,7 +22,7 @@ Commands:
           [--step=module:function ...] [--strict] [--plan_json=FILE] -- (script.py | -m
           module) [args]`: runs an unmodified script, its train step (a `jax.jit`, `nnx.jit`
           or `eqx.filter_jit` function that donates a state and returns it) offloaded by
-          `jaxtier.offload`; one line on stderr says which function and its plan
+          `jaxtier.offload`; a line on stderr says which function and its plan
           (`--plan_json` writes the plan leaf by leaf; `python -m jaxtier run --help`).
 """
 

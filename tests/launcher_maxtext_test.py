@@ -67,7 +67,8 @@ def alone(tmp_path_factory):
                          ids=["optimizer_state_on_host", "auto_budget"])
 def test_maxtext_trains_as_alone_with_its_adamw_moments_in_pinned_host(tmp_path, alone, flags):
   losses, err = _train(tmp_path, *flags)
-  wrapped = dict(WRAPPED.findall(err))
+  # (The line is wrapped to the terminal's width: its indented lines joined to it.)
+  wrapped = dict(WRAPPED.findall(re.sub(r"\n  (?=\S)", " ", err)))
   assert list(wrapped) == [f"{TRAIN}:train_step"], err[-4000:]
   assert "(optimizer_state)" in wrapped[f"{TRAIN}:train_step"], wrapped
   assert "warning" not in "".join(l for l in err.splitlines() if l.startswith("jaxtier run")), err

@@ -7,6 +7,7 @@ pinned_host; their printed losses must agree. The launcher's choices (which func
 fallback, --strict, --step) are also checked in this process, on a small script.
 """
 
+import itertools
 import json
 import os
 import pathlib
@@ -30,6 +31,7 @@ import _early_ctrl_c
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 WRAPPED = re.compile(r"^jaxtier run: wrapped (\S+): (.*)$", re.M)
+README = pathlib.Path(__file__).parent.parent / "README.md"
 
 
 def _python(tmp_path, *args, env=None, timeout=600):
@@ -47,8 +49,9 @@ def _losses(stdout: str) -> list[float]:
 
 
 def _wrapped(stderr: str) -> dict[str, str]:
-  """{function: its plan's one line} of the launcher's 'wrapped' lines."""
-  return dict(WRAPPED.findall(stderr))
+  """{function: its plan's one line} of the launcher's 'wrapped' lines (each joined with the
+  indented lines it wraps onto)."""
+  return dict(WRAPPED.findall(re.sub(r"\n  (?=\S)", " ", stderr)))
 
 
 def _pinned_bytes(line: str) -> str:
@@ -67,6 +70,15 @@ def test_an_nnx_script_trains_as_alone_with_its_optimizer_state_on_the_host(tmp_
   assert len(_losses(alone.stdout)) == 8
   np.testing.assert_allclose(_losses(run.stdout), _losses(alone.stdout), rtol=1e-5)
   assert "warning" not in run.stderr, run.stderr
+  # The README's example is this run's line as a terminal of 100 columns shows it (the step
+  # time predicted is this machine's).
+  example = re.search(r"```\n(jaxtier run: wrapped .*?)\n```", README.read_text(), re.S).group(1)
+  wide = _python(tmp_path, "-m", "jaxtier", "run", "--device_budget=4MB", "--", script,
+                 env={"COLUMNS": "100"})
+  said = wide.stderr[wide.stderr.index("jaxtier run: wrapped"):].splitlines()
+  said = "\n".join(said[:len(example.splitlines())])
+  step_time = lambda text: re.sub(r"step \S+ ms predicted", "step <t> ms predicted", text)
+  assert step_time(said) == step_time(example), said
 
 
 @pytest.mark.slow
@@ -215,6 +227,25 @@ def test_the_first_step_called_is_wrapped_and_said(capsys, two_steps_alone):
   assert err.count("jaxtier run: left two_steps:step_b to jax.jit: only the first train step "
                    "is wrapped (two_steps:step_a)") == 1, err
   np.testing.assert_allclose(_numbers(out), _numbers(two_steps_alone), rtol=1e-5)
+
+
+def test_the_wrapped_line_fits_the_terminals_width(capsys, monkeypatch):
+  monkeypatch.setenv("COLUMNS", "60")
+  code, _, err = _run_here(capsys, "--device_budget=3MB")
+  assert code == 0, err
+  lines = err.splitlines()
+  first = next(i for i, l in enumerate(lines) if l.startswith("jaxtier run: wrapped "))
+  said = [lines[first]] + list(itertools.takewhile(lambda l: l.startswith("  "),
+                                                   lines[first + 1:]))
+  assert lines[first].startswith("jaxtier run: wrapped two_steps:step_a: fits; state:"), err
+  assert len(said) >= 3 and max(map(len, said)) <= 60, said
+  joined = " ".join(l.strip() for l in said)
+  assert re.fullmatch(r"jaxtier run: wrapped two_steps:step_a: fits; state: device 1.52 MiB, "
+                      r"pinned_host 0 B; peak device memory \S+ MiB compiled, budget 2.86 MiB; "
+                      r"step \S+ ms predicted", joined), joined
+  # A function's name longer than the line is kept whole, as --step takes it.
+  assert launcher_lib._fit_to_terminal("jaxtier run: wrapped " + "m" * 70 + ":f: fits") == (
+      "jaxtier run: wrapped\n  " + "m" * 70 + ":f:\n  fits")
 
 
 INTERRUPTED = textwrap.dedent("""

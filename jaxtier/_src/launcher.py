@@ -4,9 +4,9 @@ The launcher patches `jax.jit`, `flax.nnx.jit` and `equinox.filter_jit` (where t
 runs the script with `runpy` as Python would, and restores them when it ends. A function the
 script jits is wrapped in a `Jitted`, which calls the original jit until a call shows that the
 function is a train step: it donates a state and returns it. That function then runs as a
-`jaxtier.offload`ed step (`Step`), and one line on stderr says which function and how it was
-planned (`--plan_json` writes each plan, leaf by leaf). Everything else the script does runs
-as it wrote it.
+`jaxtier.offload`ed step (`Step`), and a line on stderr (wrapped to the terminal's width) says
+which function and how it was planned (`--plan_json` writes each plan, leaf by leaf).
+Everything else the script does runs as it wrote it.
 
 What is a train step, by frontend:
 
@@ -38,7 +38,9 @@ import json
 import logging
 import os
 import runpy
+import shutil
 import sys
+import textwrap
 import threading
 from typing import Any, Callable, Sequence
 
@@ -64,6 +66,10 @@ _OWN = ("jaxtier._src", "jaxtier.experimental")
 # state's devices.
 _JAX_JIT_REFUSED = ("device", "backend", "compiler_options", "abstracted_axes")
 _PREFIX = "jaxtier run"
+# The columns a wrapped line fits where the terminal's width is unknown (no terminal, no
+# COLUMNS), and the fewest it is wrapped to.
+_DEFAULT_WIDTH = 100
+_MIN_WIDTH = 40
 
 
 class RunError(RuntimeError):
@@ -291,11 +297,13 @@ class Launcher:
   def named(self, name: str) -> bool:
     return any(_named(s, name, self.target_name) for s in self.options.steps)
 
-  def said(self, text: str) -> None:
-    """Says `text` (one line, 'jaxtier run: ' first) once."""
+  def said(self, text: str, wrap: bool = False) -> None:
+    """Says `text` ('jaxtier run: ' first) once: in one line, or with `wrap` in lines of the
+    terminal's width (`_fit_to_terminal`)."""
     if text not in self._said:
       self._said.add(text)
-      self._say(f"{_PREFIX}: {text}")
+      line = f"{_PREFIX}: {text}"
+      self._say(_fit_to_terminal(line) if wrap else line)
 
   def planned(self, name: str, plan: Any) -> None:
     """Keeps `plan` as the step `name`'s latest, and writes them all to `plan_json`, if
@@ -330,6 +338,15 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _fit_to_terminal(line: str) -> str:
+  """`line` wrapped at its spaces into lines of the terminal's width (COLUMNS, else the
+  terminal's, else 100 columns), those after the first indented by two spaces. A word longer
+  than a line is kept whole: a function's name stays as --step takes it."""
+  width = max(shutil.get_terminal_size((_DEFAULT_WIDTH, 24)).columns, _MIN_WIDTH)
+  return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_long_words=False,
+                                 break_on_hyphens=False)) or line
 
 
 def _unwrapped(fun: Any) -> Any:
@@ -879,7 +896,8 @@ class Step:
     return lowered
 
   def show(self) -> None:
-    """Says the plan in one line, where it is new (the first, or another placement)."""
+    """Says the plan in a line (wrapped to the terminal's width), where it is new (the
+    first, or another placement)."""
     plan = self.offloaded.plan
     if plan is self._plan:
       return
@@ -888,7 +906,7 @@ class Step:
     key = tuple((l.path, l.placement) for l in plan.leaves)
     if key != self._shown:
       self._shown = key
-      self.launcher.said(f"wrapped {self.name}: {plan.one_line()}")
+      self.launcher.said(f"wrapped {self.name}: {plan.one_line()}", wrap=True)
 
 
 class Jitted:
