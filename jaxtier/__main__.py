@@ -158,8 +158,14 @@ def plan_main() -> None:
   width = plan_text.terminal_width()
   say = lambda text: print("\n".join(plan_text.fit_lines(text, width)))
   vocab = (f" (bpe, vocab {config.vocab_size:,})" if flags.FLAGS.tokenizer == "bpe" else "")
+  # The model's activation policy as --remat_policy names it ('none': no layer rematerialised),
+  # and whether it is the config's own.
+  said = ["every activation kept"] if config.remat_policy is None else []
+  if not flags.FLAGS.remat_policy:
+    said.append("the config's default")
+  remat = (config.remat_policy or "none") + (f" ({'; '.join(said)})" if said else "")
   say(f"config {flags.FLAGS.config}: {llama.param_count(config):,} params{vocab}, batch "
-      f"{batch} x seq {seq_len}, remat_policy {config.remat_policy}")
+      f"{batch} x seq {seq_len}, remat_policy {remat}")
   if _DETAILS.value or _VERBOSE.value:
     print(plan.table(width, reasons=True))
   else:
