@@ -1,29 +1,13 @@
 """Command line: `python -m jaxtier <command> [--flags]`.
 
 Commands:
-  train   train the example Flax NNX decoder on real text (flags below;
-          `--offload=auto` places state through `jaxtier.offload`). A plan that misses the
-          `--device_budget` / `--host_budget` given is an error (exit 1) before the first
-          step, unless `--allow_over_budget`.
-  plan    print the plan `jaxtier.offload` would make for an example config, without
-          allocating it: a summary of at most 20 lines (the state's bytes per placement and
-          role, the predicted step time and peak, the verdict; `--details`: every leaf, its
-          placement and why, and every note) (`--config`, `--batch_size`, `--seq_len`,
-          `--device_budget`, `--host_budget`, `--offload` (the policy), `--remat_policy`,
-          `--clip`, `--clip_norm`, `--[no]overlap_update`, `--tokenizer`, `--vocab_size`,
-          `--json`, `--platform`, `--device_kind` (H100, H200 or A100: the GPU planned for
-          where none is here), `--plot=plan.png`, `--nostream`; the vocabulary flags set the
-          model's vocab_size, no tokenizer is trained). Exit status 1 when the plan is refused
-          or over a budget (with `--json` too: its fields `fits` and `refused` say which).
-  calibrate  measure this machine (on a GPU: link each way and duplex, zero-copy, executors,
-          matmul, HBM; everywhere: host DRAM, the CPU executor, pinnable memory) and store
-          the profile as JSON in the user's cache directory (`--json` prints it).
-  run     `python -m jaxtier run [--policy] [--device_budget] [--host_budget]
-          [--step=module:function ...] [--strict] [--plan_json=FILE] -- (script.py | -m
-          module) [args]`: runs an unmodified script, its train step (a `jax.jit`, `nnx.jit`
-          or `eqx.filter_jit` function that donates a state and returns it) offloaded by
-          `jaxtier.offload`; a line on stderr says which function and its plan
-          (`--plan_json` writes the plan leaf by leaf; `python -m jaxtier run --help`).
+  train      train the example Flax NNX decoder on real text, its state placed by jaxtier
+  plan       print the plan jaxtier.offload would make for an example config, allocating none
+  calibrate  measure this machine's links, memory and executors; store the profile
+  run        run an unmodified script with its train step offloaded
+
+`python -m jaxtier <command> --help` says what the command does and lists its flags (e.g.
+`python -m jaxtier train --help`); `--helpfull` lists every flag, absl's own too.
 """
 
 from __future__ import annotations
@@ -52,8 +36,6 @@ try:  # the example trainer defines the flags of train and plan (its model's con
   from jaxtier.examples import train as train_lib
 except ImportError:  # flax / optax / tqdm: the `examples` extra; calibrate runs without it
   train_lib = None
-else:  # --help lists the trainer's flags (train and plan both read them), not --helpfull only
-  flags.adopt_module_key_flags(train_lib)
 
 COMMANDS = ("train", "plan", "calibrate", "run")  # (run is dispatched above, before absl)
 _JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
@@ -303,6 +285,47 @@ _NOT_READ = {
 }
 
 
+# What each command does, for `python -m jaxtier <command> --help` (run's is the launcher's).
+_ABOUT = {
+    "train": "Trains the example Flax NNX decoder on real text, its state placed by "
+             "`jaxtier.offload` (`--offload=auto`: the planner's solver). A plan that misses the "
+             "--device_budget / --host_budget given is an error (exit 1) before the first step, "
+             "unless --allow_over_budget.",
+    "plan": "Prints the plan `jaxtier.offload` would make for an example config, without "
+            "allocating it: a summary of at most 20 lines (the state's bytes per placement and "
+            "role, the predicted step time and peak, the verdict); --details: every leaf, its "
+            "placement and why, and every note. The vocabulary flags set the model's "
+            "vocab_size (no tokenizer is trained). Exit status 1 when the plan is refused or "
+            "over a budget (with --json too: its fields 'fits' and 'refused' say which).",
+    "calibrate": "Measures this machine (on a GPU: the link each way and duplex, zero-copy, "
+                 "the executors, matmul, HBM; everywhere: host DRAM, the CPU executor, "
+                 "pinnable memory) and stores the profile as JSON in the user's cache "
+                 "directory (--json prints it).",
+}
+
+
+def _command_flags(command: str) -> list[str]:
+  """The names of the flags `command` reads (absl's own aside)."""
+  train_flags = ([f.name for f in flags.FLAGS.get_flags_for_module(train_lib)]
+                 if train_lib is not None else [])
+  if command == "train":
+    return [n for n in train_flags if n not in _NOT_READ["train"]]
+  if command == "plan":
+    return [n for n in train_flags if n not in _NOT_READ["plan"]] + ["json", *_PLAN_ONLY]
+  return ["json"]  # calibrate
+
+
+def command_help(command: str) -> str:
+  """`python -m jaxtier <command> --help`: what `command` does and its flags, as absl writes
+  them (`FlagValues.get_help`)."""
+  values = flags.FlagValues()
+  for name in _command_flags(command):
+    values[name] = flags.FLAGS[name]
+  return (f"usage: python -m jaxtier {command} [--flags]\n\n{flags.text_wrap(_ABOUT[command])}"
+          f"\n\nflags (python -m jaxtier --helpfull lists absl's own too):\n"
+          f"{values.get_help(include_special_flags=False)}")
+
+
 def _unused_flags(command: str) -> list[str]:
   """The flags given on the command line that `command` does not read (`_NOT_READ`; calibrate
   reads only --json)."""
@@ -333,7 +356,7 @@ def main(argv: list[str]) -> None:
     expected = "" if len(argv) > 2 else f"; expected one of {', '.join(COMMANDS)}"
     print(f"python -m jaxtier: {got}{expected}.\n"
           f"usage: python -m jaxtier {{{'|'.join(COMMANDS)}}} [--flags] "
-          f"(python -m jaxtier --help lists the flags)", file=sys.stderr)
+          f"(python -m jaxtier <command> --help lists its flags)", file=sys.stderr)
     sys.exit(2)
   unused = _unused_flags(argv[1])
   if unused and "JAXTIER_RERUN" not in os.environ:  # said once, not again by a re-run
@@ -489,9 +512,15 @@ if __name__ == "__main__":
   _why = _missing_examples_extra(sys.argv)
   if _why:
     sys.exit(_why)
+  # absl's --help prints the usage and exits 1; asking for help is no error.
+  if "--helpfull" in sys.argv[1:]:
+    app.usage(writeto_stdout=True)  # this text, then every flag
+    sys.exit(0)
   if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
-    # absl prints the usage and exits 1; asking for help is no error.
-    print(__doc__)
-    print(flags.FLAGS.main_module_help())
+    _command = next((a for a in sys.argv[1:] if a in COMMANDS), None)
+    if _command == "run":
+      from jaxtier._src import launcher as _launcher  # pylint: disable=g-import-not-at-top
+      sys.exit(_launcher.main(["--help"]))
+    print(command_help(_command) if _command else __doc__.rstrip())
     sys.exit(0)
   sys.exit(app.run(main))

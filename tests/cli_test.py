@@ -652,12 +652,36 @@ def test_plan_names_the_pinned_limit_in_force_over_a_larger_host_budget(tmp_path
   assert "host_budget 117.35 GiB" in state and "117.35" not in state.split("pinnable")[0]
 
 
-def test_help_exits_0_and_lists_the_trainers_flags(tmp_path):
+def test_help_is_short_and_each_commands_help_lists_its_flags(tmp_path):
+  # The commands, a line each, and how to list one command's flags; no flag's help.
   out = _cli(tmp_path, "--help")
   assert out.returncode == 0, out.stderr[-2000:]
-  for flag in ("--[no]overlap_update", "--[no]clip", "--clip_norm", "--[no]verbose", "--[no]stream",
-               "--config"):
-    assert flag in out.stdout, flag
+  lines = out.stdout.splitlines()
+  assert len(lines) <= 12 and "--config" not in out.stdout, out.stdout
+  for command in ("train", "plan", "calibrate", "run"):
+    assert any(re.match(rf"  {command} +\w", l) for l in lines), (command, out.stdout)
+  assert "`python -m jaxtier train --help`" in out.stdout
+  # A command's help: what it does and the flags it reads (absl's own help for each), not
+  # those of the others.
+  listed = lambda text: set(re.findall(r"^--(?:\[no\])?(\w+)", text, re.M))
+  train, plan, calibrate = (_cli(tmp_path, command, "--help")
+                            for command in ("train", "plan", "calibrate"))
+  for got in (train, plan, calibrate):
+    assert got.returncode == 0, got.stderr[-2000:]
+  assert train.stdout.startswith("usage: python -m jaxtier train [--flags]\n\nTrains the "
+                                 "example Flax NNX decoder"), train.stdout
+  assert {"config", "steps", "clip", "clip_norm", "overlap_update", "checkpoint_dir",
+          "device_budget"} <= listed(train.stdout), train.stdout
+  assert not listed(train.stdout) & {"json", "stream", "plot", "details", "platform"}
+  assert "--[no]overlap_update: Update the layers' params" in train.stdout
+  assert {"config", "batch_size", "remat_policy", "json", "stream", "plot", "details",
+          "verbose", "platform", "device_kind"} <= listed(plan.stdout), plan.stdout
+  assert not listed(plan.stdout) & {"steps", "data", "seed", "checkpoint_dir", "json_out"}
+  assert listed(calibrate.stdout) == {"json"}, calibrate.stdout
+  run = _cli(tmp_path, "--help", "run")
+  assert run.returncode == 0 and "--[no]strict" in run.stdout, run.stdout
+  full = _cli(tmp_path, "--helpfull")
+  assert full.returncode == 0 and "--verbosity" in full.stdout and "--steps" in full.stdout
 
 
 def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
