@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NoReturn
 
 if __name__ == "__main__":  # Ctrl-C while the command starts: one line, exit 130
   from jaxtier._src import early_interrupt  # pylint: disable=g-import-not-at-top
@@ -70,8 +71,7 @@ def plan_main() -> None:
   if _PLOT.value:
     problem = _unwritable(_PLOT.value)
     if problem:  # say so before planning, not in a traceback after the plan is printed
-      print(f"error: --plot={_PLOT.value}: {problem}", file=sys.stderr)
-      sys.exit(1)
+      bad_command_line("plan", f"--plot={_PLOT.value}: {problem}")
   from jaxtier.examples import tokenizer  # pylint: disable=g-import-not-at-top
   # As `train` sizes it (the vocabulary asked for, whatever the corpus gives: tokenizer.py).
   config = tokenizer.model_config(llama.CONFIGS[flags.FLAGS.config], flags.FLAGS.tokenizer,
@@ -101,8 +101,7 @@ def plan_main() -> None:
       except jaxtier.OptionError as e:
         why = str(e).removeprefix("jaxtier: ")
     if why is not None:
-      print(f"error: --device_kind={_DEVICE_KIND.value}: {why}", file=sys.stderr)
-      sys.exit(1)
+      bad_command_line("plan", f"--device_kind={_DEVICE_KIND.value}: {why}")
   # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).
   policy = {"stream": train_lib.stream_layers_policy}.get(flags.FLAGS.offload,
                                                           flags.FLAGS.offload)
@@ -338,6 +337,38 @@ def _unused_flags(command: str) -> list[str]:
   return [n for n in names if flags.FLAGS[n].present]
 
 
+def _command_in(argv: "list[str]") -> "str | None":
+  """The command `argv` names (its first argument that is one), or None."""
+  return next((a for a in argv[1:] if a in COMMANDS), None)
+
+
+def bad_command_line(command: "str | None", what: object) -> "NoReturn":
+  """Says in one line on stderr what is wrong with the command line and where its flags are
+  listed, then exits 2 (as argparse does for a usage error; absl exits 1, with many lines).
+
+  Args:
+    command: the command given (its --help is named), or None (the top-level --help is).
+    what: what is wrong, e.g. absl's `flags.Error` ("Unknown command line flag 'nope'").
+  """
+  said = " ".join(str(what).removeprefix("jaxtier: ").split())
+  if command:
+    print(f"python -m jaxtier {command}: {said}; python -m jaxtier {command} --help lists its "
+          "flags", file=sys.stderr)
+  else:
+    print(f"python -m jaxtier: {said}; python -m jaxtier --help lists the commands",
+          file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv: "list[str]") -> "list[str]":
+  """`app.run`'s flags parser: absl's (`FlagValues.__call__`), a bad flag said in one line by
+  `bad_command_line` rather than absl's 'FATAL Flags parsing error' and exit status 1."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    bad_command_line(_command_in(argv), e)
+
+
 def main(argv: list[str]) -> None:
   # The commands' own output is what matters here: the libraries' INFO lines only with
   # --verbosity.
@@ -364,7 +395,16 @@ def main(argv: list[str]) -> None:
     typed = [f"--no{n}" if flags.FLAGS[n].value is False else f"--{n}" for n in unused]
     print(f"warning: python -m jaxtier {argv[1]} does not use {', '.join(typed)}; ignored",
           file=sys.stderr)
-  if argv[1] == "train":
+  try:
+    _run_command(argv)
+  except app.UsageError as e:  # flags that contradict each other, a setting the plan refuses
+    bad_command_line(argv[1], e)
+
+
+def _run_command(argv: list[str]) -> None:
+  """Runs the command `argv[1]` (train, plan or calibrate), its flags parsed."""
+  command = argv[1]
+  if command == "train":
     try:
       train_lib.main(argv[:1])
     except KeyboardInterrupt as e:
@@ -406,7 +446,7 @@ def main(argv: list[str]) -> None:
                 "it cannot run one whose state alone is over it (the state is placed before "
                 "the first step)", file=sys.stderr)
       sys.exit(1)
-  elif argv[1] == "plan":
+  elif command == "plan":
     try:
       plan_main()
     except ValueError as e:  # a flag out of range: the message names the limit and the fix
@@ -517,10 +557,10 @@ if __name__ == "__main__":
     app.usage(writeto_stdout=True)  # this text, then every flag
     sys.exit(0)
   if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
-    _command = next((a for a in sys.argv[1:] if a in COMMANDS), None)
+    _command = _command_in(sys.argv)
     if _command == "run":
       from jaxtier._src import launcher as _launcher  # pylint: disable=g-import-not-at-top
       sys.exit(_launcher.main(["--help"]))
     print(command_help(_command) if _command else __doc__.rstrip())
     sys.exit(0)
-  sys.exit(app.run(main))
+  sys.exit(app.run(main, flags_parser=parse_flags))

@@ -329,8 +329,11 @@ def test_calibrate_without_gpu_warns_once_with_readable_rates(tmp_path):
 ])
 def test_plan_plot_to_an_unwritable_path_fails_before_planning(tmp_path, where, says):
   out = _cli(tmp_path, "plan", "--config=tiny", f"--plot={where}")
-  assert out.returncode == 1
-  assert f"error: --plot={where}: " in out.stderr and says in out.stderr, out.stderr[-2000:]
+  assert out.returncode == 2
+  # (Before it, matplotlib may log that it built its font cache.)
+  said = out.stderr.splitlines()[-1]
+  assert said.startswith(f"python -m jaxtier plan: --plot={where}: ") and says in said, said
+  assert said.endswith("; python -m jaxtier plan --help lists its flags"), said
   assert "Traceback" not in out.stderr
   assert "jaxtier plan" not in out.stdout  # failed before planning, not after printing it
 
@@ -574,13 +577,15 @@ def test_plan_for_an_absent_gpu_names_its_card(tmp_path):
       _flat(text.stdout))
   assert "not this machine" not in text.stdout  # the card planned for, not this machine
   bad = _cli(tmp_path, "plan", "--config=tiny", "--platform=gpu", "--device_kind=V100")
-  assert bad.returncode == 1 and not bad.stdout
-  assert bad.stderr.strip() == ("error: --device_kind=V100: no built-in hardware profile for "
-                                "device_kind 'V100'; known: H100, H200, A100")
+  assert bad.returncode == 2 and not bad.stdout
+  assert bad.stderr.strip() == ("python -m jaxtier plan: --device_kind=V100: no built-in hardware "
+                                "profile for device_kind 'V100'; known: H100, H200, A100; python "
+                                "-m jaxtier plan --help lists its flags")
   cpu = _cli(tmp_path, "plan", "--config=tiny", "--device_kind=H100")  # a CPU plan has no card
-  assert cpu.returncode == 1 and not cpu.stdout
-  assert cpu.stderr.strip() == ("error: --device_kind=H100: names the GPU planned for, and this "
-                                "plan is for cpu: add --platform=gpu")
+  assert cpu.returncode == 2 and not cpu.stdout
+  assert cpu.stderr.strip() == ("python -m jaxtier plan: --device_kind=H100: names the GPU "
+                                "planned for, and this plan is for cpu: add --platform=gpu; "
+                                "python -m jaxtier plan --help lists its flags")
 
 
 @pytest.mark.slow
@@ -841,20 +846,22 @@ def test_train_fixes_for_a_refusal_name_the_limit_that_refused_it(monkeypatch):
 
 def test_plan_refuses_nostream_with_the_stream_policy(tmp_path):
   out = _cli(tmp_path, "plan", "--config=tiny", "--offload=stream", "--nostream")
-  assert out.returncode == 1, out.stderr[-2000:]
-  assert "--nostream contradicts --offload=stream" in out.stderr, out.stderr[-2000:]
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr == ("python -m jaxtier plan: --nostream contradicts --offload=stream, which "
+                        "streams the layers' params from pinned_host: drop one of them; python "
+                        "-m jaxtier plan --help lists its flags\n"), out.stderr[-2000:]
 
 
 def test_train_refuses_a_json_out_it_could_not_write_before_training(tmp_path):
   # Checked when the flags are parsed: no step runs, so no result is lost at the end.
   out = _cli(tmp_path, "train", "--config=tiny", "--steps=1",
              f"--json_out={tmp_path}/missing/result.json")
-  assert out.returncode == 1, out.stderr[-2000:]
+  assert out.returncode == 2, out.stderr[-2000:]
   assert f"the folder of '{tmp_path}/missing/result.json'" in out.stderr, out.stderr[-2000:]
   assert "does not exist or is not writable" in out.stderr
   assert "step 1" not in out.stdout and "Traceback" not in out.stderr
   folder = _cli(tmp_path, "train", "--config=tiny", "--steps=1", f"--json_out={tmp_path}")
-  assert folder.returncode == 1 and "is a folder; name a file in it" in folder.stderr
+  assert folder.returncode == 2 and "is a folder; name a file in it" in folder.stderr
 
 
 @pytest.mark.slow
@@ -876,8 +883,36 @@ def test_train_refuses_a_negative_seed_and_log_every_zero_when_parsed(tmp_path):
   for flag, bound in (("--seed=-1", "--seed"), ("--log_every=0", "--log_every"),
                       ("--warmup_steps=-2", "--warmup_steps")):
     out = _cli(tmp_path, "train", "--config=tiny", "--steps=1", flag)
-    assert out.returncode != 0, out.stdout[-2000:]
+    assert out.returncode == 2, out.stdout[-2000:]
     assert bound in out.stderr and "step 1" not in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["plan", "--nope"], "python -m jaxtier plan: Unknown command line flag 'nope'; "
+                         "python -m jaxtier plan --help lists its flags"),
+    (["train", "--confg=tiny"], "python -m jaxtier train: Unknown command line flag 'confg'. "
+                                "Did you mean: config ?; python -m jaxtier train --help lists "
+                                "its flags"),
+    (["--config=huge", "plan"], "python -m jaxtier plan: flag --config=huge: value should be one "
+                                "of <tiny|small|1b|8b|12b|13b|14b|15b|16b|17b>; python -m "
+                                "jaxtier plan --help lists its flags"),
+    (["train", "--seed=-1"], "python -m jaxtier train: flag --seed=-1: -1 is not a "
+                             "non-negative integer; python -m jaxtier train --help lists its "
+                             "flags"),
+    (["calibrate", "--batch_size"], "python -m jaxtier calibrate: Missing value for flag "
+                                    "--batch_size; python -m jaxtier calibrate --help lists its "
+                                    "flags"),
+    (["run", "--nope", "--", "script.py"], "python -m jaxtier run: Unknown command line flag "
+                                           "'nope'; python -m jaxtier run --help lists its flags"),
+    (["--nope"], "python -m jaxtier: Unknown command line flag 'nope'; python -m jaxtier --help "
+                 "lists the commands"),
+])
+def test_a_bad_flag_is_said_in_one_line_with_exit_status_2_on_every_command(tmp_path, args,
+                                                                             says):
+  # As the command line's other usage errors (an unknown command; run's), not absl's
+  # 'FATAL Flags parsing error' and exit status 1.
+  out = _cli(tmp_path, *args)
+  assert (out.returncode, out.stdout, out.stderr) == (2, "", says + "\n")
 
 
 def test_plan_details_lists_every_leaf_within_the_width(tmp_path, monkeypatch):

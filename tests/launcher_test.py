@@ -438,20 +438,18 @@ def test_parse_splits_jaxtiers_flags_from_the_scripts():
 
 @pytest.mark.parametrize("argv, says", [
     (["--device_budget=lots", "--", str(TWO_STEPS)],
-     "jaxtier run: --device_budget: expected a size like 80GB"),
-    (["--host_budget=-5MB", "--", str(TWO_STEPS)], "jaxtier run: --host_budget: expected a size"),
+     "--device_budget: expected a size like 80GB"),
+    (["--host_budget=-5MB", "--", str(TWO_STEPS)], "--host_budget: expected a size"),
     (["--device_budget=0", "--", str(TWO_STEPS)],
-     "jaxtier run: --device_budget: expected a size > 0 bytes, got '0'; leave --device_budget "
-     "out for no limit"),
+     "--device_budget: expected a size > 0 bytes, got '0'; leave --device_budget out for no "
+     "limit"),
     ([f"--plan_json={TWO_STEPS}/plans.json", "--", str(TWO_STEPS)],
      f"{TWO_STEPS} is a file, not a directory; pick another path"),
-    (["--policy=fast", "--", str(TWO_STEPS)], "policy"),
-    (["--nope", "--", str(TWO_STEPS)], "nope"),
-    (["--strict", "--"], "no script given"),
-    (["--", "missing.py"], "no such script: missing.py"),
-    (["--", "-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
-    (["-m", "jaxtier.no_such_module"], "no module named 'jaxtier.no_such_module'"),
-    (["--step=a:b:c", "--", str(TWO_STEPS)], "--step=module:function"),
+    (["--policy=fast", "--", str(TWO_STEPS)],
+     "flag --policy=fast: value should be one of <auto|none|optimizer_state_on_host>"),
+    (["--nope", "--", str(TWO_STEPS)], "Unknown command line flag 'nope'"),
+    (["--step=a:b:c", "--", str(TWO_STEPS)],
+     "expected --step=module:function or --step=function, got 'a:b:c'"),
     (["--plan_json=/no_such_dir/plans.json", "--", str(TWO_STEPS)],
      "--plan_json=/no_such_dir/plans.json: the directory /no_such_dir does not exist"),
     (["--plan_json=/proc/plans.json", "--", str(TWO_STEPS)],
@@ -459,10 +457,25 @@ def test_parse_splits_jaxtiers_flags_from_the_scripts():
     ([f"--plan_json={os.path.dirname(TWO_STEPS)}", "--", str(TWO_STEPS)],
      "expected a file name (e.g. plans.json), got a directory"),
 ])
-def test_a_bad_command_line_exits_2_naming_what(capsys, argv, says):
+def test_a_bad_flag_exits_2_in_one_line_naming_it(capsys, argv, says):
+  # As train, plan and calibrate say a bad flag: what is wrong, and where the flags are listed.
   assert launcher_lib.main(argv) == 2
   err = capsys.readouterr().err
-  assert says in err and launcher_lib.USAGE in err, err
+  assert err.startswith("python -m jaxtier run: ") and says in err, err
+  assert err.endswith("; python -m jaxtier run --help lists its flags\n"), err
+  assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--strict", "--"], "no script given"),
+    (["--", "missing.py"], "no such script: missing.py"),
+    (["--", "-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
+    (["-m", "jaxtier.no_such_module"], "no module named 'jaxtier.no_such_module'"),
+])
+def test_a_missing_script_exits_2_with_the_usage(capsys, argv, says):
+  assert launcher_lib.main(argv) == 2
+  err = capsys.readouterr().err
+  assert err == f"jaxtier run: {says}\n{launcher_lib.USAGE}\n", err
 
 
 @pytest.mark.parametrize("spec, name, target, named", [

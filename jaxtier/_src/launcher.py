@@ -1098,6 +1098,10 @@ USAGE = ("usage: python -m jaxtier run [--policy=auto] [--device_budget=SIZE]\n"
          "           [--plan_json=FILE] -- (script.py | -m module) [script arguments]")
 
 
+class FlagError(ValueError):
+  """A bad flag of `run`'s own (unknown, or a bad value); the message names it."""
+
+
 def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
   """`run`'s command line (after 'run'): jaxtier's flags, then the script and its arguments.
 
@@ -1105,7 +1109,8 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
   script's own flags, absl's included, are left to the script.
 
   Raises:
-    ValueError: no script, an unknown flag, or a bad value (the message says which).
+    FlagError: an unknown flag, or a bad value (the message says which).
+    ValueError: no script, or no such script or module.
   """
   from absl import flags  # pylint: disable=g-import-not-at-top
   argv = list(argv)
@@ -1119,7 +1124,7 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
   try:
     values(["run", *ours])
   except flags.Error as e:
-    raise ValueError(f"{_PREFIX}: {e}") from None
+    raise FlagError(str(e)) from None
   if not script or script == ["-m"]:
     raise ValueError(f"{_PREFIX}: no script given")
   if script[0] == "-m":
@@ -1132,17 +1137,24 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
     target = Target(path=script[0], module=None, argv=tuple(script[1:]))
   for size in ("device_budget", "host_budget"):
     if getattr(values, size):
-      parse_bytes(getattr(values, size), f"{_PREFIX}: --{size}",  # (raises ValueError)
-                  no_limit=f"leave --{size} out for no limit")
+      try:
+        parse_bytes(getattr(values, size), f"--{size}",
+                    no_limit=f"leave --{size} out for no limit")
+      except ValueError as e:
+        raise FlagError(str(e)) from None
   if values.plan_json:
     why = paths.why_unwritable(values.plan_json, example="plans.json")
     if why:
-      raise ValueError(f"{_PREFIX}: --plan_json={values.plan_json}: {why}")
-  options = RunOptions(policy=values.policy, device_budget=values.device_budget or None,
-                       host_budget=values.host_budget or None, steps=tuple(values.step),
-                       strict=values.strict,
-                       # Absolute: the script may change its working directory.
-                       plan_json=os.path.abspath(values.plan_json) if values.plan_json else None)
+      raise FlagError(f"--plan_json={values.plan_json}: {why}")
+  try:
+    options = RunOptions(policy=values.policy, device_budget=values.device_budget or None,
+                         host_budget=values.host_budget or None, steps=tuple(values.step),
+                         strict=values.strict,
+                         # Absolute: the script may change its working directory.
+                         plan_json=(os.path.abspath(values.plan_json) if values.plan_json
+                                    else None))
+  except ValueError as e:  # a --step that is not module:function
+    raise FlagError(str(e).removeprefix(f"{_PREFIX}: ")) from None
   return options, target
 
 
@@ -1202,7 +1214,11 @@ def main(argv: Sequence[str]) -> int:
     return 0
   try:
     options, target = parse(argv)
-  except ValueError as e:
+  except FlagError as e:  # in one line, as the other commands say a bad flag
+    print(f"python -m jaxtier run: {e}; python -m jaxtier run --help lists its flags",
+          file=sys.stderr)
+    return 2
+  except ValueError as e:  # where the script goes: the usage shows it
     print(f"{e}\n{USAGE}", file=sys.stderr)
     return 2
   absent = unimportable_steps(options, target)

@@ -797,8 +797,8 @@ def _valid_size(value: str) -> bool:
     jaxtier.offload(lambda s, b: (s, {}), device_budget=value)
   except ValueError:
     raise flags.ValidationError(f"expected a size > 0 like 80GB, 16GiB or a number of bytes, "
-                                f"got {value!r}; leave it empty for the default (--help says "
-                                "what it is)") from None
+                                f"got {value!r}; leave it empty for the default (the flag's "
+                                "help says what it is)") from None
   return True
 
 
