@@ -378,6 +378,59 @@ def test_a_step_in_no_importable_module_is_said_before_the_script_runs(capsys):
   assert "two_steps:step_b" in err  # wrapped, as asked
 
 
+def test_a_step_its_module_does_not_define_is_said_before_the_script_runs(capsys):
+  # A mistyped function in --step: said before the script runs, with the closest name the
+  # module defines; under --strict the run stops there.
+  code, out, err = _run_here(capsys, "--step=two_steps:stepa", "--strict")
+  assert (code, out) == (1, "")
+  assert err == ("jaxtier run: --step=two_steps:stepa: two_steps defines no function 'stepa' "
+                 "(did you mean 'step_a'?); --strict: stopped before the script ran\n"), err
+  code, out, err = _run_here(capsys, "--step=__main__:stepa", "--step=two_steps:step_b")
+  assert code == 0 and "step 0" in out, err
+  assert err.startswith("jaxtier run: --step=__main__:stepa: two_steps defines no function "
+                        "'stepa' (did you mean 'step_a'?); the script runs, and what it wraps is "
+                        "said at its end\n"), err
+  assert list(_wrapped(err)) == ["two_steps:step_b"], err
+
+
+SIDE_EFFECTS = textwrap.dedent("""
+    import pathlib
+    pathlib.Path("imported").write_text("a module of the script's, imported")
+    def make():
+      def train_step(state, x):
+        return state, x
+      return train_step
+    def build():
+      def step(state, x):
+        return state, x
+      step.__qualname__ = "named_later"
+      return step
+    """)
+
+
+def test_a_steps_module_is_read_not_imported_before_the_script_runs(capsys, tmp_path,
+                                                                    monkeypatch):
+  # The module's source is read: its code (here one that writes a file) does not run before
+  # the script's. A nested def counts, and so does a name the module gives as a string.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "steps_module.py").write_text(SIDE_EFFECTS)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  options = launcher_lib.RunOptions(steps=(
+      "steps_module:train_stepp", "steps_module:make.<locals>.train_step",
+      "steps_module:named_later", "steps_module:<lambda>", "train_stepp"))
+  target = launcher_lib.Target(path=str(TWO_STEPS), module=None, argv=())
+  assert launcher_lib.undefined_steps(options, target) == {
+      "steps_module:train_stepp": "steps_module defines no function 'train_stepp' (did you mean "
+                                  "'train_step'?)"}
+  assert "steps_module" not in sys.modules and not (tmp_path / "imported").exists()
+  code, _, err = _run_here(capsys, "--step=steps_module:make.<locals>.train_stepp", "--strict")
+  assert code == 1 and err == (
+      "jaxtier run: --step=steps_module:make.<locals>.train_stepp: steps_module defines no "
+      "function 'train_stepp' (did you mean 'train_step'?); --strict: stopped before the script "
+      "ran\n"), err
+  assert not (tmp_path / "imported").exists()
+
+
 LOWERED_FIRST = textwrap.dedent("""
     # As the example trainer: the step lowered on shapes, then the state built by a jit.
     import jax, jax.numpy as jnp, optax

@@ -29,8 +29,10 @@ built this way.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import difflib
 import functools
 import importlib.util
 import inspect
@@ -1171,6 +1173,73 @@ def unimportable_steps(options: RunOptions, target: Target) -> list[str]:
   return absent
 
 
+def undefined_steps(options: RunOptions, target: Target) -> dict[str, str]:
+  """The --step specs whose module's source defines no function of that name, each with what
+  to say of it: {spec: why}.
+
+  The module (the script's own for `Target.name` or '__main__') is read, not imported, so
+  nothing of it runs before the script: its source is parsed (`ast`) for a `def` (at any depth,
+  as --step names a nested function too) or `class` of each part of the name but `<locals>`,
+  or a string of it (a name given at run time). A spec with no module, a module that cannot be
+  imported (`unimportable_steps`) or whose source cannot be read, and a name with a `<lambda>`
+  in it are not checked.
+  """
+  undefined = {}
+  for spec in options.steps:
+    module, _, function = spec.rpartition(":")
+    parts = [p for p in function.split(".") if p != "<locals>"]
+    if not module or any("<" in p for p in parts):
+      continue
+    found = _names_defined(module, target)
+    if found is None:
+      continue
+    defined, strings = found
+    missing = [p for p in parts if p not in defined | strings]
+    if missing:
+      near = difflib.get_close_matches(missing[0], sorted(defined), n=1)
+      shown = target.name if module == "__main__" else module
+      undefined[spec] = (f"{shown} defines no function {missing[0]!r}"
+                         + (f" (did you mean {near[0]!r}?)" if near else ""))
+  return undefined
+
+
+def _names_defined(module: str, target: Target) -> "tuple[set[str], set[str]] | None":
+  """The names `module`'s source gives a `def` or `class` (at any depth), and the strings it
+  writes; None where its source cannot be read or parsed. The script's own module (`module`
+  '__main__' or `Target.name`) is the script."""
+  path = source = None
+  if module in ("__main__", target.name) and target.path:
+    path = target.path
+  else:
+    if module in ("__main__", target.name):
+      module = target.module
+    try:
+      spec = importlib.util.find_spec(module)
+      if spec is not None and spec.submodule_search_locations is not None and (
+          module == target.module):  # `-m package` runs package.__main__
+        spec = importlib.util.find_spec(f"{module}.__main__")
+      if spec is not None and hasattr(spec.loader, "get_source"):
+        source = spec.loader.get_source(spec.name)
+    except (ImportError, ValueError):
+      return None
+  try:
+    if path is not None:
+      with open(path, "rb") as f:
+        source = f.read()
+    if source is None:  # an extension module, or one stored without source
+      return None
+    tree = ast.parse(source)
+  except (OSError, SyntaxError, ValueError):
+    return None
+  defined, strings = set(), set()
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      defined.add(node.name)
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      strings.add(node.value)
+  return defined, strings
+
+
 def _importable(module: str) -> bool:
   """Whether `module` can be imported now (`importlib.util.find_spec`), without importing it."""
   try:
@@ -1195,8 +1264,10 @@ def _flag_values() -> Any:
                             "more (default: the first train step the script calls)",
                             flag_values=values)
   flags.DEFINE_bool("strict", False, "Stop (exit 1) where the step cannot be offloaded, "
-                    "and at the end where no step (or not every --step) was wrapped, instead "
-                    "of a warning.", flag_values=values)
+                    "before the script runs where a --step names a module that cannot be "
+                    "imported or a function its module does not define, and at the end where "
+                    "no step (or not every --step) was wrapped, instead of a warning.",
+                    flag_values=values)
   flags.DEFINE_string("plan_json", "", "Write the wrapped steps' plans to this file as JSON "
                       "({function: plan}: every leaf's placement and memory kind, the notes), "
                       "again whenever a step is planned again.", flag_values=values)
@@ -1221,14 +1292,19 @@ def main(argv: Sequence[str]) -> int:
   except ValueError as e:  # where the script goes: the usage shows it
     print(f"{e}\n{USAGE}", file=sys.stderr)
     return 2
+  # A --step that names a module or a function that is not there, said before the script runs
+  # (not only after it has run unwrapped to its end).
   absent = unimportable_steps(options, target)
-  if absent:
-    said = (f"{_PREFIX}: --step={', --step='.join(absent)}: no such module can be imported "
-            f"(the script's own functions are named {target.name}:function)")
-    if options.strict:
-      print(f"{said}; --strict: stopped before the script ran", file=sys.stderr)
-      return 1
-    print(f"{said}; the script runs, and what it wraps is said at its end", file=sys.stderr)
+  doubts = [f"--step={', --step='.join(absent)}: no such module can be imported (the "
+            f"script's own functions are named {target.name}:function)"] if absent else []
+  doubts += [f"--step={spec}: {why}" for spec, why in undefined_steps(options, target).items()
+             if spec not in absent]
+  for said in doubts:
+    print(f"{_PREFIX}: {said}; " + ("--strict: stopped before the script ran" if options.strict
+                                    else "the script runs, and what it wraps is said at its "
+                                    "end"), file=sys.stderr)
+  if doubts and options.strict:
+    return 1
   # jaxtier's INFO lines (the compiled peak, re-plans) would be the script's to print: its own
   # logging set-up (absl's) shows them by default. Its warnings stay.
   logger = logging.getLogger("jaxtier")
