@@ -330,18 +330,32 @@ def test_a_step_that_cannot_be_offloaded_runs_unwrapped_after_one_warning(capsys
   code, out, err = _run_here(capsys, "--policy=none", "--device_budget=1MB")
   assert code == 0, err
   warnings = [l for l in err.splitlines() if "warning" in l]
-  assert warnings == [l for l in err.splitlines() if l.startswith(
+  # What refused it (`PlanError.reason`), and the fix as this command line gives it, not the
+  # Python API's policy mapping.
+  assert warnings == [
       "jaxtier run: warning: two_steps:step_a runs unwrapped: PlanError: the state needs "
-      "1.52 MiB")], err
-  assert len(warnings) == 1, err
-  # The fix as this command line gives it, not the Python API's policy mapping.
-  assert warnings[0].endswith(" Fix: a larger --device_budget, or --policy=auto (the planner "
-                              "puts what it may on the host)"), warnings
+      "1.52 MiB (1597444 bytes) of device memory after offloading, over the device budget of "
+      "976.56 KiB (1000000 bytes). Fix: a larger --device_budget, or --policy=auto (the planner "
+      "puts what it may on the host)"], err
   assert _wrapped(err) == {}, err  # nor step_b: the first step was step_a
   # The script's own jit runs it: on the CPU bit for bit as alone; on a GPU XLA's reductions
   # may sum in another order from run to run (xla_gpu_deterministic_ops is off by default).
   rtol = 1e-6 if jax.default_backend() == "gpu" else 0
   np.testing.assert_allclose(_numbers(out), _numbers(two_steps_alone), rtol=rtol, atol=0)
+
+
+def test_a_refusal_names_the_flag_of_the_limit_that_refused_it(capsys):
+  # The optimizer state pinned is over --host_budget: a larger --host_budget is the fix, not a
+  # larger --device_budget (`AdmissionError.limit` says which limit refused it).
+  code, _, err = _run_here(capsys, "--policy=optimizer_state_on_host", "--host_budget=100KB",
+                           argv=("1",))
+  assert code == 0, err
+  (warning,) = [l for l in err.splitlines() if "warning" in l]
+  assert warning.startswith("jaxtier run: warning: two_steps:step_a runs unwrapped: "
+                            "AdmissionError: it needs "), warning
+  assert warning.endswith(" of pinned host memory per device, over the host budget of 97.66 KiB "
+                          "(100000 bytes). Fix: a larger --host_budget, or --policy=auto (the "
+                          "planner keeps on the device what fits there)"), warning
 
 
 def test_strict_stops_where_the_step_cannot_be_offloaded(capsys):

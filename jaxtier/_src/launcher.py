@@ -57,7 +57,7 @@ from jaxtier._src import rerun
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.options import OffloadOptions
 from jaxtier._src.runtime import runner
-from jaxtier._src.units import parse_bytes
+from jaxtier._src.units import format_bytes, parse_bytes
 from jaxtier._src.vocab import NamedPolicy, is_named
 
 # Functions defined in these packages are the libraries' own jits (an optimizer's, a framework's
@@ -349,6 +349,31 @@ def _fit_to_terminal(line: str) -> str:
   width = max(shutil.get_terminal_size((_DEFAULT_WIDTH, 24)).columns, _MIN_WIDTH)
   return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_long_words=False,
                                  break_on_hyphens=False)) or line
+
+
+def _command_line_fix(error: Exception, options: RunOptions) -> "str | None":
+  """The fix for a plan refused over a budget, in `run`'s flags, chosen by the limit that
+  refused it (`AdmissionError.limit`; a `PlanError` that is no `AdmissionError`: the state
+  alone over the device budget); None where the error says no `reason`, or no flag of `run`
+  raises its limit (the error's own fix then stands).
+  """
+  if not isinstance(error, PlanError) or not error.reason:
+    return None
+  limit = error.limit if isinstance(error, AdmissionError) else "device_budget"
+  auto = is_named(options.policy, NamedPolicy.AUTO)
+  if limit == "device_budget":
+    need = getattr(error, "need_bytes", None)
+    return ("a larger --device_budget" + (f" (at least {format_bytes(need)})" if need else "")
+            + ("" if auto else ", or --policy=auto (the planner puts what it may on the host)"))
+  if limit == "host_limit":
+    fixes = []
+    if (options.host_budget is not None and error.limit_bytes is not None
+        and parse_bytes(options.host_budget) == error.limit_bytes):
+      fixes.append("a larger --host_budget")
+    if not auto:
+      fixes.append("--policy=auto (the planner keeps on the device what fits there)")
+    return ", or ".join(fixes) or None
+  return None
 
 
 def _unwrapped(fun: Any) -> Any:
@@ -997,12 +1022,13 @@ class Jitted:
     if isinstance(error, AdmissionError) and getattr(error, "settings", None):
       # XLA reads its settings when JAX starts: the command again, with them (as `train`).
       rerun.rerun_with(error.settings, allocated="the step had allocated nothing")
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if isinstance(error, PlanError) and " Fix: " in first:
-      # The fix as this command line gives it (the error's names the Python API's arguments).
-      first = first.split(" Fix: ")[0] + " Fix: a larger --device_budget" + (
-          "" if is_named(self._launcher.options.policy, NamedPolicy.AUTO) else
-          ", or --policy=auto (the planner puts what it may on the host)")
+    fix = _command_line_fix(error, self._launcher.options)
+    if fix is not None:
+      # What refused the plan, and the fix in this command line's flags (the error's own names
+      # the Python API's arguments).
+      first = f"{error.reason}. Fix: {fix}"
+    else:
+      first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     why = f"{type(error).__name__}: {first.removeprefix('jaxtier: ')}"
     try:
       self._launcher.cannot(self._name, why)
