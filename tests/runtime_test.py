@@ -91,6 +91,38 @@ _init_step = optax_train_step(
 _INIT_BATCH = (jnp.ones((16, 64)), jnp.zeros((16, 8)))
 
 
+def test_a_kept_step_time_the_run_contradicts_is_dropped(monkeypatch):
+  # On a calibrated CPU the plan's compute is the device-only step's time, kept on disk for
+  # later processes. One taken under load (faked: 10 s per step) is contradicted by the
+  # offloaded step's measured calls (well under 10 s / RETIME_FACTOR here) and dropped, so that
+  # the next planning times the step again.
+  from jaxtier._src.analysis import figures_cache
+  from jaxtier._src.analysis import step_costs
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU backend times the whole device-only step")
+  monkeypatch.setenv("JAXTIER_TIME_SCANS", "1")
+  monkeypatch.setattr(step_costs, "time_step", lambda *a, **k: 10.0)
+  step_costs._COMPILED_FIGURES.clear()  # pylint: disable=protected-access
+  step_costs._TIMED_STEPS.clear()  # pylint: disable=protected-access
+  off = jaxtier.offload(_init_step, policy="auto", device_budget=1 << 30)
+  state = off.place(_init_state(jax.random.key(0)), _INIT_BATCH)
+  key = off._planned.step_time_key  # pylint: disable=protected-access
+  kept = lambda: figures_cache.load(key, step_costs._StepTime)  # pylint: disable=protected-access
+  assert key and kept() == step_costs._StepTime.of(10.0)  # pylint: disable=protected-access
+  assert off.plan.predicted_step_secs >= 10.0
+  for _ in range(1 + runtime.MEASURED_STEPS):
+    state, _ = off(state, _INIT_BATCH)
+  assert off.plan.measured_step_secs < 10.0 / step_costs.RETIME_FACTOR
+  assert kept() is None
+  # Planned again (a new trace), the step is timed again: the new time is kept.
+  monkeypatch.setattr(step_costs, "time_step", lambda *a, **k: 0.005)
+  again = jaxtier.offload(_init_step, policy="auto", device_budget=1 << 30)
+  again.place(_init_state(jax.random.key(0)), _INIT_BATCH)
+  assert again._planned.step_time_key == key  # pylint: disable=protected-access
+  assert kept() == step_costs._StepTime.of(0.005)  # pylint: disable=protected-access
+  assert again.plan.predicted_step_secs < 1.0
+
+
 def test_init_builds_each_leaf_in_its_planned_memory_kind_with_init_fns_values():
   key = jax.random.key(0)
   off = jaxtier.offload(_init_step, policy="optimizer_state_on_host")

@@ -165,12 +165,18 @@ def _log_cost(cost: PlanningCost) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Planned:
-  """What the pipeline hands the runtime: the traced step, its plan and the programs."""
+  """What the pipeline hands the runtime: the traced step, its plan and the programs.
+
+  `step_time_key`: where the device-only step's time that the plan's prediction rests on is
+  kept (`StepCosts.step_time_key`); the runtime checks it against the measured step
+  (`step_costs.check_step_time`). None where the step was not timed.
+  """
 
   inventory: inv_lib.Inventory
   plan: Plan
   programs: compiled_lib.StepPrograms
   signature: Any
+  step_time_key: "str | None" = None
 
 
 def plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args: Sequence[Any],
@@ -300,6 +306,7 @@ def _plan_step(fn: Callable[..., Any], options: OffloadOptions, state: Any, args
     with clock.phase("verify"):
       planned, _ = _verify(dataclasses.replace(planned, plan=dataclasses.replace(
           planned.plan, compiled_from_cache=False)), state, args, options.policy, refining=True)
+  planned = dataclasses.replace(planned, step_time_key=costs.step_time_key)
   log.debug("jaxtier plan:\n%s", planned.plan)
   # Each plan was admitted as planned (`_admitted_plan`); the one kept is admitted with what
   # its compiled step needs (nothing is allocated yet: `place` and `init` allocate after

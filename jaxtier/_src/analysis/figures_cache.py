@@ -7,7 +7,9 @@ device-only step (`step_costs.measure_step`) and from each plan it compiles; the
 a training script plans the same steps again. This cache keeps those figures under the user's
 cache directory, so that a later process reads them instead of compiling for them. On a
 calibrated CPU, where the device-only step is also run to time it, its time on this machine is
-kept beside its figures (the stored profile is this machine's measurement too).
+kept beside its figures (the stored profile is this machine's measurement too), until a run's
+measured step contradicts it (`step_costs.check_step_time` removes it: the next process times
+the step again).
 
 A key hashes the program's text (a plan's lowered compute program; the device-only step's
 jaxpr with its arguments' types and shardings, which is not lowered where found) with
@@ -107,6 +109,19 @@ def store(digest: str, figures: Any) -> None:
       log.warning("jaxtier: cannot write the figures cache at %s (%s): a later process will "
                   "compile what it could have read; set JAXTIER_FIGURES_CACHE to a writable "
                   "folder, or to 0", folder, e.strerror or e)
+
+
+def remove(digest: str) -> bool:
+  """Removes the entry stored under `digest`; whether there was one (a folder turned off or an
+  entry already gone: False)."""
+  folder = directory()
+  if folder is None:
+    return False
+  try:
+    os.unlink(os.path.join(folder, f"{digest}.json"))
+    return True
+  except OSError:
+    return False
 
 
 def _prune(folder: str) -> None:

@@ -4,6 +4,7 @@ or, on the CPU backend, the timed step."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Sequence
 
 import numpy as np
@@ -13,6 +14,8 @@ from jaxtier._src.analysis import figures_cache
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.units import format_rate
+
+log = logging.getLogger("jaxtier")
 
 # Of the bytes that elementwise ops and reductions produce or consume (counted per jaxpr
 # equation), the share that reaches HBM once XLA has fused chains of them into kernels. An
@@ -51,6 +54,9 @@ class StepCosts:
       measures it (`OffloadedStep` refines its plan with it: docs/design.md).
     step_secs: seconds of the device-only step as run and timed on this machine's CPU backend
       (`time_step`), or None: then `timed` and the analytic `compute_secs` give the compute.
+    step_time_key: the `figures_cache` key under which `step_secs` is kept for later
+      processes (`check_step_time` removes it where a run contradicts it), or None where the
+      step was not timed.
   """
 
   flops: float
@@ -61,6 +67,7 @@ class StepCosts:
   timed: "TimedScans | None" = None
   update_credit: float = 0.0
   step_secs: "float | None" = None
+  step_time_key: "str | None" = None
 
   def compute_secs(self, profile: HardwareProfile) -> float:
     """Seconds of compute per step: the device-only step's as timed (`step_secs`), else timed
@@ -416,8 +423,8 @@ def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
               peak_bytes: "int | None" = None, reps: int = 3,
               max_input_bytes: int = TIME_STEP_MAX_INPUT_BYTES,
               max_run_secs: float = TIME_STEP_MAX_RUN_SECS) -> "float | None":
-  """Runs the compiled device-only step on zero inputs and times it: median seconds of `reps`
-  runs after one warm-up.
+  """Runs the compiled device-only step on zero inputs and times it: the fastest of `reps`
+  runs after one warm-up (other work on a shared machine only ever adds to a run's time).
 
   On the CPU backend the step's compute is XLA's own on this CPU, which one GEMM rate and one
   memory rate (`compute_secs`) miss by several times: a small model's matmuls run far below a
@@ -468,7 +475,7 @@ def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
       del inputs
       if i == 0 and times[0] > max_run_secs:
         return times[0]
-    return float(np.median(times[1:]))
+    return float(min(times[1:]))
   except Exception:  # pylint: disable=broad-except  (an estimate: never fail the plan)
     return None
 
@@ -476,6 +483,35 @@ def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
 _TIMED_STEPS: dict[Any, "float | None"] = {}
 # Whether a key's figures were read from `figures_cache` rather than compiled here.
 _FROM_DISK: dict[Any, bool] = {}
+# The `figures_cache` key of each timed step's time (`StepCosts.step_time_key`).
+_TIME_KEYS: dict[Any, str] = {}
+
+# How far a run's measured step may be from the plan's prediction, as a factor either way,
+# before `check_step_time` takes the device-only step's kept time for stale.
+RETIME_FACTOR = 1.5
+
+
+def check_step_time(time_key: "str | None", predicted_secs: "float | None",
+                    measured_secs: "float | None") -> bool:
+  """Drops the kept time of a device-only step (`StepCosts.step_time_key`) where a run of its
+  plan measured `measured_secs` per step and the plan predicted `predicted_secs` (both
+  seconds), more than RETIME_FACTOR apart either way: the step is then timed again when it is
+  next planned, in this process or a later one. A time taken while other work loaded the
+  machine, or in a lull, would otherwise be every later plan's. Returns whether it was dropped.
+  """
+  if not time_key or not predicted_secs or not measured_secs:
+    return False
+  ratio = predicted_secs / measured_secs
+  if 1 / RETIME_FACTOR <= ratio <= RETIME_FACTOR:
+    return False
+  for key in [k for k, v in _TIME_KEYS.items() if v == time_key]:
+    _TIMED_STEPS.pop(key, None)
+    del _TIME_KEYS[key]
+  figures_cache.remove(time_key)
+  log.info("jaxtier: the step ran in %.4g ms, its plan predicted %.4g ms (%.3g of it): the "
+           "device-only step's kept time is dropped, to be timed again when next planned",
+           measured_secs * 1e3, predicted_secs * 1e3, ratio)
+  return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,7 +597,9 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
     timed = (time_scan_bodies(closed_jaxpr) if time_scans and num_devices == 1
              and step_secs is None else None)
     return StepCosts(flops=flops / num_devices, elementwise_bytes=ew / num_devices,
-                     num_devices=num_devices, timed=timed, step_secs=step_secs, **kwargs)
+                     num_devices=num_devices, timed=timed, step_secs=step_secs,
+                     step_time_key=_TIME_KEYS.get(key) if step_secs is not None else None,
+                     **kwargs)
 
   if not compile_step:
     return costs(transient_bytes=0, transient_source="estimate: the gradients only "
@@ -606,6 +644,7 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
         _COMPILED_FIGURES.clear()
         _TIMED_STEPS.clear()
         _FROM_DISK.clear()
+        _TIME_KEYS.clear()
       _COMPILED_FIGURES[key] = fig
       _FROM_DISK[key] = from_disk
       if time_whole and from_disk:
@@ -615,6 +654,8 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
                                       peak_bytes=fig.peak_bytes if fig else None)
         figures_cache.store(timed_digest, _StepTime.of(_TIMED_STEPS[key]))
         del compiled
+      if time_whole:
+        _TIME_KEYS[key] = timed_digest
     if time_whole:
       step_secs = _TIMED_STEPS[key]
   except Exception as e:  # pylint: disable=broad-except  (an estimate: never fail the plan)

@@ -22,6 +22,7 @@ from jaxtier._src import jax_compat as jc
 from jaxtier._src import pipeline
 from jaxtier._src.analysis import inventory as inv_lib
 from jaxtier._src.analysis import statics
+from jaxtier._src.analysis import step_costs
 from jaxtier._src.errors import CheckpointMismatchError
 from jaxtier._src.lowering import compiled as compiled_lib
 from jaxtier._src.options import OffloadOptions
@@ -153,7 +154,10 @@ class OffloadedStep:
     self._runner = StepRunner(planned, self._masters, on_measured=self._measured)
 
   def _measured(self, secs: float) -> None:
+    """Records the measured step (seconds) in the plan; a kept time of the device-only step
+    that it contradicts is dropped, to be timed again (`step_costs.check_step_time`)."""
     self.plan = dataclasses.replace(self.plan, measured_step_secs=secs)
+    step_costs.check_step_time(self._planned.step_time_key, self.plan.predicted_step_secs, secs)
 
   def _check_arg_memory_kinds(self, args: Sequence[Any]) -> None:
     """Raises ValueError naming an argument (not the state) whose memory kind is not the one
