@@ -110,6 +110,13 @@ def plan_main() -> None:
                          "params from pinned_host: drop one of them")
   # As `train` plans (None: every parameter the lowering can stream), unless --nostream.
   streamable = None if _STREAM.value else frozenset()
+  # The activation policies the planner may choose from (`llama.activation_model`; None where
+  # the model's policy is not one of them: the step as traced). With --remat_policy, only that
+  # one, as `train` runs it; without, the planner may choose another, said in a note below.
+  activations = llama.activation_model(config, batch, seq_len)
+  if activations is not None and flags.FLAGS.remat_policy:
+    activations = dataclasses.replace(
+        activations, options={activations.traced: activations.options[activations.traced]})
   refused = error = None
   try:
     with train_lib.verdicts_printed():  # printed below, in the plan's notes
@@ -117,7 +124,7 @@ def plan_main() -> None:
                           host_budget=flags.FLAGS.host_budget or None, platform=platform,
                           device_kind=_DEVICE_KIND.value or None,
                           policy=policy, streamable=streamable,
-                          activations=llama.activation_model(config, batch, seq_len),
+                          activations=activations,
                           overlap_update=flags.FLAGS.overlap_update)
   except jaxtier.PlanError as e:
     if e.plan is None:
@@ -140,8 +147,9 @@ def plan_main() -> None:
   say = lambda text: print("\n".join(plan_text.fit_lines(text, width)))
   vocab = (f" (bpe, vocab {config.vocab_size:,})" if flags.FLAGS.tokenizer == "bpe" else "")
   # The model's activation policy as --remat_policy names it ('none': no layer rematerialised),
-  # and whether it is the config's own.
-  said = ["every activation kept"] if config.remat_policy is None else []
+  # with the name the plan's "activations:" line gives it, and whether it is the config's own.
+  said = ([f"activations: {activations.traced}"] if activations is not None else
+          ["every activation kept"] if config.remat_policy is None else [])
   if not flags.FLAGS.remat_policy:
     said.append("the config's default")
   remat = (config.remat_policy or "none") + (f" ({'; '.join(said)})" if said else "")
@@ -161,10 +169,12 @@ def plan_main() -> None:
                                           overlap_update=flags.FLAGS.overlap_update)
     if figures is not None and figures[0] > 0:
       demo = figures[0]
+      ran = (f"--remat_policy={flags.FLAGS.remat_policy}" if flags.FLAGS.remat_policy
+             else "the model's activation policy")
       say(f"note: with no --device_budget, `train` on the CPU plans against a device "
           f"budget of {jaxtier.format_bytes(demo)} ({demo} bytes: its all-device step's peak "
-          "less half the state, so that the example offloads), and runs the model's "
-          "activation policy; this plan has no device budget")
+          "less half the state, so that the example offloads), and runs "
+          f"{ran}; this plan has no device budget")
   # The planner may pick another activation policy than the model's (to fit, or for speed):
   # `train` runs the model's unless told (its fit is checked against the step it compiles).
   other = plan.assumed_checkpoint_policy

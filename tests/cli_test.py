@@ -227,19 +227,44 @@ def test_plan_without_a_budget_names_the_cpu_budget_train_plans_against(tmp_path
 
 def test_plan_names_the_activation_policy_it_plans_for(tmp_path):
   # The model's policy, as --remat_policy names it: the config's default where the flag is not
-  # given ('none' for tiny: no layer rematerialised), not Python's None.
+  # given ('none' for tiny: no layer rematerialised), not Python's None; with the name the
+  # plan's "activations:" line gives it.
   for args, config, policy in (
       (["--config=tiny"], "tiny: 492,160 params, batch 16 x seq 128",
-       "none (every activation kept; the config's default)"),
+       "none (activations: keep; the config's default)"),
       (["--config=tiny", "--remat_policy=none"], "tiny: 492,160 params, batch 16 x seq 128",
-       "none (every activation kept)"),
+       "none (activations: keep)"),
       (["--config=tiny", "--remat_policy=nothing_saveable"],
-       "tiny: 492,160 params, batch 16 x seq 128", "nothing_saveable"),
+       "tiny: 492,160 params, batch 16 x seq 128", "nothing_saveable (activations: remat)"),
+      (["--config=tiny", "--remat_policy=dots_saveable"],
+       "tiny: 492,160 params, batch 16 x seq 128", "dots_saveable"),
       (["--config=1b", "--platform=gpu"], "1b: 1,028,737,024 params, batch 8 x seq 2048",
-       "dots_with_no_batch_dims_saveable (the config's default)")):
+       "dots_with_no_batch_dims_saveable (activations: save_dots; the config's default)")):
     out = _cli(tmp_path, "plan", *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert _said(out.stdout, "config ") == f"config {config}, remat_policy {policy}", out.stdout
+  out = _cli(tmp_path, "plan", "--config=tiny")
+  assert ("activations: keep (jax.checkpoint_policies.everything_saveable)"
+          in out.stdout.splitlines()), out.stdout
+
+
+def test_plan_with_a_remat_policy_plans_that_policy(tmp_path):
+  # As train runs it: the step traced with the policy asked, and the planner not free to
+  # choose another (with no budget on the CPU it would choose keep, the fastest).
+  for name, policy in (("remat", "nothing_saveable"),
+                       ("offload", "offload_dot_with_no_batch_dims")):
+    out = _cli(tmp_path, "plan", "--config=tiny", f"--remat_policy={policy}", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout)
+    assert plan["activation_policy"] == f"{name} (jax.checkpoint_policies.{policy})", plan
+    assert plan["assumed_checkpoint_policy"] is None
+    text = _cli(tmp_path, "plan", "--config=tiny", f"--remat_policy={policy}").stdout
+    assert f"activations: {name} (jax.checkpoint_policies.{policy})" in text.splitlines(), text
+    assert "this plan assumes the activation policy" not in _flat(text), text
+    assert f"and runs --remat_policy={policy}; this plan has no device budget" in _flat(text)
+  # Without the flag the planner may choose: the tiny decoder's fastest is keep.
+  plan = json.loads(_cli(tmp_path, "plan", "--config=tiny", "--json").stdout)
+  assert plan["activation_policy"] == "keep (jax.checkpoint_policies.everything_saveable)"
 
 
 def test_plan_json_fitting_exits_0(tmp_path):
