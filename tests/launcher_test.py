@@ -54,6 +54,11 @@ def _wrapped(stderr: str) -> dict[str, str]:
   return dict(WRAPPED.findall(re.sub(r"\n  (?=\S)", " ", stderr)))
 
 
+def _joined(stderr: str) -> str:
+  """`stderr` with each of the launcher's lines joined with the indented lines it wraps onto."""
+  return re.sub(r"\n  (?=\S)", " ", stderr)
+
+
 def _pinned_bytes(line: str) -> str:
   return re.search(r"pinned_host (\S+ \S+?)[;, (]", line).group(1)
 
@@ -109,7 +114,8 @@ def test_the_example_trainer_without_offload_trains_as_alone_its_state_built_on_
   assert list(_wrapped(run.stderr)) == [name], run.stderr
   assert _pinned_bytes(_wrapped(run.stderr)[name]) != "0 B", run.stderr
   assert (f"jaxtier run: built the state of {name} where its plan puts it "
-          "(jaxtier.examples.train_state:state_initializer.<locals>.init)") in run.stderr
+          "(jaxtier.examples.train_state:state_initializer.<locals>.init)"
+          ) in _joined(run.stderr), run.stderr
   # The trainer says where its state was built, not what --offload=none asked.
   said = " ".join(run.stdout.split())
   assert re.search(r"offload: --offload=none \(jax\.jit\), yet \S+ MiB of the \S+ MiB of "
@@ -248,6 +254,38 @@ def test_the_wrapped_line_fits_the_terminals_width(capsys, monkeypatch):
       "jaxtier run: wrapped\n  " + "m" * 70 + ":f:\n  fits")
 
 
+def test_every_line_run_says_fits_the_terminals_width(capsys, monkeypatch, tmp_path):
+  # Its notice before the script, its warnings at the end, the state built where planned: each
+  # wrapped to COLUMNS as the 'wrapped' line is.
+  monkeypatch.setenv("COLUMNS", "60")
+  said = []
+  code, _, err = _run_here(capsys, "--step=two_steps:stepa")
+  assert code == 0, err
+  said.append(err)
+  assert _joined(err).splitlines() == [
+      "jaxtier run: --step=two_steps:stepa: two_steps defines no function 'stepa' (did you mean "
+      "'step_a'?); the script runs, and what it wraps is said at its end",
+      "jaxtier run: warning: --step=two_steps:stepa named no function that the script jitted as "
+      "a train step (one that donates a state and returns it) and called"], err
+  (tmp_path / "no_step.py").write_text("import jax\nprint(jax.jit(lambda x: x + 1)(1))\n")
+  code, _, err = _run_here(capsys, script=tmp_path / "no_step.py", argv=())
+  assert code == 0, err
+  said.append(err)
+  assert _joined(err) == (
+      "jaxtier run: warning: no jitted function donated a state and returned it: the script ran "
+      "unwrapped (jaxtier wraps jax.jit, nnx.jit and eqx.filter_jit with donation)\n"), err
+  (tmp_path / "lowered_first.py").write_text(LOWERED_FIRST)
+  code, _, err = _run_here(capsys, "--policy=optimizer_state_on_host",
+                           script=tmp_path / "lowered_first.py", argv=())
+  assert code == 0, err
+  said.append(err)
+  assert ("jaxtier run: built the state of lowered_first:step where its plan puts it "
+          "(lowered_first:init)") in _joined(err).splitlines(), err
+  lines = "".join(said).splitlines()
+  assert max(map(len, lines)) <= 60, lines
+  assert len(lines) > len(_joined("".join(said)).splitlines())  # wrapped, not cut
+
+
 INTERRUPTED = textwrap.dedent("""
     import jax, jax.numpy as jnp, optax
     adam = optax.adamw(1e-2)
@@ -329,7 +367,7 @@ def test_a_step_that_cannot_be_offloaded_runs_unwrapped_after_one_warning(capsys
   # policy none keeps all 1.52 MiB of step_a's state on the device: over a 1 MB budget.
   code, out, err = _run_here(capsys, "--policy=none", "--device_budget=1MB")
   assert code == 0, err
-  warnings = [l for l in err.splitlines() if "warning" in l]
+  warnings = [l for l in _joined(err).splitlines() if "warning" in l]
   # What refused it (`PlanError.reason`), and the fix as this command line gives it, not the
   # Python API's policy mapping.
   assert warnings == [
@@ -350,7 +388,7 @@ def test_a_refusal_names_the_flag_of_the_limit_that_refused_it(capsys):
   code, _, err = _run_here(capsys, "--policy=optimizer_state_on_host", "--host_budget=100KB",
                            argv=("1",))
   assert code == 0, err
-  (warning,) = [l for l in err.splitlines() if "warning" in l]
+  (warning,) = [l for l in _joined(err).splitlines() if "warning" in l]
   assert warning.startswith("jaxtier run: warning: two_steps:step_a runs unwrapped: "
                             "AdmissionError: it needs "), warning
   assert warning.endswith(" of pinned host memory per device, over the host budget of 97.66 KiB "
@@ -361,7 +399,7 @@ def test_a_refusal_names_the_flag_of_the_limit_that_refused_it(capsys):
 def test_strict_stops_where_the_step_cannot_be_offloaded(capsys):
   code, out, err = _run_here(capsys, "--policy=none", "--device_budget=1MB", "--strict")
   assert code == 1
-  assert err.strip().splitlines()[-1].startswith(
+  assert _joined(err).strip().splitlines()[-1].startswith(
       "jaxtier run: error: two_steps:step_a cannot be offloaded: PlanError: the state needs "
       "1.52 MiB (1597444 bytes) of device memory after offloading, over the device budget of "
       "976.56 KiB (1000000 bytes)"), err
@@ -381,14 +419,15 @@ def test_a_step_in_no_importable_module_is_said_before_the_script_runs(capsys):
   # --strict the run stops there. The script's own module is named as the script.
   code, out, err = _run_here(capsys, "--step=nosuch:step_a", "--strict")
   assert (code, out) == (1, "")
-  assert err.strip() == (
+  assert _joined(err).strip() == (
       "jaxtier run: --step=nosuch:step_a: no such module can be imported (the script's own "
       "functions are named two_steps:function); --strict: stopped before the script ran"), err
   code, out, err = _run_here(capsys, "--step=nosuch:step_a", "--step=two_steps:step_b")
   assert code == 0 and "step 0" in out, err
-  assert err.startswith("jaxtier run: --step=nosuch:step_a: no such module can be imported "
-                        "(the script's own functions are named two_steps:function); the script "
-                        "runs, and what it wraps is said at its end\n"), err
+  assert _joined(err).startswith(
+      "jaxtier run: --step=nosuch:step_a: no such module can be imported (the script's own "
+      "functions are named two_steps:function); the script runs, and what it wraps is said at "
+      "its end\n"), err
   assert "two_steps:step_b" in err  # wrapped, as asked
 
 
@@ -438,7 +477,7 @@ def test_a_steps_module_is_read_not_imported_before_the_script_runs(capsys, tmp_
                                   "'train_step'?)"}
   assert "steps_module" not in sys.modules and not (tmp_path / "imported").exists()
   code, _, err = _run_here(capsys, "--step=steps_module:make.<locals>.train_stepp", "--strict")
-  assert code == 1 and err == (
+  assert code == 1 and _joined(err) == (
       "jaxtier run: --step=steps_module:make.<locals>.train_stepp: steps_module defines no "
       "function 'train_stepp' (did you mean 'train_step'?); --strict: stopped before the script "
       "ran\n"), err

@@ -5,8 +5,9 @@ runs the script with `runpy` as Python would, and restores them when it ends. A 
 script jits is wrapped in a `Jitted`, which calls the original jit until a call shows that the
 function is a train step: it donates a state and returns it. That function then runs as a
 `jaxtier.offload`ed step (`Step`), and a line on stderr (wrapped to the terminal's width) says
-which function and how it was planned (`--plan_json` writes each plan, leaf by leaf).
-Everything else the script does runs as it wrote it.
+which function and how it was planned (`--plan_json` writes each plan, leaf by leaf); every
+line `run` prints itself is wrapped so (`_say`). Everything else the script does runs as it
+wrote it.
 
 What is a train step, by frontend:
 
@@ -156,7 +157,7 @@ class Launcher:
     self.wrapped: list[str] = []
     self.unwrapped: list[str] = []  # steps that could not be offloaded (said when they were)
     self.claimed: "str | None" = None  # without --step: the first train step called
-    self._say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+    self._say = say or _say
     self._said: set[str] = set()
     self._local = threading.local()
     # Steps planned (by `lower`) before their state exists: a jit that builds such a state builds
@@ -299,13 +300,12 @@ class Launcher:
   def named(self, name: str) -> bool:
     return any(_named(s, name, self.target_name) for s in self.options.steps)
 
-  def said(self, text: str, wrap: bool = False) -> None:
-    """Says `text` ('jaxtier run: ' first) once: in one line, or with `wrap` in lines of the
-    terminal's width (`_fit_to_terminal`)."""
+  def said(self, text: str) -> None:
+    """Says `text` ('jaxtier run: ' first) once, by `say` (on stderr, wrapped to the
+    terminal's width: `_say`)."""
     if text not in self._said:
       self._said.add(text)
-      line = f"{_PREFIX}: {text}"
-      self._say(_fit_to_terminal(line) if wrap else line)
+      self._say(f"{_PREFIX}: {text}")
 
   def planned(self, name: str, plan: Any) -> None:
     """Keeps `plan` as the step `name`'s latest, and writes them all to `plan_json`, if
@@ -340,6 +340,12 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+def _say(text: str) -> None:
+  """Prints `text` (`run`'s own words) on stderr, each of its lines wrapped to the terminal's
+  width (`_fit_to_terminal`)."""
+  print("\n".join(map(_fit_to_terminal, text.split("\n"))), file=sys.stderr, flush=True)
 
 
 def _fit_to_terminal(line: str) -> str:
@@ -933,7 +939,7 @@ class Step:
     key = tuple((l.path, l.placement) for l in plan.leaves)
     if key != self._shown:
       self._shown = key
-      self.launcher.said(f"wrapped {self.name}: {plan.one_line()}", wrap=True)
+      self.launcher.said(f"wrapped {self.name}: {plan.one_line()}")
 
 
 class Jitted:
@@ -1326,9 +1332,8 @@ def main(argv: Sequence[str]) -> int:
   doubts += [f"--step={spec}: {why}" for spec, why in undefined_steps(options, target).items()
              if spec not in absent]
   for said in doubts:
-    print(f"{_PREFIX}: {said}; " + ("--strict: stopped before the script ran" if options.strict
-                                    else "the script runs, and what it wraps is said at its "
-                                    "end"), file=sys.stderr)
+    _say(f"{_PREFIX}: {said}; " + ("--strict: stopped before the script ran" if options.strict
+                                   else "the script runs, and what it wraps is said at its end"))
   if doubts and options.strict:
     return 1
   # jaxtier's INFO lines (the compiled peak, re-plans) would be the script's to print: its own
@@ -1341,7 +1346,7 @@ def main(argv: Sequence[str]) -> int:
     code = launcher.run(target)
     launcher.finish()
   except RunError as e:
-    print(str(e), file=sys.stderr)
+    _say(str(e))
     return 1
   finally:
     logger.setLevel(level)
