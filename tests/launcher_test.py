@@ -446,6 +446,32 @@ def test_a_step_its_module_does_not_define_is_said_before_the_script_runs(capsys
   assert list(_wrapped(err)) == ["two_steps:step_b"], err
 
 
+def test_a_bare_step_name_the_script_does_not_name_is_said_before_it_runs(capsys, tmp_path):
+  # --step=function (no module): looked for in the script's own source, the file run or the
+  # module -m runs, before it runs; under --strict the run stops there.
+  code, out, err = _run_here(capsys, "--strict", "--step=stepa")
+  assert (code, out) == (1, "")
+  assert _joined(err) == ("jaxtier run: --step=stepa: two_steps neither defines nor imports a "
+                          "function 'stepa' (did you mean 'step_a'?); --strict: stopped before "
+                          "the script ran\n"), err
+  code = launcher_lib.main(["--strict", "--step=train_stpe", "--", "-m",
+                            "jaxtier.examples.train"])
+  err = capsys.readouterr().err
+  assert code == 1 and _joined(err) == (
+      "jaxtier run: --step=train_stpe: jaxtier.examples.train neither defines nor imports a "
+      "function 'train_stpe' (did you mean 'train_step'?); --strict: stopped before the script "
+      "ran\n"), err
+  # A name the script imports or reaches through a module is its to name, not said.
+  (tmp_path / "uses_a_library.py").write_text(
+      "import two_steps\nfrom two_steps import step_b as b\nprint(two_steps.step_a, b)\n")
+  options = launcher_lib.RunOptions(steps=("step_a", "step_b", "two_steps:step_b"))
+  target = launcher_lib.Target(path=str(tmp_path / "uses_a_library.py"), module=None, argv=())
+  assert launcher_lib.undefined_steps(options, target) == {}
+  code, out, err = _run_here(capsys, "--step=step_b", "--device_budget=3MB")
+  assert code == 0 and "step 0" in out and "neither" not in err, err
+  assert list(_wrapped(err)) == ["two_steps:step_b"], err
+
+
 SIDE_EFFECTS = textwrap.dedent("""
     import pathlib
     pathlib.Path("imported").write_text("a module of the script's, imported")
@@ -474,7 +500,10 @@ def test_a_steps_module_is_read_not_imported_before_the_script_runs(capsys, tmp_
   target = launcher_lib.Target(path=str(TWO_STEPS), module=None, argv=())
   assert launcher_lib.undefined_steps(options, target) == {
       "steps_module:train_stepp": "steps_module defines no function 'train_stepp' (did you mean "
-                                  "'train_step'?)"}
+                                  "'train_step'?)",
+      # A bare name is looked for in the script (two_steps), not in the modules it imports.
+      "train_stepp": "two_steps neither defines nor imports a function 'train_stepp' (did you "
+                     "mean 'train_b'?)"}
   assert "steps_module" not in sys.modules and not (tmp_path / "imported").exists()
   code, _, err = _run_here(capsys, "--step=steps_module:make.<locals>.train_stepp", "--strict")
   assert code == 1 and _joined(err) == (

@@ -1212,33 +1212,41 @@ def undefined_steps(options: RunOptions, target: Target) -> dict[str, str]:
   The module (the script's own for `Target.name` or '__main__') is read, not imported, so
   nothing of it runs before the script: its source is parsed (`ast`) for a `def` (at any depth,
   as --step names a nested function too) or `class` of each part of the name but `<locals>`,
-  or a string of it (a name given at run time). A spec with no module, a module that cannot be
-  imported (`unimportable_steps`) or whose source cannot be read, and a name with a `<lambda>`
-  in it are not checked.
+  or a string of it (a name given at run time). A spec with no module (a bare function name,
+  which names a function of any module) is looked for in the script's own source (the script
+  file, or the source of the module `-m` runs), where it may also be a name the script imports
+  or uses (`jax.jit(lib.train_step)`). A module that cannot be imported
+  (`unimportable_steps`) or whose source cannot be read, and a name with a `<lambda>` in it,
+  are not checked.
   """
   undefined = {}
   for spec in options.steps:
     module, _, function = spec.rpartition(":")
     parts = [p for p in function.split(".") if p != "<locals>"]
-    if not module or any("<" in p for p in parts):
+    if any("<" in p for p in parts):
       continue
-    found = _names_defined(module, target)
+    found = _names_defined(module or "__main__", target)
     if found is None:
       continue
-    defined, strings = found
-    missing = [p for p in parts if p not in defined | strings]
+    defined, strings, used = found
+    known = defined | strings | (set() if module else used)
+    missing = [p for p in parts if p not in known]
     if missing:
-      near = difflib.get_close_matches(missing[0], sorted(defined), n=1)
-      shown = target.name if module == "__main__" else module
-      undefined[spec] = (f"{shown} defines no function {missing[0]!r}"
+      near = difflib.get_close_matches(missing[0], sorted(defined if module else
+                                                           defined | used), n=1)
+      shown = target.name if module in ("", "__main__") else module
+      undefined[spec] = ((f"{shown} defines no function {missing[0]!r}" if module else
+                          f"{shown} neither defines nor imports a function {missing[0]!r}")
                          + (f" (did you mean {near[0]!r}?)" if near else ""))
   return undefined
 
 
-def _names_defined(module: str, target: Target) -> "tuple[set[str], set[str]] | None":
-  """The names `module`'s source gives a `def` or `class` (at any depth), and the strings it
-  writes; None where its source cannot be read or parsed. The script's own module (`module`
-  '__main__' or `Target.name`) is the script."""
+def _names_defined(module: str, target: Target
+                   ) -> "tuple[set[str], set[str], set[str]] | None":
+  """The names `module`'s source gives a `def` or `class` (at any depth), the strings it
+  writes, and the other names it uses (imports, variables, attributes); None where its source
+  cannot be read or parsed. The script's own module (`module` '__main__' or `Target.name`) is
+  the script."""
   path = source = None
   if module in ("__main__", target.name) and target.path:
     path = target.path
@@ -1263,13 +1271,19 @@ def _names_defined(module: str, target: Target) -> "tuple[set[str], set[str]] | 
     tree = ast.parse(source)
   except (OSError, SyntaxError, ValueError):
     return None
-  defined, strings = set(), set()
+  defined, strings, used = set(), set(), set()
   for node in ast.walk(tree):
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
       defined.add(node.name)
     elif isinstance(node, ast.Constant) and isinstance(node.value, str):
       strings.add(node.value)
-  return defined, strings
+    elif isinstance(node, ast.Name):
+      used.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      used.add(node.attr)
+    elif isinstance(node, ast.alias):
+      used.update(node.name.split("."))
+  return defined, strings, used
 
 
 def _importable(module: str) -> bool:
@@ -1297,7 +1311,8 @@ def _flag_values() -> Any:
                             flag_values=values)
   flags.DEFINE_bool("strict", False, "Stop (exit 1) where the step cannot be offloaded, "
                     "before the script runs where a --step names a module that cannot be "
-                    "imported or a function its module does not define, and at the end where "
+                    "imported or a function its module (for a bare name, the script) does not "
+                    "name, and at the end where "
                     "no step (or not every --step) was wrapped, instead of a warning.",
                     flag_values=values)
   flags.DEFINE_string("plan_json", "", "Write the wrapped steps' plans to this file as JSON "
