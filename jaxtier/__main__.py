@@ -31,7 +31,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["run"]:
   # `run` hands this process to a script whose absl flags are its own: the trainer's flags
   # (defined below) must not be, as the example trainer run as a script defines them again.
   from jaxtier._src import launcher as _launcher  # pylint: disable=g-import-not-at-top
-  sys.exit(_launcher.main(sys.argv[2:]))
+  sys.exit(_launcher.main(sys.argv[2:], exit_on_interrupt=True))
 
 try:  # the example trainer defines the flags of train and plan (its model's configs)
   from jaxtier.examples import train as train_lib

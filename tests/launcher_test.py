@@ -154,8 +154,8 @@ def test_the_shardings_a_script_gives_are_kept(tmp_path):
 # A script that says whether it has Python's default SIGINT handler, then waits for a Ctrl-C.
 SIGINT_SEEN = textwrap.dedent("""
     import signal, sys, time
-    print("default handler:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-    try:
+    try:  # (said inside it: a Ctrl-C sent as soon as the line is read is caught)
+      print("default handler:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
       time.sleep(60)
     except KeyboardInterrupt:
       print("KeyboardInterrupt in the script")
@@ -334,6 +334,67 @@ def test_ctrl_c_inside_a_step_names_what_the_script_can_continue_from(capsys, tm
                    "jax.jit(train_step, donate_argnums=0)`: `state, metrics = f.last_result`)"]
   assert [l for l in out.splitlines() if l.startswith("LOSS")] == [
       l for l in calm.splitlines() if l.startswith("LOSS")]
+
+
+UNCAUGHT = INTERRUPTED.replace("""  try:
+    state, loss = train(state, x)
+  except KeyboardInterrupt as e:
+    print("NOTE", " ".join(getattr(e, "__notes__", [])))
+    state, loss = train.last_result
+""", """  state, loss = train(state, x)
+  if i == 1:
+    os.kill(os.getpid(), signal.SIGINT)  # in the script's own line, not in a step
+""").replace("import jax,", "import os, signal, jax,")
+
+
+def test_a_ctrl_c_the_script_does_not_catch_ends_run_in_a_line_and_130(capsys, tmp_path,
+                                                                       monkeypatch):
+  # No traceback through the launcher and jaxtier's step: one line, what was interrupted and
+  # the script's line it reached, wrapped to the terminal's width; exit status 130.
+  monkeypatch.setenv("COLUMNS", "72")
+  script = tmp_path / "uncaught.py"
+  script.write_text(UNCAUGHT)
+  policy = "--policy=optimizer_state_on_host"
+  code, out, err = _run_here(capsys, policy, script=script, argv=())
+  assert code == 130 and out.count("LOSS") == 1, err
+  assert _joined(err).splitlines()[-2:] == [
+      "", f"jaxtier run: interrupted (Ctrl-C) in the script ({script}, line 16): the script "
+      "ended there, and only what it saved itself is kept"], err
+  # (The script's path, longer than a line here, is kept whole.)
+  assert all(len(l) <= 72 or str(script) in l for l in err.splitlines()), err
+  assert "Traceback" not in err
+  # Inside the second step (its state donated): the step is named, not the note's advice
+  # (the script, which did not catch it, cannot take `last_result`).
+  release, held = runner_lib.HeldInterrupt.release, [0]
+  def sigint_in_second_step(self, value=None, note=""):
+    if note:
+      held[0] += 1
+      self.pending = self.pending or held[0] == 2
+    return release(self, value, note)
+  monkeypatch.setattr(runner_lib.HeldInterrupt, "release", sigint_in_second_step)
+  code, out, err = _run_here(capsys, policy, script=script, argv=())
+  assert code == 130 and out.count("LOSS") == 1, err
+  assert _joined(err).splitlines()[-2:] == [
+      "", f"jaxtier run: interrupted (Ctrl-C) in a step of uncaught:step ({script}, line 14): "
+      "the script ended there, and only what it saved itself is kept"], err
+  assert all(len(l) <= 72 or str(script) in l for l in err.splitlines()), err
+  assert "last_result" not in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_python_m_jaxtier_run_ends_an_uncaught_ctrl_c_with_130(tmp_path):
+  # The command line: the line alone on stderr after the plan's, status 130, no traceback.
+  (tmp_path / "uncaught.py").write_text(UNCAUGHT)
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+             COLUMNS="200")
+  out = subprocess.run([sys.executable, "-m", "jaxtier", "run", "--", "uncaught.py"],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+                       check=False)
+  assert out.returncode == 130, out.stderr[-3000:]
+  assert out.stderr.endswith(
+      "\n\njaxtier run: interrupted (Ctrl-C) in the script (uncaught.py, line 16): the script "
+      "ended there, and only what it saved itself is kept\n"), out.stderr[-3000:]
+  assert "Traceback" not in out.stderr and out.stdout.count("LOSS") == 1, out.stderr[-3000:]
 
 
 def test_step_names_the_function_wrapped(capsys, tmp_path, two_steps_alone):

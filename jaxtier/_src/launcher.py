@@ -45,6 +45,7 @@ import shutil
 import sys
 import textwrap
 import threading
+import traceback
 from typing import Any, Callable, Sequence
 
 import jax
@@ -164,6 +165,8 @@ class Launcher:
     # it where the plan puts it (`Jitted._build_pending_state`).
     self.pending: list[Step] = []
     self.plans: dict[str, Any] = {}  # {function: its latest plan}
+    # The latest Ctrl-C raised out of an offloaded step, and what it interrupted there.
+    self.interrupt: "tuple[BaseException, str] | None" = None
     self._originals: list[tuple[Any, str, Any]] = []
 
   # -- the patches ------------------------------------------------------------------------
@@ -255,6 +258,19 @@ class Launcher:
       if saved_path0 is not None and sys.path:
         sys.path[0] = saved_path0
     return _exit_status(code)
+
+  def interrupted(self, error: KeyboardInterrupt, target: Target) -> str:
+    """The line said where the script did not catch the Ctrl-C `error`: what it interrupted
+    (a step of which function, or the script), the script's line it reached, and that the
+    script ended there. (The note on `error`, for a script that catches it, says how to go
+    on from a step's `last_result`; a script that did not has ended.)"""
+    what = "in the script"
+    if self.interrupt is not None and self.interrupt[0] is error:
+      what = self.interrupt[1]
+    where = _script_line(error, target)
+    return (f"{_PREFIX}: {early_interrupt.INTERRUPTED} {what}"
+            + (f" ({where})" if where else "")
+            + ": the script ended there, and only what it saved itself is kept")
 
   def finish(self) -> None:
     """Says what the run wrapped where it wrapped nothing or not every step named.
@@ -401,6 +417,26 @@ def _named(spec: str, name: str, target_name: str) -> bool:
     return False
   return not module or module == have_module or (module == "__main__"
                                                  and have_module == target_name)
+
+
+def _script_line(error: BaseException, target: Target) -> "str | None":
+  """Where in the script's own file `error` was raised ('train.py, line 42': the innermost of
+  its frames there), or None where none of them is."""
+  if target.path:
+    shown, file = target.path, os.path.abspath(target.path)
+  else:
+    try:
+      spec = importlib.util.find_spec(target.module)
+      if spec is not None and spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(f"{target.module}.__main__")
+    except (ImportError, ValueError):
+      return None
+    if spec is None or not spec.origin:
+      return None
+    shown, file = target.module, os.path.abspath(spec.origin)
+  lines = [n for frame, n in traceback.walk_tb(error.__traceback__)
+           if os.path.abspath(frame.f_code.co_filename) == file]
+  return f"{shown}, line {lines[-1]}" if lines else None
 
 
 def _exit_status(code: Any) -> int:
@@ -887,7 +923,10 @@ class Step:
       with self.launcher.passthrough():
         new_state, aux = self.offloaded(state, *rest)
     except KeyboardInterrupt as e:
-      self._interrupted(e, args)
+      donated = self._interrupted(e, args)
+      # For the line `main` says where the script does not catch it.
+      self.launcher.interrupt = (e, f"in a step of {self.name}" if donated or self.called else
+                                 f"while {self.name} was planned and compiled")
       raise
     if not self.called:
       self.called = True
@@ -902,13 +941,14 @@ class Step:
       aux = _put(aux, self.layout.out_shardings)
     return self.layout.join(args, new_state, aux)
 
-  def _interrupted(self, error: KeyboardInterrupt, args: tuple[Any, ...]) -> None:
+  def _interrupted(self, error: KeyboardInterrupt, args: tuple[Any, ...]) -> bool:
     """Ctrl-C after the step's inputs were donated, the step run to its end: what the call
     would have returned becomes the jitted function's `last_result`, and the interrupt's note
-    names that (the script holds the jitted function, not the `OffloadedStep`)."""
+    names that (the script holds the jitted function, not the `OffloadedStep`). Returns
+    whether it was so."""
     notes = getattr(error, "__notes__", [])
     if runner.INTERRUPTED_NOTE not in notes or self.offloaded.last_state is None:
-      return
+      return False
     self.last_result = self._result(args, self.offloaded.last_state,
                                     self.offloaded.last_metrics)
     notes.remove(runner.INTERRUPTED_NOTE)
@@ -917,6 +957,7 @@ class Step:
         "donated: the step ran to its end, and what the call would have returned is the "
         "jitted function's `last_result`; continue from it (for `f = jax.jit(train_step, "
         "donate_argnums=0)`: `state, metrics = f.last_result`)")
+    return True
 
   def lower(self, args: tuple[Any, ...]) -> Any:
     state, rest = self.layout.split(args)
@@ -1321,9 +1362,17 @@ def _flag_values() -> Any:
   return values
 
 
-def main(argv: Sequence[str]) -> int:
+def main(argv: Sequence[str], *, exit_on_interrupt: bool = False) -> int:
   """`python -m jaxtier run ...`; returns the exit status: the script's, 2 for a bad command
-  line, 1 where `--strict` stopped the run."""
+  line, 1 where `--strict` stopped the run, 130 where a Ctrl-C ended the script (it did not
+  catch the KeyboardInterrupt): said in a line (`Launcher.interrupted`), no traceback.
+
+  Args:
+    argv: the command line after 'run'.
+    exit_on_interrupt: after that line, end the process at once with status 130, as `train`
+      ends an interrupted run: the interpreter's teardown, with XLA's threads mid-compile or
+      mid-step, can crash. The command line's entry point passes True.
+  """
   if any(a in ("-h", "--help", "--helpfull") for a in
          (argv[:argv.index("--")] if "--" in argv else argv[:1])):
     print(__doc__.split("\n\n")[0])
@@ -1363,6 +1412,13 @@ def main(argv: Sequence[str]) -> int:
   except RunError as e:
     _say(str(e))
     return 1
+  except KeyboardInterrupt as e:  # the script did not catch it: a line, not its traceback
+    _say("\n" + launcher.interrupted(e, target))
+    if exit_on_interrupt:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(130)
+    return 130
   finally:
     logger.setLevel(level)
   return code
