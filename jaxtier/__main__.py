@@ -13,6 +13,7 @@ Commands:
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -360,7 +361,7 @@ def bad_command_line(command: "str | None", what: object) -> "NoReturn":
     command: the command given (its --help is named), or None (the top-level --help is).
     what: what is wrong, e.g. absl's `flags.Error` ("Unknown command line flag 'nope'").
   """
-  said = " ".join(str(what).removeprefix("jaxtier: ").split())
+  said = " ".join(str(what).removeprefix("jaxtier: ").split()).removesuffix(".")
   if command:
     print(f"python -m jaxtier {command}: {said}; python -m jaxtier {command} --help lists its "
           "flags", file=sys.stderr)
@@ -376,7 +377,10 @@ def parse_flags(argv: "list[str]") -> "list[str]":
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    bad_command_line(_command_in(argv), e)
+    # A check of several flags names them itself: absl's 'flags a=1, b=2: ' before it is not
+    # said.
+    said = re.sub(r"^flags (\w+=[^,:]*, )*\w+=[^,:]*: (?=.*--)", "", str(e))
+    bad_command_line(_command_in(argv), said)
 
 
 def main(argv: list[str]) -> None:

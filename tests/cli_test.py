@@ -521,18 +521,45 @@ def test_train_runs_again_with_the_xla_settings_that_fit(monkeypatch):
 
 
 def test_a_sequence_over_the_models_maximum_is_refused_before_anything_runs(tmp_path):
-  # tiny's maximum is 128: 100,000 ran on into a raw 16 TB allocation.
-  for command in (("train", "--config=tiny", "--steps=1"), ("plan", "--config=tiny")):
+  # tiny's maximum is 128: 100,000 ran on into a raw 16 TB allocation. A usage error, said
+  # where the flags are parsed (plan --json too: no plan is made, so no JSON is printed).
+  for command in (("train", "--config=tiny", "--steps=1"), ("plan", "--config=tiny"),
+                  ("plan", "--config=tiny", "--json")):
     out = _cli(tmp_path, *command, "--seq_len=100000")
-    assert out.returncode == 1, out.stderr[-2000:]
-    assert ("error: ValueError: --seq_len=100000 is over the tiny model's maximum "
-            "sequence length of 128; use --seq_len=128 or less") in out.stderr, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
-  out = _cli(tmp_path, "plan", "--config=tiny", "--seq_len=100000", "--json")
-  assert out.returncode == 1 and json.loads(out.stdout) == {
-      "fits": False, "refused": "ValueError: --seq_len=100000 is over the tiny model's "
-      "maximum sequence length of 128; use --seq_len=128 or less (or a config with a longer "
-      "max_seq_len)."}
+    assert (out.returncode, out.stdout) == (2, ""), out.stderr[-2000:]
+    assert out.stderr == (
+        f"python -m jaxtier {command[0]}: --seq_len=100000 is over the tiny model's maximum "
+        "sequence length of 128; use --seq_len=128 or less (or a config with a longer "
+        f"max_seq_len); python -m jaxtier {command[0]} --help lists its flags\n"), out.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["train", "--vocab_size=1000"],
+     "--vocab_size=1000 with --tokenizer=byte: byte-level text has 256 ids; leave --vocab_size "
+     "unset, or use --tokenizer=bpe with --vocab_size in 32768, 65536, 131072"),
+    (["train", "--tokenizer=byte", "--vocab_size=32768"],
+     "--vocab_size=32768 with --tokenizer=byte: byte-level text has 256 ids; leave --vocab_size "
+     "unset, or use --tokenizer=bpe with --vocab_size in 32768, 65536, 131072"),
+    (["plan", "--tokenizer=bpe", "--vocab_size=1000"],
+     "--vocab_size=1000 with --tokenizer=bpe: expected one of 32768, 65536, 131072"),
+    (["train", "--remat_policy=bogus"],
+     "flag --remat_policy=bogus: expected 'none' or one of everything_saveable, "
+     "nothing_saveable, dots_saveable, checkpoint_dots, dots_with_no_batch_dims_saveable, "
+     "checkpoint_dots_with_no_batch_dims, offload_dot_with_no_batch_dims"),
+    (["plan", "--remat_policy=bogus"],
+     "flag --remat_policy=bogus: expected 'none' or one of everything_saveable, "
+     "nothing_saveable, dots_saveable, checkpoint_dots, dots_with_no_batch_dims_saveable, "
+     "checkpoint_dots_with_no_batch_dims, offload_dot_with_no_batch_dims"),
+    (["train", "--clip_norm=0.5", "--noclip"],
+     "--clip_norm clips: drop --noclip (or --clip_norm, to train unclipped)"),
+])
+def test_flags_that_contradict_or_are_out_of_range_are_usage_errors(tmp_path, args, says):
+  # Said where the flags are parsed, before anything is loaded: one line naming the flag,
+  # exit status 2 (not 'error: ValueError: ...' and 1 after the data was read).
+  out = _cli(tmp_path, *args)
+  assert (out.returncode, out.stdout) == (2, ""), out.stderr[-2000:]
+  assert out.stderr == (f"python -m jaxtier {args[0]}: {says}; python -m jaxtier {args[0]} "
+                        "--help lists its flags\n"), out.stderr
 
 
 def test_a_data_file_that_is_not_text_is_refused(tmp_path):

@@ -761,6 +761,19 @@ _VOCAB_SIZE = flags.DEFINE_integer(
     "vocab_size", None, "With --tokenizer=bpe: "
     f"{', '.join(map(str, tokenizer_lib.BPE_VOCAB_SIZES))} (default "
     f"{tokenizer_lib.DEFAULT_BPE_VOCAB_SIZE}); with byte: unset (256).")
+
+
+def _valid_vocabulary(values: dict[str, Any]) -> bool:
+  """--tokenizer and --vocab_size agree (`tokenizer.vocab_size_for`): checked where the flags
+  are parsed, before anything is loaded."""
+  try:
+    tokenizer_lib.vocab_size_for(values["tokenizer"], values["vocab_size"])
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
+
+
+flags.register_multi_flags_validator(["tokenizer", "vocab_size"], _valid_vocabulary)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the weights and batch order.", lower_bound=0)
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", None,
                                     "Peak learning rate; default per config.")
@@ -809,6 +822,22 @@ _REMAT_POLICY = flags.DEFINE_string(
     "remat_policy", None, "Per-layer rematerialisation: 'none', or one of "
     f"{', '.join(llama.REMAT_POLICIES)} (jax.checkpoint_policies; the last sends the "
     "projections' outputs to pinned_host); default: the config's.")
+flags.register_validator(
+    "remat_policy", lambda v: v in (None, "none") or v in llama.REMAT_POLICIES,
+    f"expected 'none' or one of {', '.join(llama.REMAT_POLICIES)}")
+
+
+def _valid_seq_len(values: dict[str, Any]) -> bool:
+  """--seq_len is within the --config model's maximum (`check_seq_len`)."""
+  if values["seq_len"] is not None and values["config"] in llama.CONFIGS:
+    try:
+      check_seq_len(llama.CONFIGS[values["config"]], values["config"], values["seq_len"])
+    except ValueError as e:
+      raise flags.ValidationError(str(e)) from None
+  return True
+
+
+flags.register_multi_flags_validator(["config", "seq_len"], _valid_seq_len)
 _ALLOW_OVER_BUDGET = flags.DEFINE_bool(
     "allow_over_budget", False, "Train even when the plan does not fit the --device_budget / "
     "--host_budget given (by default that is an error before the first step).")
