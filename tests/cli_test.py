@@ -421,6 +421,38 @@ def test_train_over_the_budget_given_is_an_error_before_training(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_offload_none_over_the_budget_given_is_an_error_before_training(tmp_path):
+  # jax.jit's step, all its state on the device: its compiled peak is checked as a plan is.
+  out = _train(tmp_path, "--offload=none", "--device_budget=1MB")
+  assert out.returncode == 1, out.stderr[-2000:]
+  assert re.fullmatch(
+      r"error: the step does not fit: peak device memory [\d.]+ MiB compiled \(jax\.jit, all "
+      r"[\d.]+ MiB of state on the device\), over the --device_budget of 976\.56 KiB\. Fix: "
+      r"--offload=auto \(jaxtier places in pinned_host what the budget leaves no room for\), "
+      r"or a larger --device_budget \(at least \d+MiB\), or --remat_policy=nothing_saveable "
+      r"\(fewer activations kept for the backward pass\); or --allow_over_budget to train "
+      r"anyway\n", out.stderr), out.stderr[-2000:]
+  assert not any(l.startswith("step ") for l in out.stdout.splitlines())
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--checkpoint_every=5"], "--checkpoint_every without --checkpoint_dir: no checkpoint is "
+                               "kept; add --checkpoint_dir=DIR (or drop it)"),
+    (["--keep_checkpoints=2"], "--keep_checkpoints without --checkpoint_dir: no checkpoint is "
+                               "kept; add --checkpoint_dir=DIR (or drop it)"),
+    (["--checkpoint_every=5", "--keep_checkpoints=2"],
+     "--checkpoint_every and --keep_checkpoints without --checkpoint_dir: no checkpoint is "
+     "kept; add --checkpoint_dir=DIR (or drop them)"),
+])
+def test_train_checkpoint_flags_without_a_checkpoint_dir_are_a_usage_error(tmp_path, flags,
+                                                                           said):
+  out = _cli(tmp_path, "train", "--config=tiny", "--steps=1", *flags)
+  assert (out.returncode, out.stdout) == (2, ""), out.stderr[-2000:]
+  assert out.stderr == (f"python -m jaxtier train: {said}; python -m jaxtier train --help "
+                        "lists its flags\n")
+
+
+@pytest.mark.slow
 def test_train_over_budget_runs_with_allow_over_budget_and_within_budget(tmp_path):
   out = _train(tmp_path, "--offload=auto", "--device_budget=2MiB", "--allow_over_budget")
   assert out.returncode == 0, out.stderr[-2000:]

@@ -106,6 +106,34 @@ def over_budget(plan, offload: str, *, remat_policy: "str | None" = None) -> "st
           "--allow_over_budget to train anyway")
 
 
+def jit_over_budget(program, device_budget, state_bytes: int, *,
+                    remat_policy: "str | None" = None) -> "str | None":
+  """Why the `jax.jit` step `program` (`--offload=none`: all `state_bytes` of state on the
+  device; lowered or compiled) misses the `device_budget` given, with the fixes; None where
+  it fits, where no budget is given, or where the backend reports no memory figures.
+
+  Its peak is the compiled program's, as `jaxtier.admit` reads it (arguments + outputs -
+  aliased + temporaries, or XLA's own peak where larger). The state pins no host memory: a
+  host budget always holds.
+  """
+  from jaxtier._src.analysis import step_costs  # pylint: disable=g-import-not-at-top
+  given = jaxtier.parse_bytes(device_budget, "--device_budget")
+  if given is None:
+    return None
+  figures = step_costs.memory_figures(program)
+  if figures is None or figures.peak_bytes <= given:
+    return None
+  fixes = ["--offload=auto (jaxtier places in pinned_host what the budget leaves no room for)",
+           f"a larger --device_budget (at least {_flag_size(figures.peak_bytes)})"]
+  if remat_policy != "nothing_saveable":
+    fixes.append("--remat_policy=nothing_saveable (fewer activations kept for the backward "
+                 "pass)")
+  return (f"the step does not fit: peak device memory {jaxtier.format_bytes(figures.peak_bytes)}"
+          f" compiled (jax.jit, all {jaxtier.format_bytes(state_bytes)} of state on the "
+          f"device), over the --device_budget of {jaxtier.format_bytes(given)}. Fix: "
+          f"{', or '.join(fixes)}")
+
+
 # The share of the state's bytes that the example's CPU device budget leaves no room for.
 CPU_OFFLOAD_SHARE = 0.5
 

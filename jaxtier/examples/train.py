@@ -45,8 +45,8 @@ from . import checkpoints as checkpoints_lib
 from . import data as data_lib
 from . import llama
 from . import tokenizer as tokenizer_lib
-from .budgets import (OFFLOAD_MODES, OverBudgetError, cpu_device_budget, over_budget,
-                      placement_line, stream_layers_policy, verdicts_printed)
+from .budgets import (OFFLOAD_MODES, OverBudgetError, cpu_device_budget, jit_over_budget,
+                      over_budget, placement_line, stream_layers_policy, verdicts_printed)
 from .train_state import (OptimizerConfig, lookup_config, make_optimizer, make_train_state,
                           state_initializer)
 
@@ -301,7 +301,8 @@ def run(
       config's default.
     device_budget: device bytes jaxtier may use per device, e.g. ``"80GB"``;
       ``None`` means no limit (under ``"auto"`` on the CPU backend: the example's own budget,
-      above). Only with ``jaxtier.offload``.
+      above). Under ``"none"`` the ``jax.jit`` step's compiled peak is checked against it
+      (`budgets.jit_over_budget`), as a plan is under the other modes.
     host_budget: pinned host bytes jaxtier may use, as ``device_budget``.
     remat_policy: ``None`` keeps the config's ``remat_policy``; ``"none"``
       turns rematerialisation off; any other value is a
@@ -492,18 +493,20 @@ def run(
     if over:
       raise OverBudgetError(over)
   else:
-    given = [f"--{name}={value}" for name, value in (("device_budget", device_budget),
-                                                      ("host_budget", host_budget))
-             if _budget(value) is not None]
-    if given:
-      # On stdout with the run's other output: an absl log line on stderr went unseen.
-      print(f"warning: {' and '.join(given)} not used: --offload=none runs jax.jit with all "
-            "state on the device and applies no budget; use --offload=auto (or stream / "
-            "optimizer_state_on_host) for jaxtier to plan within it")
     step = jax.jit(train_step, donate_argnums=0)
+    lowered = step.lower(shapes, first_batch)
     # Refused before the state exists where the step would run out of device memory, as
     # jaxtier refuses a plan (the refusal names the allocator fraction that admits it).
-    jaxtier.admit(step.lower(shapes, first_batch))
+    jaxtier.admit(lowered)
+    # And where its compiled peak is over the --device_budget given, as a plan over it is (the
+    # state pins no host memory: a host budget holds).
+    over = jit_over_budget(lowered, _budget(device_budget), state_bytes,
+                           remat_policy=config.remat_policy)
+    if over and not allow_over_budget:
+      raise OverBudgetError(f"{over}; or --allow_over_budget to train anyway")
+    if over:
+      # On stdout with the run's other output, as the plan's verdicts are.
+      print(f"warning: {over.removesuffix('.')}")
     state = _restore_jitted(resumed.path, init_state) if resumed else jax.jit(init_state)()
     on_host = sum(x.nbytes for x in jax.tree.leaves(state)
                   if getattr(x.sharding, "memory_kind", None) == "pinned_host")
@@ -892,6 +895,14 @@ def main(argv: Sequence[str]) -> None:
   it (the command line turns that into its message and exit status)."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  # Flags of --checkpoint_dir, given without it, would keep no checkpoint and say nothing (not
+  # an absl validator: `plan` reads these flags' module too, and ignores them).
+  kept = [f"--{name}" for name in ("checkpoint_every", "keep_checkpoints")
+          if flags.FLAGS[name].present]
+  if kept and not _CHECKPOINT_DIR.value:
+    raise app.UsageError(f"{' and '.join(kept)} without --checkpoint_dir: no checkpoint is "
+                         "kept; add --checkpoint_dir=DIR (or drop "
+                         f"{'them' if len(kept) > 1 else 'it'})")
   # absl prints INFO by default: JAX's that it found no TPU, orbax's per checkpoint. The run's
   # own lines are printed; --verbosity brings the libraries' back.
   if not flags.FLAGS["verbosity"].present:

@@ -156,12 +156,25 @@ def test_run_over_budget_raises_before_training_unless_allowed(corpus, capsys):
 
 
 @pytest.mark.slow
-def test_run_offload_none_says_budgets_are_not_used(corpus, capsys):
-  _run(corpus, steps=1, offload="none", device_budget="1MiB")
-  out = capsys.readouterr().out
-  assert ("warning: --device_budget=1MiB not used: --offload=none runs jax.jit with all state "
-          "on the device") in out
-  _run(corpus, steps=1, offload="none")
+def test_run_offload_none_checks_its_jitted_steps_peak_against_the_device_budget(corpus,
+                                                                                capsys):
+  # As a plan over the budget given: refused before the state exists unless
+  # allow_over_budget, which trains after a warning.
+  with pytest.raises(train.OverBudgetError) as err:
+    _run(corpus, steps=1, offload="none", device_budget="1MiB", allow_over_budget=False)
+  assert re.fullmatch(
+      r"the step does not fit: peak device memory [\d.]+ MiB compiled \(jax\.jit, all [\d.]+ "
+      r"KiB of state on the device\), over the --device_budget of 1\.00 MiB\. Fix: "
+      r"--offload=auto \(jaxtier places in pinned_host what the budget leaves no room for\), "
+      r"or a larger --device_budget \(at least \d+MiB\), or --remat_policy=nothing_saveable "
+      r"\(fewer activations kept for the backward pass\); or --allow_over_budget to train "
+      r"anyway", str(err.value)), str(err.value)
+  assert not any(l.startswith("step ") for l in capsys.readouterr().out.splitlines())
+  assert len(_run(corpus, steps=1, offload="none", device_budget="1MiB")["losses"]) == 1
+  assert "warning: the step does not fit: peak device memory " in capsys.readouterr().out
+  # Within the budget (and under a host budget, which none's state never pins): no word.
+  _run(corpus, steps=1, offload="none", device_budget="1GiB", host_budget="1MiB",
+       allow_over_budget=False)
   assert "warning" not in capsys.readouterr().out
 
 
