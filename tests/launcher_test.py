@@ -663,15 +663,19 @@ def test_a_bad_flag_exits_2_in_one_line_naming_it(capsys, argv, says):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--strict", "--"], "no script given"),
+    (["--strict", "--"], "no script given (after --: script.py or -m module, then its "
+                         "arguments)"),
+    ([], "no script given (after --: script.py or -m module, then its arguments)"),
     (["--", "missing.py"], "no such script: missing.py"),
     (["--", "-m", "no_such_package.train"], "no module named 'no_such_package.train'"),
     (["-m", "jaxtier.no_such_module"], "no module named 'jaxtier.no_such_module'"),
 ])
-def test_a_missing_script_exits_2_with_the_usage(capsys, argv, says):
+def test_a_missing_script_exits_2_in_one_line(capsys, argv, says):
+  # As a bad flag is said (and the other commands' usage errors).
   assert launcher_lib.main(argv) == 2
   err = capsys.readouterr().err
-  assert err == f"jaxtier run: {says}\n{launcher_lib.USAGE}\n", err
+  assert err == (f"python -m jaxtier run: {says}; python -m jaxtier run --help lists its "
+                 "flags\n"), err
 
 
 @pytest.mark.parametrize("spec, name, target, named", [

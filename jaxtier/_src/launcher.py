@@ -1201,7 +1201,8 @@ def parse(argv: Sequence[str]) -> tuple[RunOptions, Target]:
   except flags.Error as e:
     raise FlagError(str(e)) from None
   if not script or script == ["-m"]:
-    raise ValueError(f"{_PREFIX}: no script given")
+    raise ValueError(f"{_PREFIX}: no script given (after --: script.py or -m module, then its "
+                     "arguments)")
   if script[0] == "-m":
     if not _importable(script[1]):
       raise ValueError(f"{_PREFIX}: no module named {script[1]!r}")
@@ -1381,12 +1382,10 @@ def main(argv: Sequence[str], *, exit_on_interrupt: bool = False) -> int:
     return 0
   try:
     options, target = parse(argv)
-  except FlagError as e:  # in one line, as the other commands say a bad flag
-    print(f"python -m jaxtier run: {e}; python -m jaxtier run --help lists its flags",
+  except ValueError as e:  # a bad flag, or no script: in one line, as the other commands say it
+    said = str(e).removeprefix(f"{_PREFIX}: ")
+    print(f"python -m jaxtier run: {said}; python -m jaxtier run --help lists its flags",
           file=sys.stderr)
-    return 2
-  except ValueError as e:  # where the script goes: the usage shows it
-    print(f"{e}\n{USAGE}", file=sys.stderr)
     return 2
   # A --step that names a module or a function that is not there, said before the script runs
   # (not only after it has run unwrapped to its end).
