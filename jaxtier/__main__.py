@@ -25,6 +25,7 @@ from absl import app, flags
 
 import jaxtier  # (imports jax first)
 # `train` runs itself again with the XLA settings that fit its plan (at most MAX_RERUNS times).
+from jaxtier._src import command_help as command_help_lib
 from jaxtier._src import logs
 from jaxtier._src.rerun import MAX_RERUNS, rerun_with as _rerun_with
 
@@ -40,23 +41,28 @@ except ImportError:  # flax / optax / tqdm: the `examples` extra; calibrate runs
   train_lib = None
 
 COMMANDS = ("train", "plan", "calibrate", "run")  # (run is dispatched above, before absl)
-_JSON = flags.DEFINE_bool("json", False, "plan / calibrate: print JSON (for tools). plan's JSON "
-                          "adds 'fits' (within its budgets) and 'refused' (null, or why the "
-                          "plan was refused); it exits 1 when the plan does not fit, as the "
-                          "text form does.")
+_JSON = flags.DEFINE_bool("json", False, "Print JSON (for tools): plan's, the plan with 'fits' "
+                          "and 'refused'; calibrate's, the profile.")
+# What --json prints, said in each command's help.
+_JSON_HELP = {
+    "plan": "Print the plan as JSON (for tools), with 'fits' (within its budgets) and "
+            "'refused' (null, or why the plan was refused); the exit status is 1 when the plan "
+            "does not fit, as with the text form.",
+    "calibrate": "Print the profile as JSON (for tools).",
+}
 _PLATFORM = flags.DEFINE_enum("platform", None, ["cpu", "gpu"],
-                              "plan: plan for this platform's executors (default: this machine's).")
+                              "Plan for this platform's executors (default: this machine's).")
 _DEVICE_KIND = flags.DEFINE_string(
-    "device_kind", "", "plan --platform=gpu on a machine without a GPU: the GPU planned for, "
+    "device_kind", "", "With --platform=gpu on a machine without a GPU: the GPU planned for, "
     "H100, H200 or A100 (its built-in profile: the H200's measured rates scaled by the card's "
     "datasheet, not calibrated); default the H200's.")
-_PLOT = flags.DEFINE_string("plot", "", "plan: also draw device and pinned host bytes per leaf "
+_PLOT = flags.DEFINE_string("plot", "", "Also draw device and pinned host bytes per leaf "
                             "group into this image file (e.g. plan.png).")
-_DETAILS = flags.DEFINE_bool("details", False, "plan: print every leaf (its placement, bytes "
+_DETAILS = flags.DEFINE_bool("details", False, "Print every leaf (its placement, bytes "
                              "and why) and every note, at the terminal's width, not the "
                              "summary.")
-_VERBOSE = flags.DEFINE_bool("verbose", False, "plan: as --details.")
-_STREAM = flags.DEFINE_bool("stream", True, "plan: let the planner stream parameters from "
+_VERBOSE = flags.DEFINE_bool("verbose", False, "As --details.")
+_STREAM = flags.DEFINE_bool("stream", True, "Let the planner stream parameters from "
                             "pinned_host (host_stream) where it pays, as `train` and "
                             "jaxtier.offload do; --nostream: never.")
 
@@ -325,15 +331,26 @@ def _command_flags(command: str) -> list[str]:
   return ["json"]  # calibrate
 
 
+# Flags whose help (the trainer's, or shared) says more than applies to a command: what that
+# command's help says instead.
+_HELP_IN = {
+    "plan": {
+        "json": _JSON_HELP["plan"],
+        "tokenizer": "byte: each byte is a token (vocab 256); bpe: a byte-level BPE "
+                     "vocabulary of --vocab_size ids, as `train --tokenizer=bpe` trains; the "
+                     "model's vocab_size follows.",
+    },
+    "calibrate": {"json": _JSON_HELP["calibrate"]},
+}
+
+
 def command_help(command: str) -> str:
   """`python -m jaxtier <command> --help`: what `command` does and its flags, as absl writes
-  them (`FlagValues.get_help`)."""
-  values = flags.FlagValues()
-  for name in _command_flags(command):
-    values[name] = flags.FLAGS[name]
-  return (f"usage: python -m jaxtier {command} [--flags]\n\n{flags.text_wrap(_ABOUT[command])}"
-          f"\n\nflags (python -m jaxtier --helpfull lists absl's own too):\n"
-          f"{values.get_help(include_special_flags=False)}")
+  them (`FlagValues.get_help`), each flag's help as it applies to `command` (`_HELP_IN`)."""
+  return command_help_lib.render(
+      f"usage: python -m jaxtier {command} [--flags]", _ABOUT[command],
+      command_help_lib.by_name(flags.FLAGS, _command_flags(command), _HELP_IN.get(command)),
+      "flags (python -m jaxtier --helpfull lists absl's own too):")
 
 
 def _unused_flags(command: str) -> list[str]:
@@ -575,6 +592,6 @@ if __name__ == "__main__":
     if _command == "run":
       from jaxtier._src import launcher as _launcher  # pylint: disable=g-import-not-at-top
       sys.exit(_launcher.main(["--help"]))
-    print(command_help(_command) if _command else __doc__.rstrip())
+    print(command_help(_command) if _command else command_help_lib.fit(__doc__))
     sys.exit(0)
   sys.exit(app.run(main, flags_parser=parse_flags))

@@ -741,7 +741,7 @@ def test_plan_names_the_pinned_limit_in_force_over_a_larger_host_budget(tmp_path
   assert "host_budget 117.35 GiB" in state and "117.35" not in state.split("pinnable")[0]
 
 
-def test_help_is_short_and_each_commands_help_lists_its_flags(tmp_path):
+def test_help_is_short_and_each_commands_help_lists_its_flags(tmp_path, monkeypatch):
   # The commands, a line each, and how to list one command's flags; no flag's help.
   out = _cli(tmp_path, "--help")
   assert out.returncode == 0, out.stderr[-2000:]
@@ -769,6 +769,37 @@ def test_help_is_short_and_each_commands_help_lists_its_flags(tmp_path):
   assert listed(calibrate.stdout) == {"json"}, calibrate.stdout
   run = _cli(tmp_path, "--help", "run")
   assert run.returncode == 0 and "--[no]strict" in run.stdout, run.stdout
+  # run's help in the form of the others': usage, what it does, its flags (no module heading,
+  # no absl wording of a repeated flag).
+  assert run.stdout.startswith("usage: python -m jaxtier run [--flags] -- (script.py | -m "
+                               "module) [script arguments]\n\nRuns an unmodified script"), run.stdout
+  assert "\nflags (before --; the script's own, absl's included, follow it):\n--device_budget: " \
+      in run.stdout, run.stdout
+  assert listed(run.stdout) == {"device_budget", "host_budget", "plan_json", "policy", "step",
+                                "strict"}, run.stdout
+  assert ("--step: module:function (or a function's name, in any module) to wrap; repeat it "
+          "for more (default: the first train step the script calls).") in _flat(run.stdout)
+  assert "launcher" not in run.stdout and "repeat this option" not in run.stdout
+  # A command's help says only what applies to it.
+  flat_plan = _flat(plan.stdout)
+  assert "plan:" not in plan.stdout and "json_out" not in plan.stdout, plan.stdout
+  assert ("--tokenizer: <byte|bpe>: byte: each byte is a token (vocab 256); bpe: a byte-level "
+          "BPE vocabulary of --vocab_size ids, as `train --tokenizer=bpe` trains; the model's "
+          "vocab_size follows.") in flat_plan, plan.stdout
+  assert ("--clip_norm: Clip gradients to this global norm (> 0; implies --clip, whose 1.0 it "
+          "replaces).") in flat_plan
+  assert "--[no]json: Print the plan as JSON (for tools), with 'fits'" in flat_plan
+  assert "--[no]json: Print the profile as JSON (for tools)." in _flat(calibrate.stdout)
+  assert "cached under $XDG_CACHE_HOME/jaxtier/tokenizers" in _flat(train.stdout)
+  assert "with --clip or --clip_norm, clip_norm, each step's gradient norm" in _flat(train.stdout)
+  # Each fitted to the terminal's width.
+  monkeypatch.setenv("COLUMNS", "80")
+  for args in (["--help"], ["run", "--help"], ["plan", "--help"], ["train", "--help"]):
+    out = _cli(tmp_path, *args)
+    assert out.returncode == 0 and max(map(len, out.stdout.splitlines())) <= 80, out.stdout
+  top = _cli(tmp_path, "--help").stdout
+  assert "  calibrate  measure this machine's links, memory and executors; store the\n" \
+         "             profile\n" in top, top
   full = _cli(tmp_path, "--helpfull")
   assert full.returncode == 0 and "--verbosity" in full.stdout and "--steps" in full.stdout
 

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxtier._src import api
+from jaxtier._src import command_help
 from jaxtier._src import early_interrupt
 from jaxtier._src import paths
 from jaxtier._src import rerun
@@ -1168,9 +1169,28 @@ class Jitted:
 
 # -- the command line -----------------------------------------------------------------------------
 
-USAGE = ("usage: python -m jaxtier run [--policy=auto] [--device_budget=SIZE]\n"
-         "           [--host_budget=SIZE] [--step=module:function ...] [--strict]\n"
-         "           [--plan_json=FILE] -- (script.py | -m module) [script arguments]")
+USAGE = "usage: python -m jaxtier run [--flags] -- (script.py | -m module) [script arguments]"
+# What `run` does, for `python -m jaxtier run --help`.
+ABOUT = ("Runs an unmodified script (a file, or a module as `python -m` runs it) with its train "
+         "step offloaded: the first function it jits with jax.jit, nnx.jit or eqx.filter_jit "
+         "that donates a state and returns it, or those --step names. A line on stderr says "
+         "which function and its plan; where a step cannot be offloaded it runs as the script "
+         "jitted it, after a warning (--strict: the run stops, exit 1). The exit status is the "
+         "script's.")
+
+
+def help_text() -> str:
+  """`python -m jaxtier run --help`: in the form of the other commands' help
+  (`command_help.render`)."""
+  values = _flag_values()
+  shown = [command_help.with_help(values[name]) for name in values
+           if name != "step"]
+  shown.append(command_help.with_help(
+      values["step"], "module:function (or a function's name, in any module) to wrap; "
+      "repeat it for more (default: the first train step the script calls).",
+      show_default=False))
+  return command_help.render(USAGE, ABOUT, shown,
+                             "flags (before --; the script's own, absl's included, follow it):")
 
 
 class FlagError(ValueError):
@@ -1376,9 +1396,7 @@ def main(argv: Sequence[str], *, exit_on_interrupt: bool = False) -> int:
   """
   if any(a in ("-h", "--help", "--helpfull") for a in
          (argv[:argv.index("--")] if "--" in argv else argv[:1])):
-    print(__doc__.split("\n\n")[0])
-    print(USAGE)
-    print(_flag_values().module_help(__name__))
+    print(help_text())
     return 0
   try:
     options, target = parse(argv)

@@ -759,7 +759,7 @@ _TOKENIZER = flags.DEFINE_enum(
     "tokenizer", "byte", list(tokenizer_lib.TOKENIZERS), "byte: each byte of the text is a "
     "token (vocab 256); bpe: a byte-level BPE tokenizer (the tokenizers package) trained once "
     "on the --data text (default: the standard library's .py files) and cached under "
-    "$XDG_CACHE_HOME/jaxtier/tokenizers; the model's vocab_size follows. train and plan.")
+    "$XDG_CACHE_HOME/jaxtier/tokenizers; the model's vocab_size follows.")
 _VOCAB_SIZE = flags.DEFINE_integer(
     "vocab_size", None, "With --tokenizer=bpe: "
     f"{', '.join(map(str, tokenizer_lib.BPE_VOCAB_SIZES))} (default "
@@ -785,8 +785,7 @@ _WARMUP_STEPS = flags.DEFINE_integer("warmup_steps", None,
 _CLIP = flags.DEFINE_bool("clip", False, "Clip gradients to global norm 1.0.")
 _CLIP_NORM = flags.DEFINE_float(
     "clip_norm", None, "Clip gradients to this global norm (> 0; implies --clip, whose 1.0 it "
-    "replaces). With clipping, each step's gradient norm is printed and --json_out has "
-    "clip_norm, grad_norms and clipped_fraction (the timed steps the clip scaled).")
+    "replaces).")
 flags.register_validator("clip_norm", lambda v: v is None or (math.isfinite(v) and v > 0),
                          "--clip_norm must be a finite number > 0")
 flags.register_multi_flags_validator(
@@ -854,7 +853,9 @@ _PLAN_DETAILS = flags.DEFINE_bool(
     "every note, at the terminal's width.")
 _JSON_OUT = flags.DEFINE_string(
     "json_out", "", "Also write the run's results (losses, step times, tokens/s, memory "
-    "figures; run()'s return value without the plan's text) as JSON to this file, however "
+    "figures; with --clip or --clip_norm, clip_norm, each step's gradient norm (grad_norms) "
+    "and the share of timed steps the clip scaled (clipped_fraction); run()'s return value "
+    "without the plan's text) as JSON to this file, however "
     "the run ends: its field 'ended' says how ('completed', 'interrupted', 'non_finite_loss', "
     "'refused' before training, or 'error'), 'error' what stopped it.")
 _CHECKPOINT_DIR = flags.DEFINE_string(

@@ -1,0 +1,79 @@
+"""The `--help` text of `python -m jaxtier` and of each of its commands, at the terminal's width.
+
+Every command's help has one form (`render`): its usage line, what it does, and the flags it
+reads as absl writes them (`FlagValues.get_help`), each flag's help said as it applies to that
+command (`with_help`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import textwrap
+from typing import Any, Mapping, Sequence
+
+from absl import flags
+
+# A row of a table: an indented name, two spaces or more, then its text (wrapped under it).
+_ROW = re.compile(r"^(\s+\S+\s{2,})\S")
+
+
+def fit(text: str, width: "int | None" = None) -> str:
+  """`text` reflowed to `width` columns (default: the terminal's, as absl wraps its flags'
+  help). Paragraphs are separated by blank lines; each is joined and wrapped, but a paragraph
+  of table rows (`  name   what it is`) keeps a line per row, its text wrapped under the
+  column where it starts. Words are never broken."""
+  width = width or flags.get_help_width()
+  out = []
+  for paragraph in text.strip("\n").split("\n\n"):
+    lines = paragraph.split("\n")
+    if all(_ROW.match(l) for l in lines[1:]) and len(lines) > 1 and not _ROW.match(lines[0]):
+      # A heading, then its rows.
+      out.append("\n".join([_wrap(lines[0], width, "")]
+                           + [_wrap(l, width, " " * len(_ROW.match(l).group(1)))
+                              for l in lines[1:]]))
+    elif all(_ROW.match(l) for l in lines):
+      out.append("\n".join(_wrap(l, width, " " * len(_ROW.match(l).group(1))) for l in lines))
+    else:
+      indent = re.match(r"\s*", lines[0]).group(0)
+      out.append(_wrap(" ".join(l.strip() for l in lines), width, indent, indent))
+  return "\n\n".join(out)
+
+
+def _wrap(line: str, width: int, subsequent: str, first: str = "") -> str:
+  return "\n".join(textwrap.wrap(line.strip() if first else line, width, initial_indent=first,
+                                 subsequent_indent=subsequent, break_long_words=False,
+                                 break_on_hyphens=False)) or line
+
+
+def with_help(flag: Any, help_text: "str | None" = None, *, show_default: bool = True) -> Any:
+  """`flag` as a command's help shows it: a copy with `help_text` for its help (where given;
+  an enum's values, `<a|b>: `, still first), and without its default where `show_default` is
+  False; the flag itself is not changed."""
+  if help_text is None and show_default:
+    return flag
+  shown = copy.deepcopy(flag)
+  if help_text is not None:
+    values = re.match(r"<[^>]*>: ", flag.help or "")
+    shown.help = (values.group(0) if values else "") + help_text
+  if not show_default:
+    shown.default_as_str = None
+  return shown
+
+
+def render(usage: str, about: str, shown: Sequence[Any], heading: str) -> str:
+  """A command's help: `usage`, `about` (what it does) and the flags `shown` (absl's
+  `FlagValues.get_help` of them) under `heading`, at the terminal's width."""
+  values = flags.FlagValues()
+  for flag in shown:
+    values[flag.name] = flag
+  usage = _wrap(usage, flags.get_help_width(), " " * len("usage: "))
+  return (f"{usage}\n\n{fit(about)}\n\n{heading}\n"
+          f"{values.get_help(include_special_flags=False)}")
+
+
+def by_name(values: flags.FlagValues, names: Sequence[str],
+            helps: "Mapping[str, str] | None" = None) -> list[Any]:
+  """The flags `names` of `values`, each with its help in `helps` where it has one there."""
+  helps = helps or {}
+  return [with_help(values[name], helps.get(name)) for name in names]
