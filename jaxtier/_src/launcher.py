@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import runpy
-import shutil
 import sys
 import textwrap
 import threading
@@ -59,6 +58,7 @@ from jaxtier._src import paths
 from jaxtier._src import rerun
 from jaxtier._src.errors import AdmissionError, PlanError
 from jaxtier._src.options import OffloadOptions
+from jaxtier._src.planning import plan_text
 from jaxtier._src.runtime import runner
 from jaxtier._src.units import format_bytes, parse_bytes
 from jaxtier._src.vocab import NamedPolicy, is_named
@@ -72,9 +72,8 @@ _OWN = ("jaxtier._src", "jaxtier.experimental")
 _JAX_JIT_REFUSED = ("device", "backend", "compiler_options", "abstracted_axes")
 _PREFIX = "jaxtier run"
 # The columns a wrapped line fits where the terminal's width is unknown (no terminal, no
-# COLUMNS), and the fewest it is wrapped to.
+# COLUMNS).
 _DEFAULT_WIDTH = 100
-_MIN_WIDTH = 40
 
 
 class RunError(RuntimeError):
@@ -367,9 +366,10 @@ def _say(text: str) -> None:
 
 def _fit_to_terminal(line: str) -> str:
   """`line` wrapped at its spaces into lines of the terminal's width (COLUMNS, else the
-  terminal's, else 100 columns), those after the first indented by two spaces. A word longer
-  than a line is kept whole: a function's name stays as --step takes it."""
-  width = max(shutil.get_terminal_size((_DEFAULT_WIDTH, 24)).columns, _MIN_WIDTH)
+  terminal's, else 100 columns: `plan_text.terminal_width`), those after the first indented
+  by two spaces. A word longer than a line is kept whole: a function's name stays as --step
+  takes it."""
+  width = plan_text.terminal_width(default=_DEFAULT_WIDTH)
   return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ", break_long_words=False,
                                  break_on_hyphens=False)) or line
 

@@ -41,11 +41,11 @@ _FINDINGS = ("re-planned", "planned for ", "escalated")
 _BUILTIN_RATES = re.compile(r"the built-in (\S+) profile's rates, not this machine's")
 
 
-def terminal_width(width: "int | None" = None) -> int:
-  """`width` columns, or the terminal's (COLUMNS, else the terminal, else DEFAULT_WIDTH), at
+def terminal_width(width: "int | None" = None, default: int = DEFAULT_WIDTH) -> int:
+  """`width` columns, or the terminal's (COLUMNS, else the terminal, else `default`), at
   least MIN_WIDTH."""
   if width is None:
-    width = shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns or DEFAULT_WIDTH
+    width = shutil.get_terminal_size((default, 24)).columns or default
   return max(int(width), MIN_WIDTH)
 
 
