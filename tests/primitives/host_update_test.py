@@ -221,6 +221,55 @@ def test_join_refuses_a_buffer_no_layer_call_wrote():
     jax.block_until_ready(jax.jit(step, donate_argnums=(1,))(m, p, g))
 
 
+@pytest.mark.parametrize("executor", ["host_cpu", "split", "host_dha"])
+def test_a_released_slice_is_read_before_its_buffer_is_reused(executor):
+  # Each layer's gradient is made in the program and released after its call: XLA may give its
+  # buffer to what follows (the next layer's work, of the same size). On a GPU the call reads
+  # the slice after XLA's stream has moved on; the release makes the stream wait for that read,
+  # else the call would read the next layer's values.
+  layers, n = 4, 1 << 20
+  rng = np.random.default_rng(1)
+  m0 = rng.normal(size=(layers, n)).astype(np.float32)
+  p0 = rng.normal(size=(layers, n)).astype(jnp.bfloat16)
+  g = rng.normal(size=(layers, n)).astype(np.float32)
+  lr = np.float32(0.25)
+
+  def step(m, p, g):
+    tokens, carry = [], jnp.zeros((n,), jnp.float32)
+    for t in range(layers):
+      g_t = g[t] * 2.0 + carry * 0.0  # a buffer of its own, made after the last release
+      token = hu.host_update_layer(_LAYER_PROGRAM, [m, g_t, p, lr], [0, 2], offset=t * n,
+                                   count=n, executor=executor, dha_fraction=0.5)
+      released = hu.release([g_t], after=[token])
+      carry, _ = jax.lax.optimization_barrier((carry, released))
+      carry = carry * 1.5 + g[t] * 3.0  # may take g_t's buffer
+      tokens.append(token)
+    m, = hu.join([m], after=tokens)
+    p, = hu.join([p], after=tokens)
+    return m, p, carry
+  out_sh = (jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"),
+            None, None)
+  m, p, carry = jax.jit(step, donate_argnums=(0, 1), out_shardings=out_sh)(
+      _host(m0), jnp.asarray(p0), jnp.asarray(g))
+  want_m = np.float32(0.5) * m0 + np.float32(2.0) * g
+  want_p = np.asarray((np.asarray(p0, np.float32) - want_m * lr).astype(jnp.bfloat16), np.float32)
+  np.testing.assert_array_equal(np.asarray(m), want_m)
+  np.testing.assert_array_equal(np.asarray(p, np.float32), want_p)
+  want_carry = np.zeros(n, np.float32)
+  for t in range(layers):
+    want_carry = want_carry * np.float32(1.5) + g[t] * np.float32(3.0)
+  np.testing.assert_allclose(np.asarray(carry), want_carry, rtol=1e-5, atol=1e-5)
+
+
+def test_release_refuses_more_values_than_operands():
+  ffi.ensure_registered()
+  call = jax.ffi.ffi_call(hu.RELEASE_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
+                          has_side_effect=True)
+  with pytest.raises(Exception,
+                     match=r"num_values to jaxtier_host_update_release.*in \[0, 1\].*got 3"):
+    jax.block_until_ready(jax.jit(lambda x: call(x, num_values=np.int32(3)))(jnp.ones(4)))
+
+
 # ---- rows calls (the update of a table read in place, row by row) -----------------------------
 
 def _rows_step(num_rows, dim):

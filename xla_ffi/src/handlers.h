@@ -9,9 +9,10 @@ namespace jaxtier {
 
 // Target `jaxtier_host_update_ffi` on platform "cpu" (host_update.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCpu);
-// Targets `jaxtier_host_update_layer_ffi` and `jaxtier_host_update_join_ffi` (host_update.cc).
+// Targets `jaxtier_host_update_{layer,join,release}_ffi` (host_update.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateLayerCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateJoinCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateReleaseCpu);
 
 // Targets `jaxtier_stream_fetch_ffi`, `jaxtier_stream_wait_ffi`, `jaxtier_stream_send_ffi` on
 // platform "cpu" (stream.cc).
@@ -30,10 +31,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(DhaScatterAddCpu);
 // stage (creates the per-instance state) and the execute stage.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCudaInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateCuda);
-// Targets `jaxtier_host_update_layer_ffi` and `jaxtier_host_update_join_ffi` on "CUDA"
-// (host_update_kernels.cu): stateless; the layer calls share per-device streams.
+// Targets `jaxtier_host_update_{layer,join,release}_ffi` on "CUDA" (host_update_kernels.cu):
+// stateless; the layer calls share per-device streams.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateLayerCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateJoinCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HostUpdateReleaseCuda);
 
 // Targets `jaxtier_dha_gather_ffi` and `jaxtier_dha_matmul_ffi` on platform "CUDA"
 // (dha_kernels.cu): stateless, the kernels read the host operand in place.

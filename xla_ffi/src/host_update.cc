@@ -841,6 +841,12 @@ ffi::Error HostUpdateJoinCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets ret
   return host_update::PrepareJoin(args, rets);
 }
 
+// The layer calls of the CPU backend have run when they return: nothing to wait for.
+ffi::Error HostUpdateReleaseCpuImpl(ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                    int32_t num_values) {
+  return host_update::PrepareRelease(args, rets, num_values);
+}
+
 }  // namespace
 
 namespace host_update {
@@ -990,5 +996,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateJoinCpu, HostUpdateJoinCpuImpl,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()    // pass-through arrays, then order-only
                                   .RemainingRets());  // the arrays, aliased
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateReleaseCpu, HostUpdateReleaseCpuImpl,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()                     // values, then order-only
+                                  .RemainingRets()                     // the token
+                                  .Attr<int32_t>("num_values"));       // num_values
 
 }  // namespace jaxtier

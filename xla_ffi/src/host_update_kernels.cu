@@ -19,7 +19,7 @@
 // the pinned staging buffer are per-instance state (created by the instantiate stage, filled per
 // device on first use, grown only when a call needs more staging, freed with the executable).
 // The layer calls (`jaxtier_host_update_layer_ffi`, below) instead share one set per device and
-// do not make XLA's stream wait: the join does. A layer call over rows of a table (op_program.h,
+// do not make XLA's stream wait: the join does, and a release for the values it names. A layer call over rows of a table (op_program.h,
 // LayerAttrs::rows) runs on the CPU threads alone, from one host function on stream 0, in place
 // on host buffers.
 // Neither path is marked kCmdBufferCompatible (own streams, host functions, event waits).
@@ -36,6 +36,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -53,6 +54,7 @@ using host_update::HostUpdateParams;
 using host_update::Instruction;
 using host_update::kJoinOpName;
 using host_update::kLayerOpName;
+using host_update::kReleaseOpName;
 using host_update::kOpName;  // the op that errors name
 
 constexpr int kThreadsPerBlock = 256;
@@ -175,6 +177,18 @@ ffi::Error ChunkBytesFromEnv(const char* op, int64_t min_bytes, int64_t* out) {
   return ffi::Error::Success();
 }
 
+// The events recorded on the streams a layer call enqueued work on, after that work.
+struct ReadEvents {
+  ReadEvents() = default;
+  ReadEvents(const ReadEvents&) = delete;
+  ReadEvents& operator=(const ReadEvents&) = delete;
+  // A stream may still wait for an event: CUDA frees it once it has completed.
+  ~ReadEvents() {
+    for (cudaEvent_t e : events) (void)cudaEventDestroy(e);
+  }
+  std::vector<cudaEvent_t> events;
+};
+
 // Streams, events and pinned staging of one device: owned by one instance's state (a fused
 // call, whose consecutive calls never overlap: a call's streams wait for XLA's stream to reach
 // the call, and XLA's stream waits for the previous call's streams), or shared by the layer
@@ -203,7 +217,12 @@ struct DeviceResources {
   cudaEvent_t kernel_done = nullptr;
   char* staging = nullptr;  // pinned host memory
   int64_t staging_bytes = 0;
+  // Layer calls only: per value a call reads as it is (count elements: a layer's gradient
+  // slice), the events recorded after each call that read it, for the release. Emptied by the
+  // release of the value, and wholly by a join (which waits for every stream).
+  std::unordered_map<const void*, std::vector<std::shared_ptr<ReadEvents>>> reads;
 };
+
 
 ffi::Error DeviceResources::Init() {
   for (cudaStream_t& s : streams) {
@@ -781,6 +800,37 @@ ffi::Error SharedResources(int device, bool create, DeviceResources** out) {
   return ffi::Error::Success();
 }
 
+// Records, for the release, that this layer call reads its values of `count` elements that it
+// does not write (a layer's gradient slice): events after its kernel part and its CPU part.
+ffi::Error RecordReads(ffi::RemainingArgs args, const host_update::LayerAttrs& a, bool kernel,
+                       bool cpu, DeviceResources* dev) {
+  if (a.count <= 1) return ffi::Error::Success();
+  std::vector<const void*> values;
+  for (int32_t i = 0; i < a.num_operands; ++i) {
+    bool written = false;
+    for (int32_t t : a.targets) written = written || t == i;
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (written || !buf.has_value() || static_cast<int64_t>(buf->element_count()) != a.count) {
+      continue;
+    }
+    values.push_back(buf->untyped_data());
+  }
+  if (values.empty()) return ffi::Error::Success();
+  auto read = std::make_shared<ReadEvents>();
+  std::vector<cudaStream_t> streams;
+  if (kernel) streams.push_back(dev->kernel_stream);
+  if (cpu) streams.insert(streams.end(), dev->streams, dev->streams + kNumStreams);
+  for (cudaStream_t s : streams) {
+    cudaEvent_t e = nullptr;
+    JT_CUDA_CHECK(kLayerOpName, cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                  "an event for the release of the call's values");
+    read->events.push_back(e);
+    JT_CUDA_CHECK(kLayerOpName, cudaEventRecord(e, s), "the end of the call's reads");
+  }
+  for (const void* v : values) dev->reads[v].push_back(read);
+  return ffi::Error::Success();
+}
+
 ffi::Error HostUpdateLayerCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
                                    ffi::RemainingRets rets, ffi::Dictionary attrs) {
   host_update::LayerAttrs a;
@@ -825,11 +875,13 @@ ffi::Error HostUpdateLayerCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
     JT_CUDA_CHECK(kLayerOpName, cudaEventRecord(dev->kernel_done, dev->kernel_stream),
                   "the end of the kernel part");
   }
-  if (k == params.n) return ffi::Error::Success();
-  int64_t chunk_bytes = 0;
-  JT_RETURN_IF_ERROR(ChunkBytesFromEnv(kLayerOpName, kMinLayerChunkBytes, &chunk_bytes));
-  return EnqueueCpuRange(stream, chunk_bytes, dev, params, aliases, k, params.n,
-                         /*deferred=*/true);
+  if (k < params.n) {
+    int64_t chunk_bytes = 0;
+    JT_RETURN_IF_ERROR(ChunkBytesFromEnv(kLayerOpName, kMinLayerChunkBytes, &chunk_bytes));
+    JT_RETURN_IF_ERROR(EnqueueCpuRange(stream, chunk_bytes, dev, params, aliases, k, params.n,
+                                       /*deferred=*/true));
+  }
+  return RecordReads(args, a, k > 0, k < params.n, dev);
 }
 
 ffi::Error HostUpdateJoinCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
@@ -844,6 +896,35 @@ ffi::Error HostUpdateJoinCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
   for (cudaEvent_t e : {dev->done[0], dev->done[1], dev->done[2], dev->kernel_done}) {
     JT_CUDA_CHECK(kJoinOpName, cudaStreamWaitEvent(stream, e, 0),
                   "XLA's stream on the layer calls' streams");
+  }
+  dev->reads.clear();  // every read is waited for
+  return ffi::Error::Success();
+}
+
+ffi::Error HostUpdateReleaseCudaImpl(cudaStream_t stream, ffi::RemainingArgs args,
+                                     ffi::RemainingRets rets, int32_t num_values) {
+  JT_RETURN_IF_ERROR(host_update::PrepareRelease(args, rets, num_values));
+  int device = 0;
+  JT_CUDA_CHECK(kReleaseOpName, cudaGetDevice(&device), "");
+  DeviceResources* dev = nullptr;
+  JT_RETURN_IF_ERROR(SharedResources(device, /*create=*/false, &dev));
+  if (dev == nullptr) return ffi::Error::Success();  // no layer call has run on this device
+  std::lock_guard<std::mutex> lock(dev->mu);
+  for (int32_t i = 0; i < num_values; ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (!buf.has_value()) {
+      return Invalid(kReleaseOpName, "input", "input " + std::to_string(i), "an array",
+                     "another operand");
+    }
+    auto it = dev->reads.find(buf->untyped_data());
+    if (it == dev->reads.end()) continue;  // no layer call read it since the last join
+    for (const auto& read : it->second) {
+      for (cudaEvent_t e : read->events) {
+        JT_CUDA_CHECK(kReleaseOpName, cudaStreamWaitEvent(stream, e, 0),
+                      "XLA's stream on the reads of input " + std::to_string(i));
+      }
+    }
+    dev->reads.erase(it);
   }
   return ffi::Error::Success();
 }
@@ -878,6 +959,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateJoinCuda, HostUpdateJoinCudaImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .RemainingArgs()    // pass-through arrays, then order-only
                                   .RemainingRets());  // the arrays, aliased
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateReleaseCuda, HostUpdateReleaseCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .RemainingArgs()                // values, then order-only
+                                  .RemainingRets()                // the token
+                                  .Attr<int32_t>("num_values"));  // num_values
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostUpdateCuda, HostUpdateCudaImpl,
                               ffi::Ffi::Bind()

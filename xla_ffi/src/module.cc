@@ -1,14 +1,14 @@
 // Python module `_jaxtier_ffi`: hands the XLA FFI handlers to Python as capsules.
 //
 //   registrations() -> {"cpu": {"jaxtier_host_update_ffi": capsule,
-//                               "jaxtier_host_update_{layer,join}_ffi": capsule,
+//                               "jaxtier_host_update_{layer,join,release}_ffi": capsule,
 //                               "jaxtier_stream_fetch_ffi": capsule, (wait, send alike),
 //                               "jaxtier_dha_gather_ffi": capsule,
 //                               "jaxtier_dha_matmul_ffi": capsule,
 //                               "jaxtier_dha_scatter_add_ffi": capsule},
 //                       "CUDA": {"jaxtier_host_update_ffi": {"instantiate": capsule,
 //                                                            "execute": capsule},
-//                                "jaxtier_host_update_{layer,join}_ffi": capsule,
+//                                "jaxtier_host_update_{layer,join,release}_ffi": capsule,
 //                                "jaxtier_stream_fetch_ffi": {"instantiate": ..., (alike)},
 //                                "jaxtier_dha_gather_ffi": capsule,
 //                                "jaxtier_dha_matmul_ffi": capsule,
@@ -56,6 +56,7 @@ nb::dict Registrations() {
   cpu["jaxtier_host_update_ffi"] = EncapsulateFfiHandler(HostUpdateCpu);
   cpu["jaxtier_host_update_layer_ffi"] = EncapsulateFfiHandler(HostUpdateLayerCpu);
   cpu["jaxtier_host_update_join_ffi"] = EncapsulateFfiHandler(HostUpdateJoinCpu);
+  cpu["jaxtier_host_update_release_ffi"] = EncapsulateFfiHandler(HostUpdateReleaseCpu);
   cpu["jaxtier_stream_fetch_ffi"] = EncapsulateFfiHandler(StreamFetchCpu);
   cpu["jaxtier_stream_wait_ffi"] = EncapsulateFfiHandler(StreamWaitCpu);
   cpu["jaxtier_stream_send_ffi"] = EncapsulateFfiHandler(StreamSendCpu);
@@ -71,6 +72,7 @@ nb::dict Registrations() {
   cuda["jaxtier_host_update_ffi"] = host_update_cuda;
   cuda["jaxtier_host_update_layer_ffi"] = EncapsulateFfiHandler(HostUpdateLayerCuda);
   cuda["jaxtier_host_update_join_ffi"] = EncapsulateFfiHandler(HostUpdateJoinCuda);
+  cuda["jaxtier_host_update_release_ffi"] = EncapsulateFfiHandler(HostUpdateReleaseCuda);
   // The three streaming targets share one instantiate stage (and state type).
   const std::pair<const char*, XLA_FFI_Handler*> stream_targets[] = {
       {"jaxtier_stream_fetch_ffi", StreamFetchCuda},

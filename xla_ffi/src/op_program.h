@@ -722,9 +722,19 @@ inline xla::ffi::Error DecodeAndPrepare(xla::ffi::RemainingArgs args,
 // lowest-priority stream beside XLA's compute, and a join makes XLA's stream wait for both.
 // The join's operands pass through to its results (aliased, in place), then order-only
 // operands follow (as many pass through as the join has results).
+//
+// The release (`jaxtier_host_update_release_ffi`) ends the layer calls' reads of some of the
+// values they read as they are (count elements: a layer's gradient slice), so that XLA may
+// free or reuse those buffers after it: on a GPU, XLA's stream waits for every layer call that
+// read one of them (and only those); on the CPU backend the calls have run already.
+//
+//   operands: the values [0, num_values), then order-only ones (not read)
+//   results:  one token (not written)
+//   attributes: num_values (int32)
 
 inline constexpr const char kLayerOpName[] = "jaxtier_host_update_layer";
 inline constexpr const char kJoinOpName[] = "jaxtier_host_update_join";
+inline constexpr const char kReleaseOpName[] = "jaxtier_host_update_release";
 
 // Which elements a layer call runs over: its window [offset, offset + count), or the rows of a
 // table (`count` = num_rows * row_length elements, row r at [r * row_length, (r + 1) *
@@ -973,6 +983,21 @@ inline xla::ffi::Error PrepareJoin(xla::ffi::RemainingArgs args, xla::ffi::Remai
     }
   }
   return ffi::Error::Success();
+}
+
+// Validates a release: `num_values` values, then order-only operands; one token as its result.
+inline xla::ffi::Error PrepareRelease(xla::ffi::RemainingArgs args, xla::ffi::RemainingRets rets,
+                                      int32_t num_values) {
+  if (num_values < 0 || static_cast<size_t>(num_values) > args.size()) {
+    return Invalid(kReleaseOpName, "value", "attribute num_values",
+                   "in [0, " + std::to_string(args.size()) + "] (the operands of the call)",
+                   std::to_string(num_values));
+  }
+  if (rets.size() != 1) {
+    return Invalid(kReleaseOpName, "number of results", "the call", "1 (the token)",
+                   std::to_string(rets.size()));
+  }
+  return xla::ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -27,7 +27,9 @@ leaves stacked over layers and writes its results into the window of operands (n
 results: a chain of in-place results through every layer would cost XLA's host-offload passes
 one path per result per call); on a GPU its CPU and kernel parts run on jaxtier's streams
 while XLA's stream goes on. `join` (`jaxtier_host_update_join_ffi`) hands the written buffers
-back as results, in place, once every layer call before it is done. `host_update_rows` binds the
+back as results, in place, once every layer call before it is done; `release`
+(`jaxtier_host_update_release_ffi`) ends the calls' reads of the values it names, so that XLA
+may free them before the join. `host_update_rows` binds the
 layer target over whole rows of tables (an embedding table read in place and its state): the
 rows some ids name, or every other row, on the host CPUs.
 """
@@ -50,6 +52,7 @@ from jaxtier._src.vocab import Executor
 TARGET = "jaxtier_host_update_ffi"
 LAYER_TARGET = "jaxtier_host_update_layer_ffi"
 JOIN_TARGET = "jaxtier_host_update_join_ffi"
+RELEASE_TARGET = "jaxtier_host_update_release_ffi"
 
 MAX_INSTRUCTIONS = 256
 MAX_REGISTERS = 64
@@ -411,6 +414,30 @@ def join(arrays: Sequence[jax.Array], *, after: Sequence[jax.Array] = ()) -> lis
   call = ffi.ffi_call(JOIN_TARGET, [jax.typeof(a) for a in arrays],
                       aliases={k: k for k in range(len(arrays))}, has_side_effect=True)
   return list(call(*arrays, *after))
+
+
+def release(values: Sequence[jax.Array], *, after: Sequence[jax.Array] = ()) -> jax.Array:
+  """Ends the layer calls' reads of `values`, so that XLA may free or reuse their buffers.
+
+  A GPU layer call reads its operands after XLA's stream has moved on; a value it reads as it
+  is (`count` elements: a layer's gradient slice) must stay alive until that read is done. On a
+  GPU, XLA's stream waits here for the layer calls that read one of `values` (each value's
+  calls since the last `join`; values no call read wait for nothing); on the CPU backend those
+  calls have run already. The lowering issues it a layer or two after the calls, so that the
+  device never holds every layer's gradient at once (`lowering/rewrite.py`).
+
+  Args:
+    values: device arrays that earlier `host_update_layer` calls read; their last use should be
+      this call (or `join`).
+    after: order-only operands: the release runs after their producers; not read.
+
+  Returns:
+    A token (f32[1], not written): order later work after the release with it.
+  """
+  values, after = list(values), list(after)
+  call = ffi.ffi_call(RELEASE_TARGET, jax.ShapeDtypeStruct((1,), jnp.float32),
+                      has_side_effect=True)
+  return call(*values, *after, num_values=np.int32(len(values)))
 
 
 def restrict(program: Program, keep: Sequence[int], also: Sequence[int] = ()
