@@ -21,6 +21,7 @@ from flax import nnx
 
 import _stacks
 import jaxtier
+from jaxtier._src.analysis import update_schedule
 from jaxtier._src.analysis.update_schedule import Mode, Refusal, Why
 from jaxtier._src.analysis import inventory
 from jaxtier._src.hardware import profile
@@ -245,6 +246,65 @@ def test_compute_program_reads_host_leaves_in_place():
   ma = compiled.memory_analysis()
   assert ma.host_output_size_in_bytes - ma.host_alias_size_in_bytes <= 8 * 16, ma
   assert ma.host_temp_size_in_bytes == 0, ma
+
+
+@pytest.mark.parametrize("lag", [None, 1, 2])
+def test_a_layer_s_gradient_is_released_a_few_layers_after_its_call(monkeypatch, lag):
+  # The kernel's gradient slices (f32[16,16]) die at their release, RELEASE_LAG layers after
+  # their calls; only the last RELEASE_LAG layers' are kept until the joins (all of them with no
+  # release). The values are the same either way.
+  monkeypatch.setattr(update_schedule, "RELEASE_LAG", lag)
+  tx = optax.adamw(1e-2)
+  graphdef, params = _model()
+  step = jaxtier.offload(_step(graphdef, tx), policy=ON_HOST)
+  state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
+  hlo = step.lower(state, _batch(0)).compile().as_text()
+  slice_type = f"f32[{WIDTH},{WIDTH}]"
+
+  def calls(target):
+    return [l for l in hlo.splitlines() if f'custom_call_target="{target}"' in l]
+
+  shape_of = dict(re.findall(r"^\s*(%[\w.-]+) = (\S+?)\{", hlo, re.M))
+
+  def slices_named(line):
+    operands = re.findall(r"%[\w.-]+", line.split("custom-call(")[1].split(")")[0])
+    return sum(shape_of.get(o) == slice_type for o in operands)
+  kept = LAYERS if lag is None else lag
+  releases = calls(hu.RELEASE_TARGET)
+  assert len(releases) == LAYERS - kept
+  # Each release names the slice it frees, and the next layer's outputs (order-only).
+  assert all(slices_named(l) == 2 for l in releases), releases
+  joins = calls(hu.JOIN_TARGET)
+  assert joins and all(slices_named(l) == kept for l in joins), [slices_named(l) for l in joins]
+  _, got, got_losses = _train(tx, overlap=True, steps=3)
+  monkeypatch.setattr(update_schedule, "RELEASE_LAG", None)
+  _, want, want_losses = _train(tx, overlap=True, steps=3)
+  _assert_same(want, got, want_losses, got_losses)
+
+
+@pytest.mark.parametrize("platform", ["gpu", "cpu"])
+def test_a_gpu_plan_counts_a_few_layers_of_the_layered_gradients(monkeypatch, platform):
+  # The stack's moments on the host, layered over 20 layers: a GPU plan holds RELEASE_LAG + 1
+  # layers of the stacked params' gradients at its peak, not 20; a CPU plan all of them (XLA:CPU
+  # makes every slice of the stacked params at the start of the unrolled backward pass).
+  layers = 20
+  tx = optax.adamw(1e-2)
+  graphdef, params = nnx.split(_stacks.Stack(nnx.Rngs(0), layers=layers, width=WIDTH, head=2))
+  x = jax.ShapeDtypeStruct((8, WIDTH), jnp.float32)
+  y = jax.ShapeDtypeStruct((8, 2), jnp.float32)
+
+  def peak(lag):
+    monkeypatch.setattr(update_schedule, "RELEASE_LAG", lag)
+    plan = jaxtier.plan(_step(graphdef, tx), {"params": params, "opt": tx.init(params)},
+                        (x, y), policy=ON_HOST, platform=platform)
+    assert {s.mode for s in plan.schedule} == {Mode.LAYERED, Mode.SERIAL}, plan.schedule
+    return plan.predicted_peak_hbm_bytes
+  stacked = sum(a.nbytes for a in jax.tree.leaves(params["blocks"]))
+  freed = peak(None) - peak(2)
+  if platform == "gpu":
+    assert freed == pytest.approx(stacked * (1 - 3 / layers), abs=16), (freed, stacked)
+  else:
+    assert freed == 0
 
 
 def test_a_failed_layered_step_names_the_leaves_it_left():

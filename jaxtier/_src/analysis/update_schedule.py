@@ -8,7 +8,8 @@ it (`Plan.schedule`), and the lowering (`lowering/overlap.py`) builds it.
 - `layered`: a leaf stacked over layers (`[L, ...]`, the params of an `nnx.scan` or linen
   `scan` and their optimizer state) is updated one layer at a time inside the backward pass:
   layer t's update is issued as soon as the backward scan's iteration t has made its gradient
-  slice, and writes the new values in place while the GPU differentiates layers t - 1 ... 0.
+  slice, and writes the new values in place while the GPU differentiates layers t - 1 ... 0;
+  the slice is freed `RELEASE_LAG` layers later.
 - `rows`: an embedding table read in place (`host_dha`, `lowering/dha_tables.py`) is updated row
   by row on the host CPUs: the rows the step's ids do not name (zero gradient) while the step
   computes, the named ones once their gradient rows have landed in pinned_host.
@@ -60,6 +61,23 @@ from jaxtier._src.analysis import layer_stacks
 from jaxtier._src.analysis import lookups as lookups_lib
 from jaxtier._src.primitives.base import ffi_disabled
 from jaxtier._src.primitives.host_update import Op
+
+
+# A layered update's gradient slices are released this many iterations of the backward scan
+# after their layer's calls (`lowering/rewrite.py`, `host_update.release`): the device holds
+# about RELEASE_LAG + 1 layers of those gradients at once, not all L. On a GPU the release
+# makes XLA's stream wait for the calls' reads; with 2 the host still has a layer queued while
+# it waits (docs/design.md, "Free a layer's gradient once its update has read it"). None: every
+# slice stays alive until the join.
+RELEASE_LAG: "int | None" = 2
+
+
+def held_gradient_share(num_layers: int) -> float:
+  """The share of a layer loop's gradients the device holds at once when their updates run
+  layered over its `num_layers` layers (1.0 for 0 layers: a serial update reads them whole)."""
+  if num_layers <= 0 or RELEASE_LAG is None:
+    return 1.0
+  return min(1.0, (RELEASE_LAG + 1) / num_layers)
 
 
 class Mode(enum.StrEnum):

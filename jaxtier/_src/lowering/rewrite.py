@@ -324,6 +324,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
                       else None),
             on_landed=(functools.partial(layers.landed, k, read) if k in layered_scans
                        else None))
+        layers.finish(k)
       else:
         outs = jc.bind_eqn(eqn, [read(v) for v in eqn.invars])
       for v, val in zip(eqn.outvars, outs):
@@ -372,7 +373,7 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
 
 class _LayerCalls:
   """The per-layer host updates of one trace of `compute`: issued as the unrolled scans go
-  (`issue`), then joined (`join`)."""
+  (`issue`), their gradient slices released a few layers later, then joined (`join`)."""
 
   def __init__(self, compiled: Sequence[CompiledComponent], ov: overlap_lib.OverlapSchedule,
                jaxpr: Any, state: list[Any], masters: dict[int, Any],
@@ -387,6 +388,8 @@ class _LayerCalls:
     self.spares, self.guess = dict(spares or {}), dict(guess or {})
     self.tokens: list[Any] = []
     self.read_values: list[Any] = []  # device values the calls read, alive until the join
+    # Per scan: (token, gradient slices) of each iteration whose slices are not released yet.
+    self.unreleased: dict[int, list[tuple[list[Any], list[Any]]]] = {}
     self.ids: dict[int, Any] = {}  # component -> the ids of its table's gather
     self.early: dict[int, Any] = {}  # component -> the token of its untouched rows' call
 
@@ -397,11 +400,48 @@ class _LayerCalls:
     kind, i = key
     return self.masters[i] if kind == "master" else self.state[i]
 
-  def issue(self, k: int, read: Any, layer: int, outs: list[Any]) -> None:
-    """Issues layer `layer`'s calls of scan `k` whose gradients are this iteration's slices."""
+  def issue(self, k: int, read: Any, layer: int, outs: list[Any]) -> list[Any]:
+    """Issues layer `layer`'s calls of scan `k` whose gradients are this iteration's slices,
+    and releases the slices of the iteration `update_schedule.RELEASE_LAG` before (the device
+    then holds a few layers' gradients, not all); returns the iteration's
+    outputs, the carry ordered after that release (`streaming.run_scan`'s `on_layer`)."""
+    tokens, slices = [], []
     for u in self.ov.by_scan(k):
       if not u.sent:
-        self._call(u, read, layer, outs, {})
+        tokens.append(self._call(u, read, layer, outs, {}, slices))
+    pending = self.unreleased.setdefault(k, [])
+    lag = update_schedule.RELEASE_LAG
+    if lag is None:
+      self.read_values.extend(slices)
+      return outs
+    pending.append((tokens, slices))
+    if len(pending) <= lag:
+      return outs
+    old_tokens, old_slices = pending.pop(0)
+    if not old_slices:
+      return outs
+    # After this iteration's compute (its outputs are order-only operands), before the next
+    # one's (the carry waits for the release's token): the slices die here, not at the join.
+    token = hu.release(_distinct(old_slices), after=old_tokens + streaming.arrays_of(outs))
+    carry = [j for j, x in enumerate(outs[:self._num_carry(k)])
+             if x is not None and hasattr(x, "aval")]
+    if not carry:
+      self.read_values.append(token)
+      return outs
+    held, _ = jax.lax.optimization_barrier(([outs[j] for j in carry], token))
+    outs = list(outs)
+    for j, x in zip(carry, held):
+      outs[j] = x
+    return outs
+
+  def finish(self, k: int) -> None:
+    """Keeps the slices the last iterations of scan `k` did not release alive until the
+    join."""
+    for _, slices in self.unreleased.pop(k, []):
+      self.read_values.extend(slices)
+
+  def _num_carry(self, k: int) -> int:
+    return jc.scan_counts(self.jaxpr.eqns[k])[1]
 
   def landed(self, k: int, read: Any, layer: int, outs: list[Any], scratch: list[Any]
              ) -> list[Any]:
@@ -446,13 +486,15 @@ class _LayerCalls:
     return token
 
   def _operands(self, u: overlap_lib.LayeredUpdate, given: dict[int, Any],
-                value: Callable[[Any], Any]
+                value: Callable[[Any], Any], released: "tuple[set[Any], list[Any]] | None" = None
                 ) -> tuple[hu.Program, list[Any], tuple[int, ...]]:
     """The program, operands and targets of one call of `u`: `given[pos]` where given (a
     pinned_host buffer read in place, or a gradient stand-in), else the component's operand
     (`value` for a jaxpr var; a guarded update's late predicates as guessed, the scalars they
     leave unread as 1.0), then the extra state leaves its results are written into, then the
-    spare buffers results are written to instead of the operands they overwrite."""
+    spare buffers results are written to instead of the operands they overwrite. `released`:
+    (the vars of this layer's gradient slices, where their values go: they are released a
+    few layers later, not kept alive until the join)."""
     cc = self.compiled[u.component]
     targets = set(u.targets)
     guarded = {cc.operands[p].var for p in u.guards}
@@ -473,10 +515,12 @@ class _LayerCalls:
         operands.append(given[pos])
         continue
       x = _operand(spec, self.state, self.masters, late)
-      if pos not in targets and spec.kind in ("value", "const"):
-        # The GPU call reads it after XLA's stream has moved on (the gradient slice, a
-        # scalar, a device leaf it only reads): alive until the join. Not a written buffer:
-        # named as another join's operand, XLA would copy it.
+      if pos not in targets and spec.kind == "value" and released and spec.var in released[0]:
+        released[1].append(x)  # a gradient slice: alive until its release
+      elif pos not in targets and spec.kind in ("value", "const"):
+        # The GPU call reads it after XLA's stream has moved on (a scalar, a device leaf it
+        # only reads): alive until the join. Not a written buffer: named as another join's
+        # operand, XLA would copy it.
         self.read_values.append(x)
       operands.append(x)
     operands += [self._buffer(("leaf", j)) for j in u.extra]
@@ -494,7 +538,9 @@ class _LayerCalls:
             tuple(out_targets))
 
   def _call(self, u: overlap_lib.LayeredUpdate, read: Any, layer: int, outs: list[Any],
-            scratch: dict[int, Any]) -> Any:
+            scratch: dict[int, Any], released: "list[Any] | None" = None) -> Any:
+    """Issues layer `layer`'s call of `u`; returns its token. `released`: where the gradient
+    slices it reads go (to be released later); None: kept until the join."""
     cc = self.compiled[u.component]
     # This layer's gradient slices in place of the stacked gradients (in bf16 where that is
     # exact: `LayeredUpdate.narrow`); a pinned_host scratch buffer whose window `layer` has
@@ -503,7 +549,8 @@ class _LayerCalls:
                                      else outs[j])
               for pos, j in u.grads.items() if pos not in scratch}
     program, operands, targets = self._operands(
-        u, scratch, lambda v: slices[v] if v in slices else read(v))
+        u, scratch, lambda v: slices[v] if v in slices else read(v),
+        None if released is None else (set(slices), released))
     token = hu.host_update_layer(
         program, operands, targets, offset=layer * u.count, count=u.count,
         after=streaming.arrays_of(outs), executor=cc.executor, dha_fraction=cc.dha_fraction,
@@ -535,6 +582,12 @@ class _LayerCalls:
         if r.master >= 0:
           new_masters[r.master] = value
     return new_masters
+
+
+def _distinct(values: list[Any]) -> list[Any]:
+  """`values` with each array once (by identity), in order."""
+  seen: set[int] = set()
+  return [v for v in values if not (id(v) in seen or seen.add(id(v)))]
 
 
 def _operand(spec: op_program_compiler.OperandSpec, host: Any, masters: Any,

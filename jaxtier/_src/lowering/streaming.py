@@ -161,7 +161,7 @@ class Stacked:
 
 def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any],
              read_body: "Callable[[Any, list[Any]], list[Any]] | None" = None,
-             on_layer: "Callable[[int, list[Any]], None] | None" = None,
+             on_layer: "Callable[[int, list[Any]], list[Any] | None] | None" = None,
              on_landed: "Callable[[int, list[Any], list[Any]], list[Any]] | None" = None
              ) -> list[Any]:
   """Runs one streamed scan unrolled; returns its outputs (stacked ys as `Stacked`).
@@ -185,8 +185,9 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
     read_body: evaluates the body (a ClosedJaxpr) on a list of inputs (default: equation by
       equation with `jax_compat.bind_eqn`).
     on_layer: called as `on_layer(layer, outs)` after each iteration with the body's outputs
-      (carry, then ys slices): the per-layer host updates (`lowering/overlap.py`). A scan with
-      no streamed leaves is unrolled for it alone (no fetch or wait).
+      (carry, then ys slices): the per-layer host updates (`lowering/overlap.py`). It may
+      return the outputs to go on with (the same values, the carry ordered after its calls),
+      or None. A scan with no streamed leaves is unrolled for it alone (no fetch or wait).
     on_landed: called as `on_landed(layer, outs, scratch)` once that layer's sent slices have
       landed in the scratch buffers (after the d2h wait, before the next layer's sends): the
       per-layer host updates that read a scratch window in place. It returns tokens; each
@@ -230,7 +231,7 @@ def run_scan(eqn: Any, scan: StreamedScan, invals: list[Any], scratch: list[Any]
         x_t.append(jax.lax.index_in_dim(invals[q], layer, keepdims=False))
     outs = run_body(body, consts + carry + x_t)
     if on_layer is not None:
-      on_layer(layer, outs)
+      outs = on_layer(layer, outs) or outs
     carry = outs[:nk]
     sends = []
     for j in range(num_ys):
