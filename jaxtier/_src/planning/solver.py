@@ -30,6 +30,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from jaxtier._src.analysis import update_schedule
 from jaxtier._src.hardware.profile import HardwareProfile
 from jaxtier._src.planning import cost_model, placements
 from jaxtier._src.planning.problem import ParamItem, Problem
@@ -164,7 +165,13 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
       for p in stage:
         upd_on_device = p.update is not None and p.update not in host_updates
         if assign[p.index] == Placement.DEVICE:
-          weight += p.nbytes + p.grad_nbytes
+          # A layered host update frees each layer's gradient a few layers after reading it
+          # (on a GPU: XLA:CPU's schedule makes every slice of the stacked params at the start
+          # of the unrolled backward pass, which holds as many bytes).
+          weight += p.nbytes + (
+              p.grad_nbytes if p.update is None or upd_on_device or problem.platform != "gpu"
+              else int(p.grad_nbytes
+                       * update_schedule.held_gradient_share(updates[p.update].num_layers)))
           if upd_on_device:
             weight += updates[p.update].device_nbytes
         elif p.update is not None and p.update not in host_updates:
