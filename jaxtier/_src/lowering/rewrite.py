@@ -37,6 +37,7 @@ from jaxtier._src.lowering import streaming
 from jaxtier._src.planning.plan import Plan
 from jaxtier._src.primitives import dha
 from jaxtier._src.primitives import host_update as hu
+from jaxtier._src.primitives import stream
 from jaxtier._src.planning.placements import Schedule, schedule_of
 from jaxtier._src.vocab import MemoryKind
 
@@ -263,9 +264,10 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
   # the speculative lowering does, with no calls: a missed guess reruns the serial programs,
   # and their gradients must be the guessed step's, bit for bit (a rolled loop compiles apart
   # from an unrolled one and may round a gradient otherwise on a GPU).
-  unrolled = set(layered_scans) | (
-      {s.loop for s in plan.schedule if s.guarded and s.mode == update_schedule.Mode.LAYERED}
-      if not speculate and plan.speculation is not None and plan.speculation.enabled else set())
+  guarded_scans = ({s.loop for s in plan.schedule
+                    if s.guarded and s.mode == update_schedule.Mode.LAYERED}
+                   if plan.speculation is not None and plan.speculation.enabled else set())
+  unrolled = set(layered_scans) | guarded_scans
   # Gradient buffers kept zero between steps: their tables' updates zero the rows they read.
   kept_zero = {u.rows.scratch for u in ov.tables}
 
@@ -320,8 +322,8 @@ def rewrite(closed_jaxpr: Any, plan: Plan, shardings: "Sequence[Any] | None" = N
         outs = streaming.run_scan(
             eqn, stream.scans.get(k) or streaming.StreamedScan(k, (), ()),
             [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars], scratch,
-            on_layer=(functools.partial(layers.issue, k, read) if k in layered_scans
-                      else None),
+            on_layer=_isolated(functools.partial(layers.issue, k, read)
+                               if k in layered_scans else None, k in guarded_scans),
             on_landed=(functools.partial(layers.landed, k, read) if k in layered_scans
                        else None))
         layers.finish(k)
@@ -582,6 +584,27 @@ class _LayerCalls:
         if r.master >= 0:
           new_masters[r.master] = value
     return new_masters
+
+
+def _isolated(on_layer: "Callable[[int, list[Any]], list[Any] | None] | None", isolate: bool
+              ) -> "Callable[[int, list[Any]], list[Any] | None] | None":
+  """`on_layer` (or nothing), after each iteration's outputs pass through a custom call that
+  hands them back in place (`stream.wait`, with no copy to wait for), where `isolate`.
+
+  The guarded scans of a plan that speculates run so in both its lowerings: XLA fuses nothing
+  across a custom call, so each iteration compiles to the same fusions whether its outputs
+  feed layer calls (the guessed step) or the stacked gradients (the serial programs a missed
+  guess reruns), and a GPU rounds the gradients alike."""
+  if not isolate:
+    return on_layer
+
+  def run(layer: int, outs: list[Any]) -> "list[Any] | None":
+    arrays = [j for j, x in enumerate(outs) if x is not None and hasattr(x, "aval")]
+    outs = list(outs)
+    for j, x in zip(arrays, stream.wait([outs[j] for j in arrays], direction=stream.D2H)):
+      outs[j] = x
+    return (on_layer(layer, outs) or outs) if on_layer is not None else outs
+  return run
 
 
 def _distinct(values: list[Any]) -> list[Any]:
