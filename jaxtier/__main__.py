@@ -585,13 +585,17 @@ if __name__ == "__main__":
     sys.exit(_why)
   # absl's --help prints the usage and exits 1; asking for help is no error.
   if "--helpfull" in sys.argv[1:]:
-    app.usage(writeto_stdout=True)  # this text, then every flag
-    sys.exit(0)
+    import contextlib  # pylint: disable=g-import-not-at-top
+    import io  # pylint: disable=g-import-not-at-top
+    # absl writes this text, then every flag; printed as every help is (`print_help`).
+    with contextlib.redirect_stdout(io.StringIO()) as _full:
+      app.usage(writeto_stdout=True)
+    sys.exit(command_help_lib.print_help(_full.getvalue().removesuffix("\n")))
   if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
     _command = _command_in(sys.argv)
     if _command == "run":
       from jaxtier._src import launcher as _launcher  # pylint: disable=g-import-not-at-top
       sys.exit(_launcher.main(["--help"]))
-    print(command_help(_command) if _command else command_help_lib.fit(__doc__))
-    sys.exit(0)
+    sys.exit(command_help_lib.print_help(command_help(_command) if _command
+                                         else command_help_lib.fit(__doc__)))
   sys.exit(app.run(main, flags_parser=parse_flags))

@@ -804,6 +804,30 @@ def test_help_is_short_and_each_commands_help_lists_its_flags(tmp_path, monkeypa
   assert full.returncode == 0 and "--verbosity" in full.stdout and "--steps" in full.stdout
 
 
+def test_help_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path):
+  # `python -m jaxtier --help | head -3`: the reader is gone before the help is written. The
+  # process ends quietly with exit status 1, as Python's docs advise for a broken pipe (their
+  # 'Note on SIGPIPE'), not with a BrokenPipeError traceback (or status 120 from the
+  # interpreter's own flush at exit). A pipe whose read end is closed makes every write fail,
+  # whatever the help's length.
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+  env.pop("PYTHONUNBUFFERED", None)  # stdout buffered, as a user's is
+  asked = [["--help"], ["train", "--help"], ["--help", "run"], ["run", "--help"],
+           ["--helpfull"]]
+  procs = []
+  for args in asked:
+    read, write = os.pipe()
+    os.close(read)
+    procs.append(subprocess.Popen([sys.executable, "-m", "jaxtier", *args], stdout=write,
+                                  stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path))
+    os.close(write)
+  ended = []
+  for args, proc in zip(asked, procs):
+    err = proc.communicate(timeout=120)[1]
+    ended.append((args, proc.returncode, err))
+  assert ended == [(args, 1, "") for args in asked], ended
+
+
 def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
   commands = "; expected one of train, plan, calibrate, run"
   # After a command, the list of commands would read as if the command were wrong.

@@ -2,13 +2,15 @@
 
 Every command's help has one form (`render`): its usage line, what it does, and the flags it
 reads as absl writes them (`FlagValues.get_help`), each flag's help said as it applies to that
-command (`with_help`).
+command (`with_help`). `print_help` prints it.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import re
+import sys
 import textwrap
 from typing import Any, Mapping, Sequence
 
@@ -77,3 +79,17 @@ def by_name(values: flags.FlagValues, names: Sequence[str],
   """The flags `names` of `values`, each with its help in `helps` where it has one there."""
   helps = helps or {}
   return [with_help(values[name], helps.get(name)) for name in names]
+
+
+def print_help(text: str) -> int:
+  """Prints `text` (a --help) on stdout and returns the exit status: 0, or 1 where stdout is a
+  pipe whose reader is gone (`--help | head -3`), without a BrokenPipeError traceback, as
+  Python's docs advise (https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+  try:
+    print(text)
+    sys.stdout.flush()  # here, not in the interpreter's flush at exit, where it cannot be caught
+  except BrokenPipeError:
+    # What stdout still holds goes nowhere: the interpreter's flush at exit would fail again.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+  return 0

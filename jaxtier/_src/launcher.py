@@ -1385,8 +1385,9 @@ def _flag_values() -> Any:
 
 def main(argv: Sequence[str], *, exit_on_interrupt: bool = False) -> int:
   """`python -m jaxtier run ...`; returns the exit status: the script's, 2 for a bad command
-  line, 1 where `--strict` stopped the run, 130 where a Ctrl-C ended the script (it did not
-  catch the KeyboardInterrupt): said in a line (`Launcher.interrupted`), no traceback.
+  line, 1 where `--strict` stopped the run (or --help's reader closed the pipe), 130 where a
+  Ctrl-C ended the script (it did not catch the KeyboardInterrupt): said in a line
+  (`Launcher.interrupted`), no traceback.
 
   Args:
     argv: the command line after 'run'.
@@ -1396,8 +1397,7 @@ def main(argv: Sequence[str], *, exit_on_interrupt: bool = False) -> int:
   """
   if any(a in ("-h", "--help", "--helpfull") for a in
          (argv[:argv.index("--")] if "--" in argv else argv[:1])):
-    print(help_text())
-    return 0
+    return command_help.print_help(help_text())
   try:
     options, target = parse(argv)
   except ValueError as e:  # a bad flag, or no script: in one line, as the other commands say it
