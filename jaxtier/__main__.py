@@ -13,9 +13,7 @@ Commands:
 from __future__ import annotations
 
 import os
-import re
 import sys
-from typing import NoReturn
 
 if __name__ == "__main__":  # Ctrl-C while the command starts: one line, exit 130
   from jaxtier._src import early_interrupt  # pylint: disable=g-import-not-at-top
@@ -78,7 +76,7 @@ def plan_main() -> None:
   if _PLOT.value:
     problem = _unwritable(_PLOT.value)
     if problem:  # say so before planning, not in a traceback after the plan is printed
-      bad_command_line("plan", f"--plot={_PLOT.value}: {problem}")
+      command_help_lib.bad_command_line("plan", f"--plot={_PLOT.value}: {problem}")
   from jaxtier.examples import tokenizer  # pylint: disable=g-import-not-at-top
   # As `train` sizes it (the vocabulary asked for, whatever the corpus gives: tokenizer.py).
   config = tokenizer.model_config(llama.CONFIGS[flags.FLAGS.config], flags.FLAGS.tokenizer,
@@ -108,7 +106,7 @@ def plan_main() -> None:
       except jaxtier.OptionError as e:
         why = str(e).removeprefix("jaxtier: ")
     if why is not None:
-      bad_command_line("plan", f"--device_kind={_DEVICE_KIND.value}: {why}")
+      command_help_lib.bad_command_line("plan", f"--device_kind={_DEVICE_KIND.value}: {why}")
   # As `train` runs it: 'stream' places the layers' params host_stream (the rest auto).
   policy = {"stream": train_lib.stream_layers_policy}.get(flags.FLAGS.offload,
                                                           flags.FLAGS.offload)
@@ -370,36 +368,6 @@ def _command_in(argv: "list[str]") -> "str | None":
   return next((a for a in argv[1:] if a in COMMANDS), None)
 
 
-def bad_command_line(command: "str | None", what: object) -> "NoReturn":
-  """Says in one line on stderr what is wrong with the command line and where its flags are
-  listed, then exits 2 (as argparse does for a usage error; absl exits 1, with many lines).
-
-  Args:
-    command: the command given (its --help is named), or None (the top-level --help is).
-    what: what is wrong, e.g. absl's `flags.Error` ("Unknown command line flag 'nope'").
-  """
-  said = " ".join(str(what).removeprefix("jaxtier: ").split()).removesuffix(".")
-  if command:
-    print(f"python -m jaxtier {command}: {said}; python -m jaxtier {command} --help lists its "
-          "flags", file=sys.stderr)
-  else:
-    print(f"python -m jaxtier: {said}; python -m jaxtier --help lists the commands",
-          file=sys.stderr)
-  sys.exit(2)
-
-
-def parse_flags(argv: "list[str]") -> "list[str]":
-  """`app.run`'s flags parser: absl's (`FlagValues.__call__`), a bad flag said in one line by
-  `bad_command_line` rather than absl's 'FATAL Flags parsing error' and exit status 1."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    # A check of several flags names them itself: absl's 'flags a=1, b=2: ' before it is not
-    # said.
-    said = re.sub(r"^flags (\w+=[^,:]*, )*\w+=[^,:]*: (?=.*--)", "", str(e))
-    bad_command_line(_command_in(argv), said)
-
-
 def main(argv: list[str]) -> None:
   # The commands' own output is what matters here: the libraries' INFO lines only with
   # --verbosity.
@@ -429,7 +397,7 @@ def main(argv: list[str]) -> None:
   try:
     _run_command(argv)
   except app.UsageError as e:  # flags that contradict each other, a setting the plan refuses
-    bad_command_line(argv[1], e)
+    command_help_lib.bad_command_line(argv[1], e)
 
 
 def _run_command(argv: list[str]) -> None:
@@ -598,4 +566,5 @@ if __name__ == "__main__":
       sys.exit(_launcher.main(["--help"]))
     sys.exit(command_help_lib.print_help(command_help(_command) if _command
                                          else command_help_lib.fit(__doc__)))
-  sys.exit(app.run(main, flags_parser=parse_flags))
+  sys.exit(app.run(main, flags_parser=lambda argv: command_help_lib.parse_flags(
+      argv, _command_in(argv))))

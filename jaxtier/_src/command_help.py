@@ -2,7 +2,8 @@
 
 Every command's help has one form (`render`): its usage line, what it does, and the flags it
 reads as absl writes them (`FlagValues.get_help`), each flag's help said as it applies to that
-command (`with_help`). `print_help` prints it.
+command (`with_help`). `print_help` prints it. A bad command line is said in one line that
+names that help (`bad_command_line`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import re
 import sys
 import textwrap
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 from absl import flags
 
@@ -93,3 +94,34 @@ def print_help(text: str) -> int:
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 1
   return 0
+
+
+def bad_command_line(command: "str | None", what: object) -> "NoReturn":
+  """Says in one line on stderr what is wrong with the command line and where its flags are
+  listed, then exits 2 (as argparse does for a usage error; absl exits 1, with many lines).
+
+  Args:
+    command: the command given (its --help is named), or None (the top-level --help is).
+    what: what is wrong, e.g. absl's `flags.Error` ("Unknown command line flag 'nope'").
+  """
+  said = " ".join(str(what).removeprefix("jaxtier: ").split()).removesuffix(".")
+  if command:
+    print(f"python -m jaxtier {command}: {said}; python -m jaxtier {command} --help lists its "
+          "flags", file=sys.stderr)
+  else:
+    print(f"python -m jaxtier: {said}; python -m jaxtier --help lists the commands",
+          file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv: "list[str]", command: "str | None" = None) -> "list[str]":
+  """`app.run`'s flags parser: absl's (`FlagValues.__call__`), a bad flag said in one line by
+  `bad_command_line` (naming `command`, the command given) rather than absl's 'FATAL Flags
+  parsing error' and exit status 1."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    # A check of several flags names them itself: absl's 'flags a=1, b=2: ' before it is not
+    # said.
+    said = re.sub(r"^flags (\w+=[^,:]*, )*\w+=[^,:]*: (?=.*--)", "", str(e))
+    bad_command_line(command, said)
