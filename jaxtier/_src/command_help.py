@@ -96,32 +96,37 @@ def print_help(text: str) -> int:
   return 0
 
 
-def bad_command_line(command: "str | None", what: object) -> "NoReturn":
+# The command line whose commands the help lists.
+PROGRAM = "python -m jaxtier"
+
+
+def bad_command_line(command: "str | None", what: object,
+                     program: str = PROGRAM) -> "NoReturn":
   """Says in one line on stderr what is wrong with the command line and where its flags are
   listed, then exits 2 (as argparse does for a usage error; absl exits 1, with many lines).
 
   Args:
-    command: the command given (its --help is named), or None (the top-level --help is).
+    command: the command given (its --help is named), or None (the program's own --help is).
     what: what is wrong, e.g. absl's `flags.Error` ("Unknown command line flag 'nope'").
+    program: how the program was run: `PROGRAM`, whose own --help lists the commands, or an
+      entry point of its own whose --help lists its flags (the example trainer's).
   """
   said = " ".join(str(what).removeprefix("jaxtier: ").split()).removesuffix(".")
-  if command:
-    print(f"python -m jaxtier {command}: {said}; python -m jaxtier {command} --help lists its "
-          "flags", file=sys.stderr)
-  else:
-    print(f"python -m jaxtier: {said}; python -m jaxtier --help lists the commands",
-          file=sys.stderr)
+  named = f"{program} {command}" if command else program
+  listed = "the commands" if named == PROGRAM else "its flags"
+  print(f"{named}: {said}; {named} --help lists {listed}", file=sys.stderr)
   sys.exit(2)
 
 
-def parse_flags(argv: "list[str]", command: "str | None" = None) -> "list[str]":
+def parse_flags(argv: "list[str]", command: "str | None" = None,
+                program: str = PROGRAM) -> "list[str]":
   """`app.run`'s flags parser: absl's (`FlagValues.__call__`), a bad flag said in one line by
-  `bad_command_line` (naming `command`, the command given) rather than absl's 'FATAL Flags
-  parsing error' and exit status 1."""
+  `bad_command_line` (naming `command`, the command given, of `program`) rather than absl's
+  'FATAL Flags parsing error' and exit status 1."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     # A check of several flags names them itself: absl's 'flags a=1, b=2: ' before it is not
     # said.
     said = re.sub(r"^flags (\w+=[^,:]*, )*\w+=[^,:]*: (?=.*--)", "", str(e))
-    bad_command_line(command, said)
+    bad_command_line(command, said, program)

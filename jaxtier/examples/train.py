@@ -39,6 +39,7 @@ import numpy as np
 import tqdm
 
 import jaxtier
+from jaxtier._src import command_help
 from jaxtier._src import early_interrupt
 
 from . import checkpoints as checkpoints_lib
@@ -982,6 +983,8 @@ def exit_interrupted(e: KeyboardInterrupt) -> None:
 
 if __name__ == "__main__":
   try:
-    app.run(main)
+    # A bad flag said in one line, exit status 2, as `python -m jaxtier train` says it.
+    app.run(main, flags_parser=lambda argv: command_help.parse_flags(
+        argv, program="python -m jaxtier.examples.train"))
   except KeyboardInterrupt as interrupt:
     exit_interrupted(interrupt)

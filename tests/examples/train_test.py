@@ -7,6 +7,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 from examples._micro import MICRO
 import jax
@@ -199,6 +201,19 @@ def test_run_rejects_bad_arguments(corpus):
     _run(corpus, offload="sometimes")
   with pytest.raises(ValueError, match="config"):
     train.run(config_name="nope", data=corpus, progress=False)
+
+
+def test_a_bad_flag_to_the_trainer_run_as_a_script_is_said_in_one_line(tmp_path):
+  # As `python -m jaxtier train` says it (exit status 2, the flag and where the flags are
+  # listed), not absl's 'FATAL Flags parsing error' and exit status 1.
+  env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+  for flag, says in (("--bogus_flag", "Unknown command line flag 'bogus_flag'"),
+                     ("--seed=-1", "flag --seed=-1: -1 is not a non-negative integer")):
+    out = subprocess.run([sys.executable, "-m", "jaxtier.examples.train", flag],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (
+        2, "", f"python -m jaxtier.examples.train: {says}; python -m jaxtier.examples.train "
+               "--help lists its flags\n")
 
 
 @pytest.mark.slow
