@@ -40,6 +40,7 @@ def test_scan_bodies_timed_replace_their_analytic_compute(monkeypatch):
   x = jnp.ones((128, 64), jnp.float32)
   closed = jax.make_jaxpr(jax.grad(f))(w, x)
   timed = step_costs_lib.time_scan_bodies(closed, reps=2)
+  layer_flops = 2 * 128 * 64 * 64
   # The forward scan and its transpose: two bodies, 6 iterations each.
   assert (timed.count, timed.iterations) == (2, 12)
   assert timed.secs > 0
@@ -52,6 +53,12 @@ def test_scan_bodies_timed_replace_their_analytic_compute(monkeypatch):
   rest = step_costs_lib.compute_secs(flops - timed.flops, ew - timed.elementwise_bytes, prof)
   assert costs.compute_secs(prof) == pytest.approx(timed.secs + rest)
   assert "2 scan bodies timed on this device" in costs.compute_source(prof)
+  # A body over the FLOPs limit is left to the analytic count (the CPU backend's limit keeps
+  # a large model's layers from running for minutes): here the forward's (2 * 128 * 64 * 64
+  # FLOPs) is timed and its transpose's (twice that) is not.
+  capped = step_costs_lib.time_scan_bodies(closed, reps=1, max_body_flops=1.5 * layer_flops)
+  assert (capped.count, capped.iterations) == (1, 6)
+  assert step_costs_lib.time_scan_bodies(closed, reps=1, max_body_flops=1.0) is None
   # No scan: nothing to time; the analytic formula stays.
   assert step_costs_lib.time_scan_bodies(jax.make_jaxpr(lambda a: a @ a)(jnp.ones((8, 8)))) is None
   # Through the planner (forced on the CPU backend): the plan's notes say how compute was found.

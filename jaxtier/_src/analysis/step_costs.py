@@ -315,7 +315,8 @@ _TIMED_BODIES: dict[Any, float] = {}
 
 
 def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
-                     max_input_bytes: int = 4 << 30) -> "TimedScans | None":
+                     max_input_bytes: int = 4 << 30,
+                     max_body_flops: "float | None" = None) -> "TimedScans | None":
   """Runs the body of each top-level `scan` of the step once per rep on zeros and times it.
 
   The layers of a model are most of its compute and the analytic rate (`compute_secs`: one
@@ -334,6 +335,8 @@ def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
     reps: timed runs per body.
     max_input_bytes: a body whose inputs take more bytes than this is not timed (its zeros
       would be allocated on the device): it is left to the analytic count, the others timed.
+    max_body_flops: likewise a body of more FLOPs per iteration than this (None: no limit;
+      on the CPU backend a 1b layer at batch 8 x 1024 runs for minutes).
 
   Returns:
     The timed scans, or None when the step has none, or timing failed (any exception: an
@@ -369,6 +372,8 @@ def time_scan_bodies(closed_jaxpr: Any, *, reps: int = 5,
       body, length = eqn.params["jaxpr"], int(eqn.params["length"])
       avals = [v.aval for v in jc.open_jaxpr(body)[0].invars]
       if sum(_nbytes(a) for a in avals) > max_input_bytes:
+        continue
+      if max_body_flops is not None and jaxpr_costs(body, 1.0)[0] > max_body_flops:
         continue
       key = (str(body), tuple(map(str, avals)))
       if key not in _TIMED_BODIES:
@@ -417,6 +422,9 @@ def _has_while(jaxpr: Any) -> bool:
 TIME_STEP_MAX_INPUT_BYTES = 1 << 30
 TIME_STEP_MAX_MEMORY_SHARE = 0.5
 TIME_STEP_MAX_RUN_SECS = 2.0
+# FLOPs of one iteration of a scan body above which the CPU backend does not time it (about a
+# second at 50 GFLOP/s): the analytic count stands in.
+CPU_MAX_BODY_FLOPS = 5e10
 
 
 def time_step(compiled: Any, avals: Sequence[Any], closed_jaxpr: Any, *,
@@ -594,8 +602,9 @@ def measure_step(closed_jaxpr: Any, state: Sequence[Any], args: Sequence[Any], *
   step_secs = None
 
   def costs(**kwargs) -> StepCosts:
-    timed = (time_scan_bodies(closed_jaxpr) if time_scans and num_devices == 1
-             and step_secs is None else None)
+    timed = (time_scan_bodies(closed_jaxpr,
+                              max_body_flops=CPU_MAX_BODY_FLOPS if here == "cpu" else None)
+             if time_scans and num_devices == 1 and step_secs is None else None)
     return StepCosts(flops=flops / num_devices, elementwise_bytes=ew / num_devices,
                      num_devices=num_devices, timed=timed, step_secs=step_secs,
                      step_time_key=_TIME_KEYS.get(key) if step_secs is not None else None,
