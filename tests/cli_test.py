@@ -1038,6 +1038,16 @@ def test_train_refuses_a_negative_seed_and_log_every_zero_when_parsed(tmp_path):
     (["train", "--seed=-1"], "python -m jaxtier train: flag --seed=-1: -1 is not a "
                              "non-negative integer; python -m jaxtier train --help lists its "
                              "flags"),
+    (["train", "--learning_rate=nan"], "python -m jaxtier train: flag --learning_rate=nan: "
+                                       "expected a finite learning rate > 0, got nan; python -m "
+                                       "jaxtier train --help lists its flags"),
+    (["train", "--data=no_such.txt"], "python -m jaxtier train: flag --data=no_such.txt: no "
+                                      "such file: no_such.txt; python -m jaxtier train --help "
+                                      "lists its flags"),
+    (["train", "--checkpoint_dir=a_file"], "python -m jaxtier train: flag "
+                                           "--checkpoint_dir=a_file: 'a_file' is a file, not a "
+                                           "folder; name a folder; python -m jaxtier train "
+                                           "--help lists its flags"),
     (["calibrate", "--batch_size"], "python -m jaxtier calibrate: Missing value for flag "
                                     "--batch_size; python -m jaxtier calibrate --help lists its "
                                     "flags"),
@@ -1049,7 +1059,10 @@ def test_train_refuses_a_negative_seed_and_log_every_zero_when_parsed(tmp_path):
 def test_a_bad_flag_is_said_in_one_line_with_exit_status_2_on_every_command(tmp_path, args,
                                                                              says):
   # As the command line's other usage errors (an unknown command; run's), not absl's
-  # 'FATAL Flags parsing error' and exit status 1.
+  # 'FATAL Flags parsing error' and exit status 1. Bad values of the files a run reads and
+  # writes are said so before anything is built (a checkpoint folder that is a file was an
+  # error after the last step, every checkpoint lost).
+  (tmp_path / "a_file").write_text("")
   out = _cli(tmp_path, *args)
   assert (out.returncode, out.stdout, out.stderr) == (2, "", says + "\n")
 

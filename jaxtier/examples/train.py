@@ -892,6 +892,45 @@ def _valid_json_out(value: str) -> bool:
 flags.register_validator("json_out", _valid_json_out)
 
 
+def _valid_learning_rate(value: "float | None") -> bool:
+  import math  # pylint: disable=g-import-not-at-top
+  if value is not None and not (math.isfinite(value) and value > 0):
+    raise flags.ValidationError(f"expected a finite learning rate > 0, got {value}")
+  return True
+
+
+def _valid_data(value: str) -> bool:
+  """Every file --data names exists: checked before the model is built."""
+  import os  # pylint: disable=g-import-not-at-top
+  missing = [f for f in value.split(",") if f and not os.path.isfile(f)]
+  if missing:
+    raise flags.ValidationError(f"no such file: {', '.join(missing)}")
+  return True
+
+
+def _valid_checkpoint_dir(value: str) -> bool:
+  """--checkpoint_dir is a folder, or can be made as one: checked before training, so that a
+  bad path does not cost the run its checkpoints."""
+  import os  # pylint: disable=g-import-not-at-top
+  if not value:
+    return True
+  path = os.path.abspath(value)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise flags.ValidationError(f"{value!r} is a file, not a folder; name a folder")
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
+    raise flags.ValidationError(f"{value!r} cannot be written: {existing} is not a writable "
+                                "folder")
+  return True
+
+
+flags.register_validator("learning_rate", _valid_learning_rate)
+flags.register_validator("data", _valid_data)
+flags.register_validator("checkpoint_dir", _valid_checkpoint_dir)
+
+
 def main(argv: Sequence[str]) -> None:
   """Runs `run` with the flags; writes --json_out however it ends, then re-raises what ended
   it (the command line turns that into its message and exit status)."""
