@@ -411,10 +411,10 @@ def _run_command(argv: list[str]) -> None:
       # saved at its step's end.
       train_lib.exit_interrupted(e)
     except train_lib.OverBudgetError as e:
-      print(f"error: {e}", file=sys.stderr)  # names the figures, the budget and the fixes
+      command_help_lib.say(f"error: {e}")  # names the figures, the budget and the fixes
       sys.exit(1)
     except train_lib.NonFiniteLossError as e:
-      print(f"error: {e}", file=sys.stderr)  # the step, the loss and the fix
+      command_help_lib.say(f"error: {e}")  # the step, the loss and the fix
       sys.exit(1)
     except (jaxtier.PlanError, OSError, ValueError, train_lib.tokenizer_lib.TokenizersMissingError
             ) as e:
@@ -423,27 +423,27 @@ def _run_command(argv: list[str]) -> None:
       # A refused plan, a missing data file, bad data, a bad setting or --tokenizer=bpe without
       # its package: the message says what and how to fix it; a traceback through the trainer
       # would only hide it.
-      print(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}", file=sys.stderr)
+      command_help_lib.say(f"error: {type(e).__name__}: {str(e).removeprefix('jaxtier: ')}")
       if isinstance(e, jaxtier.AdmissionError):
         offload = flags.FLAGS["offload"].value if "offload" in flags.FLAGS else None
         fixes = _admission_fixes(e, offload, smallest=_is_smallest_config())
-        print("from the command line: " + ", or ".join(filter(None, (", ".join(fixes[:-1]),
-                                                                    fixes[-1]))),
-              file=sys.stderr)
+        command_help_lib.say("from the command line: " + ", or ".join(
+            filter(None, (", ".join(fixes[:-1]), fixes[-1]))))
       elif isinstance(e, jaxtier.PlanError):
         # What has not been tried yet: under auto or optimizer_state_on_host the planner has
         # already moved the optimizer state; streaming moves the layers' params too.
         offload = flags.FLAGS["offload"].value if "offload" in flags.FLAGS else None
         more = ("" if offload == "stream" else
                 "--offload=stream moves the layers' params to pinned_host too; or ")
-        print(f"from the command line: {more}raise --device_budget (the step's activations "
-              "come on top of the state: `python -m jaxtier plan` with the same flags shows "
-              "the peak), or a smaller --config, --batch_size or --seq_len",
-              file=sys.stderr)
+        command_help_lib.say(
+            f"from the command line: {more}raise --device_budget (the step's activations "
+            "come on top of the state: `python -m jaxtier plan` with the same flags shows "
+            "the peak), or a smaller --config, --batch_size or --seq_len")
         if "allow_over_budget" in flags.FLAGS and flags.FLAGS.allow_over_budget:
-          print("note: --allow_over_budget runs a plan whose step may peak over the budget; "
-                "it cannot run one whose state alone is over it (the state is placed before "
-                "the first step)", file=sys.stderr)
+          command_help_lib.say(
+              "note: --allow_over_budget runs a plan whose step may peak over the budget; it "
+              "cannot run one whose state alone is over it (the state is placed before the "
+              "first step)")
       sys.exit(1)
   elif command == "plan":
     try:
@@ -452,7 +452,7 @@ def _run_command(argv: list[str]) -> None:
       if _JSON.value:  # the JSON form says so in its fields too
         import json  # pylint: disable=g-import-not-at-top
         print(json.dumps({"fits": False, "refused": f"{type(e).__name__}: {e}"}, indent=1))
-      print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+      command_help_lib.say(f"error: {type(e).__name__}: {e}")
       sys.exit(1)
   else:
     calibrate_main()

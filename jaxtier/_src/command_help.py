@@ -49,6 +49,13 @@ def _wrap(line: str, width: int, subsequent: str, first: str = "") -> str:
                                  break_on_hyphens=False)) or line
 
 
+def say(text: str, width: "int | None" = None) -> None:
+  """Prints `text` (an error, a note, the fixes) to stderr, each of its lines wrapped to `width`
+  columns (default: the terminal's) with its continuation indented by two spaces."""
+  width = width or flags.get_help_width()
+  print("\n".join(_wrap(line, width, "  ") for line in text.split("\n")), file=sys.stderr)
+
+
 def with_help(flag: Any, help_text: "str | None" = None, *, show_default: bool = True) -> Any:
   """`flag` as a command's help shows it: a copy with `help_text` for its help (where given;
   an enum's values, `<a|b>: `, still first), and without its default where `show_default` is

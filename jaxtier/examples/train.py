@@ -900,7 +900,8 @@ def _valid_learning_rate(value: "float | None") -> bool:
 
 
 def _valid_data(value: str) -> bool:
-  """Every file --data names exists: checked before the model is built."""
+  """Every file --data names exists: checked before the model is built (in `main`: `plan`
+  reads this module's flags too, and ignores --data)."""
   import os  # pylint: disable=g-import-not-at-top
   missing = [f for f in value.split(",") if f and not os.path.isfile(f)]
   if missing:
@@ -910,7 +911,7 @@ def _valid_data(value: str) -> bool:
 
 def _valid_checkpoint_dir(value: str) -> bool:
   """--checkpoint_dir is a folder, or can be made as one: checked before training, so that a
-  bad path does not cost the run its checkpoints."""
+  bad path does not cost the run its checkpoints (in `main`, as --data)."""
   import os  # pylint: disable=g-import-not-at-top
   if not value:
     return True
@@ -927,8 +928,6 @@ def _valid_checkpoint_dir(value: str) -> bool:
 
 
 flags.register_validator("learning_rate", _valid_learning_rate)
-flags.register_validator("data", _valid_data)
-flags.register_validator("checkpoint_dir", _valid_checkpoint_dir)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -944,6 +943,11 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"{' and '.join(kept)} without --checkpoint_dir: no checkpoint is "
                          "kept; add --checkpoint_dir=DIR (or drop "
                          f"{'them' if len(kept) > 1 else 'it'})")
+  for flag, valid in ((_DATA, _valid_data), (_CHECKPOINT_DIR, _valid_checkpoint_dir)):
+    try:
+      valid(flag.value)
+    except flags.ValidationError as e:
+      raise app.UsageError(f"flag --{flag.name}={flag.value}: {e}") from e
   # absl prints INFO by default: JAX's that it found no TPU, orbax's per checkpoint. The run's
   # own lines are printed; --verbosity brings the libraries' back.
   if not flags.FLAGS["verbosity"].present:
