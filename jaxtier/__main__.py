@@ -566,5 +566,14 @@ if __name__ == "__main__":
       sys.exit(_launcher.main(["--help"]))
     sys.exit(command_help_lib.print_help(command_help(_command) if _command
                                          else command_help_lib.fit(__doc__)))
-  sys.exit(app.run(main, flags_parser=lambda argv: command_help_lib.parse_flags(
-      argv, _command_in(argv))))
+  # A reader gone (`plan --details | head`): status 1 and no traceback, as `print_help`. The
+  # output is flushed here, where that can be caught (app.run ends in sys.exit).
+  try:
+    try:
+      app.run(main, flags_parser=lambda argv: command_help_lib.parse_flags(
+          argv, _command_in(argv)))
+    finally:
+      sys.stdout.flush()
+  except BrokenPipeError:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(1)

@@ -810,7 +810,8 @@ def test_help_is_short_and_each_commands_help_lists_its_flags(tmp_path, monkeypa
 
 
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path):
-  # `python -m jaxtier --help | head -3`: the reader is gone before the help is written. The
+  # `python -m jaxtier --help | head -3` (or a plan's --details): the reader is gone before
+  # the text is written. The
   # process ends quietly with exit status 1, as Python's docs advise for a broken pipe (their
   # 'Note on SIGPIPE'), not with a BrokenPipeError traceback (or status 120 from the
   # interpreter's own flush at exit). A pipe whose read end is closed makes every write fail,
@@ -818,7 +819,7 @@ def test_help_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path):
   env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
   env.pop("PYTHONUNBUFFERED", None)  # stdout buffered, as a user's is
   asked = [["--help"], ["train", "--help"], ["--help", "run"], ["run", "--help"],
-           ["--helpfull"]]
+           ["--helpfull"], ["plan", "--config=tiny", "--details"]]
   procs = []
   for args in asked:
     read, write = os.pipe()
