@@ -22,7 +22,8 @@ def test_8b_with_a_128k_vocabulary_under_a_tight_budget_reads_the_table_in_place
   _, state, step = train_state.make_train_state(config, 1e-3, abstract=True)
   tokens = jax.ShapeDtypeStruct((4, 2049), jnp.int32)
   acts = llama.activation_model(config, 4, 2048)
-  plan = jaxtier.plan(step, state, tokens, device_budget="60GB", platform="gpu", activations=acts)
+  # (60 GB holds the table on the device: a layered update frees each layer's gradient.)
+  plan = jaxtier.plan(step, state, tokens, device_budget="45GB", platform="gpu", activations=acts)
   assert plan.fits
   table = {l.path: l for l in plan.leaves}[EMBED]
   assert table.placement == "host_dha" and table.memory_kind == "pinned_host"
