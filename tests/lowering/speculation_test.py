@@ -4,7 +4,8 @@ A stack of layers under `nnx.scan`, its optimizer state on the host, clipped by
 `optax.clip_by_global_norm`: the layered updates run during the backward pass on the guess that
 the clip does not bind, writing spare buffers; a step whose clip binds runs the serial schedule
 instead. Over many steps, where the clip binds on some and not on others, the state equals the
-serial schedule's bit for bit (CPU), for every optimizer of the optimizer table.
+plan's serial programs' bit for bit, and on the CPU the schedule with no layered update's, for
+every optimizer of the optimizer table.
 """
 
 import jax
