@@ -575,5 +575,5 @@ if __name__ == "__main__":
     finally:
       sys.stdout.flush()
   except BrokenPipeError:
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    command_help_lib.stdout_gone()
     sys.exit(1)

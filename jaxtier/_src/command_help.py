@@ -97,10 +97,15 @@ def print_help(text: str) -> int:
     print(text)
     sys.stdout.flush()  # here, not in the interpreter's flush at exit, where it cannot be caught
   except BrokenPipeError:
-    # What stdout still holds goes nowhere: the interpreter's flush at exit would fail again.
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    stdout_gone()
     return 1
   return 0
+
+
+def stdout_gone() -> None:
+  """Points stdout at the null device once its reader is gone (a BrokenPipeError): what it
+  still holds goes nowhere, and the interpreter's flush at exit does not fail again."""
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # The command line whose commands the help lists.
