@@ -33,6 +33,26 @@ def why_unwritable(path: str, example: str = "out.json") -> "str | None":
   return None
 
 
+def why_unwritable_folder(path: str) -> "str | None":
+  """Why the folder `path` cannot be made or written (a file there, or no permission in the
+  nearest folder that exists), else None. Checked as `why_unwritable` checks a file: by a
+  real write of a temporary file, in `path` or in the folder it would be made in."""
+  full = os.path.abspath(path)
+  if os.path.exists(full) and not os.path.isdir(full):
+    return f"{path!r} is a file, not a folder; name a folder"
+  existing = full
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    return f"{path!r} cannot be made: {existing} is a file"
+  try:
+    with tempfile.NamedTemporaryFile(dir=existing, prefix=".jaxtier-write-check-"):
+      pass
+  except OSError as e:
+    return f"{path!r} cannot be written: {existing} is not writable ({e.strerror or e})"
+  return None
+
+
 def write_json(path: str, obj: Any, *, indent: "int | None" = None) -> None:
   """Writes `obj` as JSON to `path` whole or not at all: a temporary file beside it, renamed,
   so that a process reading `path` meanwhile never reads half of it. Makes the folder.

@@ -41,6 +41,7 @@ import tqdm
 import jaxtier
 from jaxtier._src import command_help
 from jaxtier._src import early_interrupt
+from jaxtier._src import paths
 
 from . import checkpoints as checkpoints_lib
 from . import data as data_lib
@@ -899,32 +900,12 @@ def _valid_learning_rate(value: "float | None") -> bool:
   return True
 
 
-def _valid_data(value: str) -> bool:
-  """Every file --data names exists: checked before the model is built (in `main`: `plan`
-  reads this module's flags too, and ignores --data)."""
+def _missing_data(value: str) -> "str | None":
+  """What --data names that is not a file, else None: checked in `main`, before the model is
+  built (not an absl validator: `plan` reads this module's flags too, and ignores --data)."""
   import os  # pylint: disable=g-import-not-at-top
   missing = [f for f in value.split(",") if f and not os.path.isfile(f)]
-  if missing:
-    raise flags.ValidationError(f"no such file: {', '.join(missing)}")
-  return True
-
-
-def _valid_checkpoint_dir(value: str) -> bool:
-  """--checkpoint_dir is a folder, or can be made as one: checked before training, so that a
-  bad path does not cost the run its checkpoints (in `main`, as --data)."""
-  import os  # pylint: disable=g-import-not-at-top
-  if not value:
-    return True
-  path = os.path.abspath(value)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise flags.ValidationError(f"{value!r} is a file, not a folder; name a folder")
-  existing = path
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not (os.path.isdir(existing) and os.access(existing, os.W_OK)):
-    raise flags.ValidationError(f"{value!r} cannot be written: {existing} is not a writable "
-                                "folder")
-  return True
+  return f"no such file: {', '.join(missing)}" if missing else None
 
 
 flags.register_validator("learning_rate", _valid_learning_rate)
@@ -943,11 +924,12 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError(f"{' and '.join(kept)} without --checkpoint_dir: no checkpoint is "
                          "kept; add --checkpoint_dir=DIR (or drop "
                          f"{'them' if len(kept) > 1 else 'it'})")
-  for flag, valid in ((_DATA, _valid_data), (_CHECKPOINT_DIR, _valid_checkpoint_dir)):
-    try:
-      valid(flag.value)
-    except flags.ValidationError as e:
-      raise app.UsageError(f"flag --{flag.name}={flag.value}: {e}") from e
+  # Before training, so that a bad path costs the run nothing (its checkpoints, say).
+  for flag, problem in ((_DATA, _missing_data(_DATA.value)),
+                        (_CHECKPOINT_DIR, _CHECKPOINT_DIR.value
+                         and paths.why_unwritable_folder(_CHECKPOINT_DIR.value))):
+    if problem:
+      raise app.UsageError(f"flag --{flag.name}={flag.value}: {problem}")
   # absl prints INFO by default: JAX's that it found no TPU, orbax's per checkpoint. The run's
   # own lines are printed; --verbosity brings the libraries' back.
   if not flags.FLAGS["verbosity"].present:
