@@ -411,11 +411,11 @@ class _LayerCalls:
     for u in self.ov.by_scan(k):
       if not u.sent:
         tokens.append(self._call(u, read, layer, outs, {}, slices))
-    pending = self.unreleased.setdefault(k, [])
     lag = update_schedule.RELEASE_LAG
     if lag is None:
       self.read_values.extend(slices)
       return outs
+    pending = self.unreleased.setdefault(k, [])
     pending.append((tokens, slices))
     if len(pending) <= lag:
       return outs
@@ -425,16 +425,12 @@ class _LayerCalls:
     # After this iteration's compute (its outputs are order-only operands), before the next
     # one's (the carry waits for the release's token): the slices die here, not at the join.
     token = hu.release(_distinct(old_slices), after=old_tokens + streaming.arrays_of(outs))
-    carry = [j for j, x in enumerate(outs[:self._num_carry(k)])
-             if x is not None and hasattr(x, "aval")]
-    if not carry:
+    num_carry = self._num_carry(k)
+    if not streaming.arrays_of(outs[:num_carry]):
       self.read_values.append(token)
       return outs
-    held, _ = jax.lax.optimization_barrier(([outs[j] for j in carry], token))
-    outs = list(outs)
-    for j, x in zip(carry, held):
-      outs[j] = x
-    return outs
+    return _through(outs, num_carry,
+                    lambda carry: jax.lax.optimization_barrier((carry, token))[0])
 
   def finish(self, k: int) -> None:
     """Keeps the slices the last iterations of scan `k` did not release alive until the
@@ -599,12 +595,21 @@ def _isolated(on_layer: "Callable[[int, list[Any]], list[Any] | None] | None", i
     return on_layer
 
   def run(layer: int, outs: list[Any]) -> "list[Any] | None":
-    arrays = [j for j, x in enumerate(outs) if x is not None and hasattr(x, "aval")]
-    outs = list(outs)
-    for j, x in zip(arrays, stream.wait([outs[j] for j in arrays], direction=stream.D2H)):
-      outs[j] = x
+    outs = _through(outs, len(outs), lambda arrays: stream.wait(arrays, direction=stream.D2H))
     return (on_layer(layer, outs) or outs) if on_layer is not None else outs
   return run
+
+
+def _through(outs: list[Any], n: int, fn: Callable[[list[Any]], Sequence[Any]]) -> list[Any]:
+  """`outs` with the arrays among its first `n` replaced by `fn` of them (the same values,
+  handed back by a call that orders or isolates them), the rest as they are."""
+  at = [j for j, x in enumerate(outs[:n]) if streaming.arrays_of([x])]
+  if not at:
+    return list(outs)
+  new = list(outs)
+  for j, x in zip(at, fn([outs[j] for j in at])):
+    new[j] = x
+  return new
 
 
 def _distinct(values: list[Any]) -> list[Any]:
