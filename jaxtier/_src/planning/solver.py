@@ -165,9 +165,9 @@ def _evaluate(problem: Problem, host_updates: frozenset[int],
       for p in stage:
         upd_on_device = p.update is not None and p.update not in host_updates
         if assign[p.index] == Placement.DEVICE:
-          # A layered host update frees each layer's gradient a few layers after reading it
-          # (on a GPU: XLA:CPU's schedule makes every slice of the stacked params at the start
-          # of the unrolled backward pass, which holds as many bytes).
+          # On a GPU a layered host update frees each layer's gradient a few layers after
+          # reading it. A CPU plan counts it whole: XLA:CPU's schedule makes every slice of the
+          # stacked params at the start of the unrolled backward pass, as many bytes.
           weight += p.nbytes + (
               p.grad_nbytes if p.update is None or upd_on_device or problem.platform != "gpu"
               else int(p.grad_nbytes
