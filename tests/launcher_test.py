@@ -308,6 +308,17 @@ INTERRUPTED = textwrap.dedent("""
     """)
 
 
+def _sigint_in_second_step(monkeypatch):
+  """A SIGINT held while the run's second step runs (as if Ctrl-C came then)."""
+  release, held = runner_lib.HeldInterrupt.release, [0]
+  def sigint_in_second_step(self, value=None, note=""):
+    if note:
+      held[0] += 1
+      self.pending = self.pending or held[0] == 2
+    return release(self, value, note)
+  monkeypatch.setattr(runner_lib.HeldInterrupt, "release", sigint_in_second_step)
+
+
 def test_ctrl_c_inside_a_step_names_what_the_script_can_continue_from(capsys, tmp_path,
                                                                       monkeypatch):
   # A SIGINT held while the second step runs (its state donated) is raised once the step has
@@ -318,13 +329,7 @@ def test_ctrl_c_inside_a_step_names_what_the_script_can_continue_from(capsys, tm
   policy = "--policy=optimizer_state_on_host"
   code, calm, err = _run_here(capsys, policy, script=script, argv=())
   assert code == 0 and "NOTE" not in calm, err
-  release, held = runner_lib.HeldInterrupt.release, [0]
-  def sigint_in_second_step(self, value=None, note=""):
-    if note:
-      held[0] += 1
-      self.pending = self.pending or held[0] == 2
-    return release(self, value, note)
-  monkeypatch.setattr(runner_lib.HeldInterrupt, "release", sigint_in_second_step)
+  _sigint_in_second_step(monkeypatch)
   code, out, err = _run_here(capsys, policy, script=script, argv=())
   assert code == 0, err
   notes = [l for l in out.splitlines() if l.startswith("NOTE")]
@@ -365,13 +370,7 @@ def test_a_ctrl_c_the_script_does_not_catch_ends_run_in_a_line_and_130(capsys, t
   assert "Traceback" not in err
   # Inside the second step (its state donated): the step is named, not the note's advice
   # (the script, which did not catch it, cannot take `last_result`).
-  release, held = runner_lib.HeldInterrupt.release, [0]
-  def sigint_in_second_step(self, value=None, note=""):
-    if note:
-      held[0] += 1
-      self.pending = self.pending or held[0] == 2
-    return release(self, value, note)
-  monkeypatch.setattr(runner_lib.HeldInterrupt, "release", sigint_in_second_step)
+  _sigint_in_second_step(monkeypatch)
   code, out, err = _run_here(capsys, policy, script=script, argv=())
   assert code == 130 and out.count("LOSS") == 1, err
   assert _joined(err).splitlines()[-2:] == [
