@@ -22,8 +22,10 @@ import dataclasses
 import json
 import os
 import re
+import _thread
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -163,7 +165,13 @@ class SigintDeferred:
   """Within `deferred()`, a first Ctrl-C (SIGINT) sets `asked` instead of raising, so that the
   loop can stop at a step's end with its state whole; a second one raises KeyboardInterrupt at
   once. Outside it (or off the main thread, where Python delivers no signals) SIGINT acts as
-  usual."""
+  usual.
+
+  Python may run the handler inside a garbage collector callback (jax registers one), where a
+  raised KeyboardInterrupt is only printed as "Exception ignored" and the run goes on. Within
+  `deferred()` such a KeyboardInterrupt is signalled again instead, 10 ms later from another
+  thread (`_thread.interrupt_main`), so that it is raised in the code the callback interrupted.
+  """
 
   def __init__(self):
     self.asked = False
@@ -180,8 +188,20 @@ class SigintDeferred:
         raise KeyboardInterrupt
       self.asked = True
 
+    unraisable = sys.unraisablehook
+
+    def hook(info):
+      if isinstance(info.exc_value, KeyboardInterrupt):
+        # From another thread, a moment later: from here (still in the callback, or in the
+        # starting of a thread) the handler would run at once, and raise where it is dropped.
+        threading.Timer(0.01, _thread.interrupt_main, args=(signal.SIGINT,)).start()
+      else:
+        unraisable(info)
+
     previous = signal.signal(signal.SIGINT, handler)
+    sys.unraisablehook = hook
     try:
       yield self
     finally:
+      sys.unraisablehook = unraisable
       signal.signal(signal.SIGINT, previous)

@@ -573,3 +573,39 @@ def test_clipped_run_on_guesses_equals_the_serial_schedule_over_200_steps(corpus
     assert guessed["losses"] == serial["losses"]
   else:
     np.testing.assert_allclose(guessed["losses"], serial["losses"], rtol=1e-5)
+
+
+def test_a_second_ctrl_c_inside_a_gc_callback_still_stops_the_run(capsys):
+  # Python may run the SIGINT handler inside a garbage collector callback (jax has one), where
+  # a raised KeyboardInterrupt is printed as "Exception ignored" and dropped. Within deferred()
+  # it is raised again in the code the callback interrupted.
+  import gc  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  sigint = train.checkpoints_lib.SigintDeferred()
+  calls = []
+
+  def second_ctrl_c_in_callback(phase, info):
+    del info
+    if phase == "start" and not calls:
+      calls.append(phase)
+      signal.raise_signal(signal.SIGINT)  # its handler runs here, in the callback
+
+  waited, hook = [], sys.unraisablehook
+  with pytest.raises(KeyboardInterrupt):
+    with sigint.deferred():
+      signal.raise_signal(signal.SIGINT)  # the first: asked, nothing raised
+      assert sigint.asked
+      gc.callbacks.append(second_ctrl_c_in_callback)
+      try:
+        gc.collect()
+        start = time.monotonic()
+        while not waited:  # the KeyboardInterrupt arrives here
+          if time.monotonic() - start > 10:
+            waited.append("10 s")
+      finally:
+        gc.callbacks.remove(second_ctrl_c_in_callback)
+  assert calls == ["start"] and not waited
+  assert "Exception ignored" not in capsys.readouterr().err
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  assert sys.unraisablehook is hook
