@@ -316,7 +316,10 @@ class Runner:
         "peak_hbm_bytes": mem.get("peak device (measured)"),
         "compiled_peak_hbm_bytes": mem.get("peak device (compiled)"),
         "pinned_live_bytes": mem.get("pinned_host live (measured)"),
-        "pinned_planned_bytes": mem.get("pinned_host (planned)"),
+        # The state's pinned bytes and, on a guessed step, its spare buffers' (the plan's).
+        "pinned_planned_bytes": (
+            None if mem.get("pinned_host (planned)") is None else
+            mem["pinned_host (planned)"] + (mem.get("pinned_host spares (planned)") or 0)),
         "plan_bytes": res.get("plan_bytes"), "compile_secs": res.get("compile_secs"),
         # The guessed updates (a clipped step's): steps held and missed, and the planner's mean
         # step at that share of misses against the measured mean of the timed steps.
