@@ -584,7 +584,10 @@ def _schedule_notes(plan: Plan) -> tuple[str, ...]:
         "bind, the gradients are finite), writing spare buffers ("
         f"{format_bytes(spec.spare_pinned_bytes)} pinned); a wrong guess is redone after the "
         f"backward pass, bit for bit; guessing pays while under {miss} of the recent steps "
-        "miss it" if spec.enabled else
+        "miss it" + (
+            f"; {len(spec.waiting)} more run after the backward pass, their spares not "
+            "fitting the pinned memory left (largest first, the spares that fit guess)"
+            if spec.waiting else "") if spec.enabled else
         f"{len(spec.components)} of them read a value computed from every gradient (a "
         "global-norm clip, a non-finite check) and run after the backward pass: "
         f"{spec.why}")

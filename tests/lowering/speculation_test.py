@@ -41,10 +41,11 @@ def _clipped(make):
   return optax.chain(optax.clip_by_global_norm(MAX_NORM), make())
 
 
-def _train(tx, overlap, steps, dtype=jnp.float32, guess=True):
+def _train(tx, overlap, steps, dtype=jnp.float32, guess=True, host_budget=None):
   """`guess=False`: the plan's serial programs run every step (a step whose guess missed)."""
   graphdef, params = ot._model(dtype)
-  step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST, overlap_update=overlap)
+  step = jaxtier.offload(ot._step(graphdef, tx), policy=ot.ON_HOST, overlap_update=overlap,
+                         host_budget=host_budget)
   state = step.place({"params": params, "opt": tx.init(params)}, _batch(0))
   if not guess:
     step._runner.guesser.guess = lambda: None
@@ -195,6 +196,49 @@ def test_bf16_params_guessed_equal_the_serial_schedule():
     _same(s_state, l_state)
     masters = {i: np.asarray(m) for i, m in step._masters.by_index().items()}
     assert all(np.isfinite(m).all() for m in masters.values())
+
+
+def _spare_bytes(plan, s):
+  """The pinned bytes of the spares of schedule entry `s`'s buffers."""
+  return sum(plan.leaves[i].master_nbytes if kind == "master" else plan.leaves[i].nbytes
+             for kind, i in s.buffers
+             if kind == "master" or plan.leaves[i].memory_kind != "device")
+
+
+@pytest.mark.usefixtures("guess_at_any_miss_rate")
+def test_spares_that_do_not_all_fit_guess_for_the_largest_update_alone():
+  # A host budget with room for the kernel's spares and not for the bias's too: the kernel's
+  # update runs on the guess, the bias's waits for the norm (serial, after the backward pass);
+  # the state still equals the serial programs' bit for bit, steps clipped or not.
+  tx = lambda: _clipped(lambda: optax.adamw(1e-2))
+  whole = _train(tx(), overlap=True, steps=1)[0].plan
+  guarded = sorted((s for s in whole.schedule if s.guarded),
+                   key=lambda s: -_spare_bytes(whole, s))
+  big, small = (_spare_bytes(whole, s) for s in guarded)
+  assert big > small > 0 and whole.speculation.spare_pinned_bytes == big + small
+  budget = whole.pinned_need_bytes - small // 2
+  step, l_state, l_losses = _train(tx(), overlap=True, steps=60, host_budget=budget)
+  plan = step.plan
+  assert plan.fits and plan.pinned_need_bytes <= budget
+  spec = plan.speculation
+  assert spec.enabled and spec.spare_pinned_bytes == big
+  assert spec.components == (guarded[0].component,)
+  assert spec.waiting == (guarded[1].component,)
+  waits = plan.schedule[guarded[1].component]
+  assert waits.mode == Mode.SERIAL and waits.reason.kind == Why.NO_ROOM_FOR_SPARES
+  # Its guess saves less than the whole one, and still some.
+  assert (whole.speculation.speculative_step_secs < spec.speculative_step_secs
+          < spec.serial_step_secs)
+  assert "1 of 2 guarded updates run on a guess" in " ".join(plan.summary(width=400).split())
+  guesser = step._runner.guesser
+  assert 0 < guesser.missed < guesser.tried, (guesser.tried, guesser.missed)
+  _, s_state, s_losses = _train(tx(), overlap=True, steps=60, guess=False, host_budget=budget)
+  assert l_losses == s_losses
+  _same(s_state, l_state)
+  # With room for neither, no guess: the serial schedule, said why.
+  none = _train(tx(), overlap=True, steps=1,
+                host_budget=whole.pinned_need_bytes - big - small + small // 2)[0].plan
+  assert not none.speculation.enabled and none.speculation.why, none.speculation
 
 
 def test_a_step_that_always_clips_runs_the_serial_schedule():

@@ -115,6 +115,7 @@ class Why(enum.StrEnum):
   VECTOR_OPERAND_ON_DEVICE = "vector_operand_on_device"
   NOT_TABLE_SHAPED = "not_table_shaped"
   NOT_OVER_HOST_LEAF = "not_over_host_leaf"
+  NO_ROOM_FOR_SPARES = "no_room_for_spares"
 
 
 _TEXT = {
@@ -146,6 +147,9 @@ _TEXT = {
     Why.VECTOR_OPERAND_ON_DEVICE: "a vector operand of the table's update is on the device",
     Why.NOT_TABLE_SHAPED: "host leaf {leaf} is not shaped like the table",
     Why.NOT_OVER_HOST_LEAF: "the new value of {leaf} is not written over that host leaf",
+    Why.NO_ROOM_FOR_SPARES: ("the update waits for a value computed from every gradient (a "
+                             "global-norm clip or a non-finite check), and the spare buffers "
+                             "of a guess do not fit the pinned memory left"),
 }
 
 
@@ -239,10 +243,15 @@ def serial(component: int, reason: Refusal) -> UpdateSchedule:
   return UpdateSchedule(component, Mode.SERIAL, reason)
 
 
-def unguessed(schedule: Sequence[UpdateSchedule]) -> tuple[UpdateSchedule, ...]:
+def unguessed(schedule: Sequence[UpdateSchedule], keep: Collection[int] = ()
+              ) -> tuple[UpdateSchedule, ...]:
   """`schedule` as a step with no guess runs it: each guarded update serial (it waits for
-  every gradient), the others as they are."""
-  return tuple(serial(s.component, Refusal(Why.WAITS_FOR_EVERY_GRADIENT)) if s.guarded else s
+  every gradient), the others as they are. With `keep` (component indices), a step that guesses
+  for those guarded updates alone: the others serial, for want of room for their spares."""
+  keep = frozenset(keep)
+  return tuple(s if not s.guarded or s.component in keep else
+               serial(s.component, Refusal(Why.NO_ROOM_FOR_SPARES if keep else
+                                           Why.WAITS_FOR_EVERY_GRADIENT))
                for s in schedule)
 
 

@@ -260,6 +260,9 @@ class Speculation:
     enabled: whether the step speculates: False where the spares do not fit the host
       budget or what the host can pin (`why` says which).
     why: why it does not speculate ('' where it does).
+    waiting: guarded components that wait for the late predicates instead (serial, after the
+      backward pass) because their spares do not fit beside the others'
+      (`update_schedule.Why.NO_ROOM_FOR_SPARES`); () where every one guesses.
   """
 
   components: tuple[int, ...]
@@ -270,6 +273,7 @@ class Speculation:
   max_miss: float
   enabled: bool = True
   why: str = ""
+  waiting: tuple[int, ...] = ()
 
   def mean_step_secs(self, held: int, missed: int, serial: int) -> "float | None":
     """The predicted mean step (seconds) over `held` steps whose guess held, `missed` whose

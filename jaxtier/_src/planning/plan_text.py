@@ -187,7 +187,9 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
   spec = plan.speculation
   if spec is not None and spec.serial_step_secs is not None:
     if spec.enabled:
-      lines += fit(f"clip/finite check: updates run on a guess that it passes (spares "
+      some = (f"{len(spec.components)} of {len(spec.components) + len(spec.waiting)} "
+              "guarded updates" if spec.waiting else "updates")
+      lines += fit(f"clip/finite check: {some} run on a guess that it passes (spares "
                    f"{format_bytes(spec.spare_pinned_bytes)} pinned); a missed guess "
                    f"{_ms(spec.speculative_step_secs + spec.serial_step_secs)}; no guess "
                    f"({_ms(spec.serial_step_secs)}) while over {spec.max_miss:.0%} of recent "

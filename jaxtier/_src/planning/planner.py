@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxtier._src.analysis import step_costs as step_costs_lib
 from jaxtier._src.analysis.inventory import Inventory
-from jaxtier._src.analysis.update_schedule import Mode
+from jaxtier._src.analysis.update_schedule import Mode, Why
 from jaxtier._src.hardware import host as host_lib
 from jaxtier._src.hardware import profile
 from jaxtier._src.hardware.host import HERE_PINNABLE
@@ -246,12 +246,22 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
     else:
       pinned_bytes += leaf.nbytes
     pinned_bytes += master_nbytes
-  speculation = None
-  if any(s.guarded for s in final.schedule):
+  speculation, schedule = None, final.schedule
+  if any(s.guarded for s in schedule):
     serial = solver.evaluate_fixed(problem_for(placement, layered_fraction, speculate=False),
                                    final_params, final_updates, act_policy).prediction
     speculation = _speculation(final.schedule, leaves, pred.step_secs, serial.step_secs,
                                pinned_bytes, host_limit)
+    keep = (_spares_that_fit(final.schedule, leaves, pinned_bytes, host_limit)
+            if not speculation.enabled else None)
+    if keep:
+      # A guess for the guarded updates whose spares fit; the others wait for the norm.
+      partial = problem_for(placement, layered_fraction, speculate=keep)
+      pred = solver.evaluate_fixed(partial, final_params, final_updates,
+                                   act_policy).prediction
+      schedule = partial.schedule
+      speculation = _speculation(schedule, leaves, pred.step_secs, serial.step_secs,
+                                 pinned_bytes, host_limit)
     if not speculation.enabled:
       pred = serial  # the step runs the serial schedule
   plan = Plan(tuple(leaves), platform, device_bytes, pinned_bytes, device_budget, host_budget,
@@ -262,7 +272,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
               # The findings a re-plan budget overrules are notes after the planner's.
               notes=tuple(notes) + verdict.overruled, verdict=verdict,
               num_planning_notes=len(notes),
-              components=tuple(compiled), schedule=final.schedule,
+              components=tuple(compiled), schedule=schedule,
               rates_of=_rates_of(hardware, platform),
               pinnable_bytes=pinnable_bytes, pinnable_what=pinnable_what,
               hardware_kind=hardware.device_kind, speculation=speculation,
@@ -302,6 +312,35 @@ def _tail_peak(inv: Inventory, placement: Mapping[int, Placement]
                 f"{format_bytes(peak)} (`Plan.tail_peak_hbm_bytes`)")
 
 
+def _spare_pinned_bytes(keys: Any, leaves: Sequence[LeafPlan]) -> int:
+  """The pinned_host bytes of the spare buffers for `keys` (`UpdateSchedule.buffers`' keys):
+  the host leaves' and fp32 masters' (a device leaf's spare is on the device)."""
+  return sum(leaves[i].master_nbytes if kind == "master" else leaves[i].nbytes
+             for kind, i in keys if kind == "master" or leaves[i].memory_kind != "device")
+
+
+def _spares_that_fit(schedule: Sequence[Any], leaves: Sequence[LeafPlan], pinned_bytes: int,
+                     host_limit: "int | None") -> "frozenset[int] | None":
+  """The guarded components whose spare buffers fit what may be pinned beside the state and
+  the other layered updates' spares, largest first (first-fit decreasing: the time a guess
+  saves grows with the bytes it updates during the backward pass); None where not one fits.
+  The others then wait for the norm (`update_schedule.Why.NO_ROOM_FOR_SPARES`)."""
+  if host_limit is None:
+    return None
+  guarded = [s for s in schedule if s.guarded and s.mode != Mode.SERIAL]
+  others = {key for s in schedule if s.mode != Mode.SERIAL and not s.guarded
+            for key in s.buffers}
+  room = host_limit - pinned_bytes - _spare_pinned_bytes(others, leaves)
+  keep = []
+  for s in sorted(guarded, key=lambda s: (-_spare_pinned_bytes(s.buffers, leaves),
+                                          s.component)):
+    need = _spare_pinned_bytes(s.buffers, leaves)
+    if need <= room:
+      keep.append(s.component)
+      room -= need
+  return frozenset(keep) or None
+
+
 def _speculation(schedule: Sequence[Any], leaves: Sequence[LeafPlan], speculative_secs: float,
                  serial_secs: float, pinned_bytes: int, host_limit: "int | None"
                  ) -> Speculation:
@@ -309,9 +348,7 @@ def _speculation(schedule: Sequence[Any], leaves: Sequence[LeafPlan], speculativ
   buffer a layered or row update writes; the device leaves, read without being donated),
   whether they fit the host's pinned limit, and the break-even share of wrong guesses."""
   written = {key for s in schedule if s.mode != Mode.SERIAL for key in s.buffers}
-  spare_pinned = sum(leaves[i].master_nbytes if kind == "master" else leaves[i].nbytes
-                     for kind, i in written
-                     if kind == "master" or leaves[i].memory_kind != "device")
+  spare_pinned = _spare_pinned_bytes(written, leaves)
   spare_device = sum(l.nbytes for l in leaves if l.memory_kind == "device")
   enabled, why = True, ""
   if host_limit is not None and pinned_bytes + spare_pinned > host_limit:
@@ -320,8 +357,11 @@ def _speculation(schedule: Sequence[Any], leaves: Sequence[LeafPlan], speculativ
            f"({format_bytes(pinned_bytes)}) exceed the {format_bytes(host_limit)} that may be "
            "pinned")
   max_miss = max(0.0, (serial_secs - speculative_secs) / serial_secs) if serial_secs else 0.0
+  waiting = tuple(s.component for s in schedule
+                  if s.reason is not None and s.reason.kind == Why.NO_ROOM_FOR_SPARES)
   return Speculation(tuple(s.component for s in schedule if s.guarded), spare_pinned,
-                     spare_device, speculative_secs, serial_secs, max_miss, enabled, why)
+                     spare_device, speculative_secs, serial_secs, max_miss, enabled, why,
+                     waiting)
 
 
 def _rates_of(hardware: profile.HardwareProfile, platform: str) -> str:

@@ -308,7 +308,7 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
                   overlap_update: bool = True,
                   meshed: "frozenset[int] | set[int]" = frozenset(),
                   layered_dha_fraction: "float | None" = None,
-                  speculate: bool = True) -> Problem:
+                  speculate: "bool | frozenset[int]" = True) -> Problem:
   """The solver's `Problem` for a traced step, from the planner's first cut.
 
   Args:
@@ -337,7 +337,9 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
     meshed: state leaves on a mesh of more than one device (besides those `leaves` shows
       sharded): their updates run after the backward pass.
     speculate: False costs the guarded updates (`update_schedule.UpdateSchedule.guards`) as
-      serial: the step whose guess failed, or that was not guessed.
+      serial: the step whose guess failed, or that was not guessed. A set of component
+      indices: a guessed step whose spares fit for those guarded updates alone; the others
+      are serial (`update_schedule.Why.NO_ROOM_FOR_SPARES`).
     layered_dha_fraction: the DHA kernel's share of a layered host_split update's elements
       (None: the profile's `split_fraction`); the other updates' splits keep the profile's.
   """
@@ -356,10 +358,12 @@ def build_problem(*, leaves: Sequence[Any], jaxpr: Any, compiled: Sequence[Any],
   # A guarded update's serial call (a missed guess, or no guess) is the call its layered
   # lowering makes, run whole: at the layered split's DHA share (`cc.dha_fraction`).
   serial_of_layered: set[int] = set()
-  if not speculate:
+  if speculate is not True:
+    keep = frozenset(speculate or ())
     serial_of_layered = {u for u, s in enumerate(decided)
-                         if s.guarded and s.mode == update_schedule.Mode.LAYERED}
-    decided = update_schedule.unguessed(decided)
+                         if s.guarded and s.mode == update_schedule.Mode.LAYERED
+                         and s.component not in keep}
+    decided = update_schedule.unguessed(decided, keep)
   # A table the solver may still place `host_dha` is costed row by row where it does
   # (`UpdateItem.by_rows`); under a schedule that runs nothing during the step, never.
   runs_during = not any(s.reason is not None and s.reason.kind in (
