@@ -449,7 +449,8 @@ def plan_only(fn: Callable[..., Any], options: OffloadOptions, state: Any, args:
       stream_blocked=blocked, overlap_update=options.overlap_update, meshed=_meshed(state))
   admission.admit(result, pinnable, pinnable_what)
   _warn_unfit(result)  # not compiled: the prediction is all there is
-  notes = _schedule_notes(result)
+  notes = _schedule_notes(result) + _pool_for_spares(result, pinnable_what, options,
+                                                    _num_local_devices(state))
   if platform != here:
     notes += (f"planned for {platform} on a machine without one ({here}): "
               + profile.describe(hardware)
@@ -556,6 +557,28 @@ def _figures_note(fig: Any, device_args: int, host: int, source: str = "") -> st
   where not this compile)."""
   return (f"compiled step's memory_analysis{source}: {fig.describe()} (the arguments by their "
           f"shardings: device {device_args}, pinned_host {host} bytes)")
+
+
+def _pool_for_spares(plan: Plan, pinnable_what: str, options: OffloadOptions,
+                     num_local_devices: int) -> tuple[str, ...]:
+  """A note naming the pinned pool (XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB) with which every guarded
+  update of `plan` would guess, where XLA's pool is what leaves some of them waiting (no host
+  budget stops them) and this host has the memory; () otherwise. XLA reads the setting when JAX
+  starts, so this process cannot raise its pool."""
+  spec = plan.speculation
+  if (spec is None or (spec.enabled and not spec.waiting) or plan.platform != "gpu"
+      or pinnable_what != host_lib.HERE_PINNABLE):
+    return ()
+  need = plan.pinned_bytes + spec.all_spare_pinned_bytes
+  if options.host_budget is not None and need > options.host_budget:
+    return ()
+  gib = host_lib.pinned_pool_that_fits(need, num_local_devices)
+  if gib is None:
+    return ()
+  waiting = len(spec.waiting) if spec.enabled else len(spec.components)
+  return (f"{waiting} guarded update{'s wait' if waiting != 1 else ' waits'} for the norm for "
+          f"want of pinned memory for {'their' if waiting != 1 else 'its'} spares: with {admission.POOL_SETTING}={gib} (XLA's pinned pool; this host has the "
+          "memory, and XLA reads it when JAX starts) every one would guess",)
 
 
 def _schedule_notes(plan: Plan) -> tuple[str, ...]:

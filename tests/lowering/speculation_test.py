@@ -8,6 +8,8 @@ plan's serial programs' bit for bit, and on the CPU the schedule with no layered
 every optimizer of the optimizer table.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -239,6 +241,33 @@ def test_spares_that_do_not_all_fit_guess_for_the_largest_update_alone():
   none = _train(tx(), overlap=True, steps=1,
                 host_budget=whole.pinned_need_bytes - big - small + small // 2)[0].plan
   assert not none.speculation.enabled and none.speculation.why, none.speculation
+
+
+def test_guesses_left_waiting_by_the_pinned_pool_name_the_pool_that_fits(monkeypatch):
+  # On a GPU whose pinned pool (not a host budget) leaves guarded updates waiting, the plan
+  # names the pool with room for every spare, where the host has the memory.
+  from jaxtier._src import pipeline  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.hardware import host as host_lib  # pylint: disable=g-import-not-at-top
+  from jaxtier._src.options import OffloadOptions  # pylint: disable=g-import-not-at-top
+  whole = _train(_clipped(lambda: optax.adamw(1e-2)), overlap=True, steps=1)[0].plan
+  spec = whole.speculation
+  partial = dataclasses.replace(whole, platform="gpu", speculation=dataclasses.replace(
+      spec, components=spec.components[:1], waiting=spec.components[1:]))
+  need = whole.pinned_bytes + spec.all_spare_pinned_bytes
+  monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", str((need - 1) / 2**30))
+  monkeypatch.setattr(host_lib, "available_bytes", lambda: 200 * 2**30)
+  said = pipeline._pool_for_spares(partial, host_lib.HERE_PINNABLE, OffloadOptions(), 1)
+  assert said == ("1 guarded update waits for the norm for want of pinned memory for its "
+                  "spares: with XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=180 (XLA's pinned pool; this "
+                  "host has the memory, and XLA reads it when JAX starts) every one would "
+                  "guess",)
+  # Not where a host budget stops them, nor where every update guesses, nor on the CPU.
+  assert not pipeline._pool_for_spares(partial, host_lib.HERE_PINNABLE,
+                                       OffloadOptions(host_budget=need - 1), 1)
+  assert not pipeline._pool_for_spares(dataclasses.replace(whole, platform="gpu"),
+                                       host_lib.HERE_PINNABLE, OffloadOptions(), 1)
+  assert not pipeline._pool_for_spares(dataclasses.replace(partial, platform="cpu"),
+                                       host_lib.HERE_PINNABLE, OffloadOptions(), 1)
 
 
 def test_a_step_that_always_clips_runs_the_serial_schedule():

@@ -263,6 +263,8 @@ class Speculation:
     waiting: guarded components that wait for the late predicates instead (serial, after the
       backward pass) because their spares do not fit beside the others'
       (`update_schedule.Why.NO_ROOM_FOR_SPARES`); () where every one guesses.
+    all_spare_pinned_bytes: the pinned_host spares were every guarded update to guess (as
+      `spare_pinned_bytes` where none waits), bytes per device.
   """
 
   components: tuple[int, ...]
@@ -274,6 +276,7 @@ class Speculation:
   enabled: bool = True
   why: str = ""
   waiting: tuple[int, ...] = ()
+  all_spare_pinned_bytes: int = 0
 
   def mean_step_secs(self, held: int, missed: int, serial: int) -> "float | None":
     """The predicted mean step (seconds) over `held` steps whose guess held, `missed` whose

@@ -262,6 +262,10 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       schedule = partial.schedule
       speculation = _speculation(schedule, leaves, pred.step_secs, serial.step_secs,
                                  pinned_bytes, host_limit)
+    speculation = dataclasses.replace(speculation,
+                                      all_spare_pinned_bytes=_spare_pinned_bytes(
+                                          {k for s in final.schedule if s.mode != Mode.SERIAL
+                                           for k in s.buffers}, leaves))
     if not speculation.enabled:
       pred = serial  # the step runs the serial schedule
   plan = Plan(tuple(leaves), platform, device_bytes, pinned_bytes, device_budget, host_budget,
