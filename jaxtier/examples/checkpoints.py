@@ -175,6 +175,7 @@ class SigintDeferred:
 
   def __init__(self):
     self.asked = False
+    self.forced = False  # a second Ctrl-C came: it raised, wherever the run was
 
   @contextlib.contextmanager
   def deferred(self) -> Iterator["SigintDeferred"]:
@@ -185,6 +186,7 @@ class SigintDeferred:
     def handler(signum, frame):
       del signum, frame
       if self.asked:
+        self.forced = True
         raise KeyboardInterrupt
       self.asked = True
 

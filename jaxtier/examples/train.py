@@ -119,13 +119,15 @@ class Interrupted(KeyboardInterrupt):
     result: what `run` returns, for the steps in ``result["losses"]``.
     unfinished: the path of the checkpoint a second Ctrl-C stopped being written (incomplete:
       a resumed run skips it), else None.
+    twice: whether a second Ctrl-C stopped the run (before, or while, its checkpoint was
+      written).
   """
 
   def __init__(self, *, step: int, checkpoint: "str | None", result: dict[str, Any],
-               unfinished: "str | None" = None):
+               unfinished: "str | None" = None, twice: bool = False):
     super().__init__(step, checkpoint)
     self.step, self.checkpoint, self.result = step, checkpoint, result
-    self.unfinished = unfinished
+    self.unfinished, self.twice = unfinished, twice
 
 
 def _check_host_memory(config: llama.LlamaConfig, config_name: str,
@@ -583,6 +585,13 @@ def run(
     writing = None
     return path
 
+  def stopped() -> Interrupted:
+    """Mid-step, or a second Ctrl-C before or during a save: the losses read so far, and the
+    newest complete checkpoint (if any) as it was."""
+    return Interrupted(step=len(losses), checkpoint=saved, result=result(), unfinished=(
+        None if writing is None else checkpoints_lib.unfinished_state(checkpoint_dir, writing)),
+                       twice=sigint.forced)
+
   batch = first_batch
   try:
     # With a checkpoint directory a first Ctrl-C ends the run at the end of its step, saved.
@@ -617,14 +626,16 @@ def run(
           saved = save(done)
         if sigint.asked and done < steps:
           raise Interrupted(step=done, checkpoint=saved, result=result())
+  except Exception as e:  # pylint: disable=broad-except
+    if not sigint.forced:
+      raise
+    # A second Ctrl-C raised inside a library mid-save (orbax's threads), which failed
+    # otherwise on its way out: the interrupt is what happened.
+    raise stopped() from None
   except KeyboardInterrupt as e:
     if isinstance(e, Interrupted):
       raise
-    # Mid-step, or a second Ctrl-C mid-save: the losses read so far, and the newest complete
-    # checkpoint (if any) as it was.
-    raise Interrupted(step=len(losses), checkpoint=saved, result=result(), unfinished=(
-        None if writing is None else checkpoints_lib.unfinished_state(checkpoint_dir, writing))
-                      ) from None
+    raise stopped() from None
   finally:
     bar.close()
   total_secs = time.perf_counter() - t_start
@@ -994,6 +1005,11 @@ def exit_interrupted(e: KeyboardInterrupt) -> None:
             f"{e.unfinished} being written; it is incomplete, and a resumed run skips it. "
             + (f"The newest complete checkpoint is {e.checkpoint}; the same command resumes "
                "from it" if e.checkpoint else "No complete checkpoint was saved"))
+  elif e.twice:
+    said = (f"interrupted at step {e.step} (Ctrl-C twice): the second stopped the run before "
+            "its checkpoint was written. "
+            + (f"The newest complete checkpoint is {e.checkpoint}; the same command resumes "
+               "from it" if e.checkpoint else "No checkpoint was saved"))
   elif e.checkpoint:
     said = (f"interrupted at step {e.step} (Ctrl-C): the newest checkpoint is "
             f"{e.checkpoint}; the same command resumes from it")

@@ -409,6 +409,49 @@ def test_a_ctrl_c_that_stops_a_checkpoint_midway_is_said_and_a_resume_skips_it(
           f"checkpoint is {three}; the same command resumes from it") in said, said
 
 
+@pytest.mark.parametrize("when", ["before the write", "inside the writer"])
+def test_a_second_ctrl_c_around_a_save_says_what_it_stopped(corpus, tmp_path, capsys,
+                                                           monkeypatch, when):
+  # Two real SIGINTs at the save of step 6: the first asks the run to stop (saved), the second
+  # raises. Before the write starts, nothing of step 6 exists; inside the writer (orbax's
+  # threads fail on their way out, as a RuntimeError) its state directory is left incomplete.
+  # Either way the run ends as Interrupted, and says so: never a traceback, nor "nothing was
+  # saved (--checkpoint_dir keeps the run)" to a run that passed it.
+  import signal  # pylint: disable=g-import-not-at-top
+  where = str(tmp_path / "run")
+  save = train.checkpoints_lib.save
+
+  def twice_at_6(directory, step, *args, **kwargs):
+    if step != 6:
+      return save(directory, step, *args, **kwargs)
+    if when == "inside the writer":
+      os.makedirs(train.checkpoints_lib.path_of(directory, step))
+    try:
+      signal.raise_signal(signal.SIGINT)
+      signal.raise_signal(signal.SIGINT)
+    finally:
+      if when == "inside the writer":
+        raise RuntimeError("cannot join thread before it is started")
+    return None
+  monkeypatch.setattr(train.checkpoints_lib, "save", twice_at_6)
+  with pytest.raises(train.Interrupted) as stopped:
+    _run(corpus, steps=9, checkpoint_dir=where, checkpoint_every=3, log_every=3)
+  three, six = f"{where}/step_00000003", f"{where}/step_00000006"
+  assert (stopped.value.step, stopped.value.checkpoint, stopped.value.twice) == (6, three, True)
+  assert stopped.value.unfinished == (six if when == "inside the writer" else None)
+  monkeypatch.setattr(train.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+  capsys.readouterr()
+  with pytest.raises(SystemExit, match="130"):
+    train.exit_interrupted(stopped.value)
+  said = " ".join(capsys.readouterr().err.split())
+  if when == "inside the writer":
+    assert f"the second stopped the checkpoint {six} being written" in said, said
+  else:
+    assert ("interrupted at step 6 (Ctrl-C twice): the second stopped the run before its "
+            f"checkpoint was written. The newest complete checkpoint is {three}; the same "
+            "command resumes from it") in said, said
+
+
 def test_run_resumes_from_its_newest_checkpoint_with_an_uninterrupted_runs_losses(
     corpus, tmp_path, capsys):
   # Checkpoints at steps 3 and 6; with the last one gone (as if the run had stopped after step
