@@ -416,6 +416,8 @@ def _run_command(argv: list[str]) -> None:
     except train_lib.NonFiniteLossError as e:
       command_help_lib.say(f"error: {e}")  # the step, the loss and the fix
       sys.exit(1)
+    except BrokenPipeError:
+      raise  # stdout's reader is gone (`train | head`): ended quietly below, not an error
     except (jaxtier.PlanError, OSError, ValueError, train_lib.tokenizer_lib.TokenizersMissingError
             ) as e:
       if isinstance(e, jaxtier.AdmissionError):

@@ -832,6 +832,19 @@ def test_help_into_a_pipe_closed_early_ends_without_a_traceback(tmp_path):
     err = proc.communicate(timeout=120)[1]
     ended.append((args, proc.returncode, err))
   assert ended == [(args, 1, "") for args in asked], ended
+  # `train ... | head -1`: the reader goes after the first line; the next write in the
+  # training fails (each line is written at once: PYTHONUNBUFFERED, or a long run's output
+  # past stdout's buffer), and the run ends there, quietly.
+  with subprocess.Popen([sys.executable, "-m", "jaxtier", "train", "--config=tiny",
+                         "--steps=30", "--log_every=2"], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True, env=dict(env, PYTHONUNBUFFERED="1"),
+                        cwd=tmp_path) as train:
+    assert train.stdout.readline().startswith("config tiny:")
+    train.stdout.close()
+    err = train.stderr.read()
+    train.wait(timeout=300)
+  assert train.returncode == 1 and "BrokenPipe" not in err, err[-2000:]
+  assert "Traceback" not in err and "error:" not in err, err[-2000:]
 
 
 def test_an_unknown_or_missing_command_is_named_in_a_short_usage(tmp_path):
