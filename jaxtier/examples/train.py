@@ -441,6 +441,14 @@ def run(
        f"offload={offload}")
   if resumed:
     _say(f"resuming from {resumed.path} (step {start} of {steps})")
+    saved_steps = resumed.settings.get("steps")
+    if saved_steps is not None and saved_steps != steps:
+      # The schedule is a function of --steps: the steps run so far took the old one.
+      _say(f"warning: the checkpoint's run had --steps={saved_steps}; the learning-rate "
+           f"schedule (its warmup and cosine decay span --steps) is now {steps} steps long, "
+           f"so from step {start + 1} on the learning rates are those of a {steps}-step run, "
+           f"and the run matches neither a {saved_steps}-step nor a {steps}-step run "
+           "from the start")
   unfinished = checkpoints_lib.incomplete(checkpoint_dir) if checkpoint_dir else []
   if unfinished:
     _say(f"skipping {len(unfinished)} incomplete checkpoint{'s' if len(unfinished) > 1 else ''} "
@@ -875,7 +883,8 @@ _CHECKPOINT_DIR = flags.DEFINE_string(
     "checkpoint_dir", "", "Keep the run here: orbax checkpoints of the state (step_<n>/, with "
     "the step and the losses so far beside it) every --checkpoint_every steps, after the last "
     "step and on Ctrl-C. Where it holds a checkpoint of this run, the run resumes from the "
-    "newest (the same flags; --steps may be larger).")
+    "newest (the same flags; --steps may be larger, which stretches the learning-rate "
+    "schedule from there on).")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     "checkpoint_every", None, "With --checkpoint_dir: steps between checkpoints; default: only "
     "after the last step and on Ctrl-C.", lower_bound=1)

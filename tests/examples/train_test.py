@@ -452,6 +452,19 @@ def test_a_second_ctrl_c_around_a_save_says_what_it_stopped(corpus, tmp_path, ca
             "command resumes from it") in said, said
 
 
+def test_a_resume_with_more_steps_warns_that_the_schedule_is_stretched(corpus, tmp_path,
+                                                                       capsys):
+  where = str(tmp_path / "run")
+  _run(corpus, steps=3, checkpoint_dir=where, log_every=3)
+  capsys.readouterr()
+  _run(corpus, steps=5, checkpoint_dir=where, log_every=5)
+  said = " ".join(capsys.readouterr().out.split())
+  assert ("warning: the checkpoint's run had --steps=3; the learning-rate schedule (its warmup "
+          "and cosine decay span --steps) is now 5 steps long, so from step 4 on the learning "
+          "rates are those of a 5-step run, and the run matches neither a 3-step nor a 5-step "
+          "run from the start") in said, said
+
+
 def test_run_resumes_from_its_newest_checkpoint_with_an_uninterrupted_runs_losses(
     corpus, tmp_path, capsys):
   # Checkpoints at steps 3 and 6; with the last one gone (as if the run had stopped after step
@@ -466,7 +479,9 @@ def test_run_resumes_from_its_newest_checkpoint_with_an_uninterrupted_runs_losse
   capsys.readouterr()
   resumed = _run(corpus, steps=6, checkpoint_dir=where, checkpoint_every=3, log_every=3,
                  keep_checkpoints=1)
-  assert f"resuming from {where}/step_00000003 (step 3 of 6)" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert f"resuming from {where}/step_00000003 (step 3 of 6)" in out
+  assert "warning: the checkpoint's run had --steps" not in out  # the same --steps
   assert resumed["resumed_from"] == 3 and resumed["losses"] == whole["losses"]
   assert sorted(os.listdir(where)) == ["step_00000006", "step_00000006.json"]  # the newest 1
   # The run is done: nothing left to train. Another run's settings are refused, named.
