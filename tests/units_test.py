@@ -53,3 +53,8 @@ def test_whole_sizes_parse_exactly():
     with pytest.raises(jaxtier.OptionError, match=why) as err:
       units.parse_bytes(bad, "host_budget")
     assert err.value.option == "host_budget" and err.value.value is bad
+
+
+def test_format_share_keeps_a_small_share_from_reading_as_zero():
+  assert [units.format_share(x) for x in (0.0, 0.0042, 0.00042, 0.0099, 0.01, 0.37, 1.0)] == [
+      "0%", "0.42%", "0.042%", "0.99%", "1%", "37%", "100%"]

@@ -40,7 +40,7 @@ from jaxtier._src.planning import policy as policy_lib
 from jaxtier._src.planning import verify as verify_lib
 from jaxtier._src.planning.plan import (Attempt, DeviceBudget, Escalation, Plan, PlanningCost,
                                         verdict_lines)
-from jaxtier._src.units import format_bytes
+from jaxtier._src.units import format_bytes, format_share
 from jaxtier._src.vocab import MemoryKind, NamedPolicy, Placement, Role, is_named
 
 log = logging.getLogger("jaxtier")
@@ -600,7 +600,7 @@ def _schedule_notes(plan: Plan) -> tuple[str, ...]:
                  f"leaves: {named(leaves)})")
   spec = plan.speculation
   if spec is not None:
-    miss = f"{spec.max_miss:.0%}"
+    miss = format_share(spec.max_miss)
     notes.append(
         f"{len(spec.components)} of them read a value computed from every gradient (a "
         "global-norm clip, a non-finite check): they run on a guess of it (the clip does not "

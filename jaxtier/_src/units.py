@@ -88,3 +88,11 @@ def format_rate(value: float) -> str:
     digits = max(0, 2 - magnitude)
     return f"{round(value, digits):.{digits}f}"
   return f"{value:.3g}"
+
+
+def format_share(share: float) -> str:
+  """A share (0 to 1) as a percentage: whole percents from 1%, two significant digits below
+  (0.0042 -> '0.42%'), so that a small share does not read as 0%."""
+  if share == 0 or share >= 0.01:
+    return f"{share:.0%}"
+  return f"{share * 100:.2g}%"

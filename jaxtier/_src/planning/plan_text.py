@@ -11,7 +11,7 @@ import re
 import shutil
 import textwrap
 
-from jaxtier._src.units import format_bytes
+from jaxtier._src.units import format_bytes, format_share
 from jaxtier._src.vocab import Placement, Role
 
 # Where the terminal's width is unknown (no terminal, no COLUMNS).
@@ -192,7 +192,7 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
       lines += fit(f"clip/finite check: {some} run on a guess that it passes (spares "
                    f"{format_bytes(spec.spare_pinned_bytes)} pinned); a missed guess "
                    f"{_ms(spec.speculative_step_secs + spec.serial_step_secs)}; no guess "
-                   f"({_ms(spec.serial_step_secs)}) while over {spec.max_miss:.0%} of recent "
+                   f"({_ms(spec.serial_step_secs)}) while over {format_share(spec.max_miss)} of recent "
                    "steps miss")
     else:
       lines += fit(f"clip/finite check: updates run after the backward pass, "
