@@ -252,6 +252,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
                                    final_params, final_updates, act_policy).prediction
     speculation = _speculation(final.schedule, leaves, pred.step_secs, serial.step_secs,
                                pinned_bytes, host_limit)
+    all_spares = speculation.spare_pinned_bytes  # every guarded update's
     keep = (_spares_that_fit(final.schedule, leaves, pinned_bytes, host_limit)
             if not speculation.enabled else None)
     if keep:
@@ -262,10 +263,7 @@ def make_plan(inv: Inventory, *, platform: str, policy: Policy = "auto",
       schedule = partial.schedule
       speculation = _speculation(schedule, leaves, pred.step_secs, serial.step_secs,
                                  pinned_bytes, host_limit)
-    speculation = dataclasses.replace(speculation,
-                                      all_spare_pinned_bytes=_spare_pinned_bytes(
-                                          {k for s in final.schedule if s.mode != Mode.SERIAL
-                                           for k in s.buffers}, leaves))
+    speculation = dataclasses.replace(speculation, all_spare_pinned_bytes=all_spares)
     if not speculation.enabled:
       pred = serial  # the step runs the serial schedule
   plan = Plan(tuple(leaves), platform, device_bytes, pinned_bytes, device_budget, host_budget,
@@ -335,13 +333,12 @@ def _spares_that_fit(schedule: Sequence[Any], leaves: Sequence[LeafPlan], pinned
   others = {key for s in schedule if s.mode != Mode.SERIAL and not s.guarded
             for key in s.buffers}
   room = host_limit - pinned_bytes - _spare_pinned_bytes(others, leaves)
+  needs = {s.component: _spare_pinned_bytes(s.buffers, leaves) for s in guarded}
   keep = []
-  for s in sorted(guarded, key=lambda s: (-_spare_pinned_bytes(s.buffers, leaves),
-                                          s.component)):
-    need = _spare_pinned_bytes(s.buffers, leaves)
-    if need <= room:
-      keep.append(s.component)
-      room -= need
+  for c in sorted(needs, key=lambda c: (-needs[c], c)):
+    if needs[c] <= room:
+      keep.append(c)
+      room -= needs[c]
   return frozenset(keep) or None
 
 
