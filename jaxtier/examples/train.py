@@ -914,7 +914,6 @@ flags.register_validator("json_out", _valid_json_out)
 
 
 def _valid_learning_rate(value: "float | None") -> bool:
-  import math  # pylint: disable=g-import-not-at-top
   if value is not None and not (math.isfinite(value) and value > 0):
     raise flags.ValidationError(f"expected a finite learning rate > 0, got {value}")
   return True
@@ -923,7 +922,6 @@ def _valid_learning_rate(value: "float | None") -> bool:
 def _missing_data(value: str) -> "str | None":
   """What --data names that is not a file, else None: checked in `main`, before the model is
   built (not an absl validator: `plan` reads this module's flags too, and ignores --data)."""
-  import os  # pylint: disable=g-import-not-at-top
   missing = [f for f in value.split(",") if f and not os.path.isfile(f)]
   return f"no such file: {', '.join(missing)}" if missing else None
 
@@ -1009,16 +1007,12 @@ def exit_interrupted(e: KeyboardInterrupt) -> None:
   before this."""
   if not isinstance(e, Interrupted):
     said = early_interrupt.BEFORE_TRAINING  # as a Ctrl-C while the trainer starts
-  elif e.unfinished:
-    said = (f"interrupted at step {e.step} (Ctrl-C twice): the second stopped the checkpoint "
-            f"{e.unfinished} being written; it is incomplete, and a resumed run skips it. "
+  elif e.unfinished or e.twice:
+    what = (f"the checkpoint {e.unfinished} being written; it is incomplete, and a resumed "
+            "run skips it" if e.unfinished else "the run before its checkpoint was written")
+    said = (f"interrupted at step {e.step} (Ctrl-C twice): the second stopped {what}. "
             + (f"The newest complete checkpoint is {e.checkpoint}; the same command resumes "
                "from it" if e.checkpoint else "No complete checkpoint was saved"))
-  elif e.twice:
-    said = (f"interrupted at step {e.step} (Ctrl-C twice): the second stopped the run before "
-            "its checkpoint was written. "
-            + (f"The newest complete checkpoint is {e.checkpoint}; the same command resumes "
-               "from it" if e.checkpoint else "No checkpoint was saved"))
   elif e.checkpoint:
     said = (f"interrupted at step {e.step} (Ctrl-C): the newest checkpoint is "
             f"{e.checkpoint}; the same command resumes from it")
