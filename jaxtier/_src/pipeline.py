@@ -577,8 +577,9 @@ def _pool_for_spares(plan: Plan, pinnable_what: str, options: OffloadOptions,
     return ()
   waiting = len(spec.waiting) if spec.enabled else len(spec.components)
   return (f"{waiting} guarded update{'s wait' if waiting != 1 else ' waits'} for the norm for "
-          f"want of pinned memory for {'their' if waiting != 1 else 'its'} spares: with {admission.POOL_SETTING}={gib} (XLA's pinned pool; this host has the "
-          "memory, and XLA reads it when JAX starts) every one would guess",)
+          f"want of pinned memory for {'their' if waiting != 1 else 'its'} spares: with "
+          f"{admission.POOL_SETTING}={gib} (XLA's pinned pool; this host has the memory, and "
+          "XLA reads it when JAX starts) every one would guess",)
 
 
 def _schedule_notes(plan: Plan) -> tuple[str, ...]:

@@ -192,8 +192,8 @@ def summary_lines(plan, width: int, more: str = "plan.table()") -> list[str]:
       lines += fit(f"clip/finite check: {some} run on a guess that it passes (spares "
                    f"{format_bytes(spec.spare_pinned_bytes)} pinned); a missed guess "
                    f"{_ms(spec.speculative_step_secs + spec.serial_step_secs)}; no guess "
-                   f"({_ms(spec.serial_step_secs)}) while over {format_share(spec.max_miss)} of recent "
-                   "steps miss")
+                   f"({_ms(spec.serial_step_secs)}) while over "
+                   f"{format_share(spec.max_miss)} of recent steps miss")
     else:
       lines += fit(f"clip/finite check: updates run after the backward pass, "
                    f"{_ms(spec.serial_step_secs)} ({spec.why})")
